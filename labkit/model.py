@@ -1,0 +1,258 @@
+"""One readable decoder-only transformer built from any ``ModelConfig``.
+
+LLaMA-style blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA) and
+DeepSeek's two changes: multi-head latent attention (MLA, DeepSeek-V2 paper, section 2.1)
+and mixture-of-experts MLPs with shared and routed experts (DeepSeekMoE paper).
+Builds on fake tensors at full scale (671B DeepSeek-V3 included) for memory measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils.checkpoint
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich, 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (Su et al., 2021), shared by every layer."""
+
+    def __init__(self, dim: int, max_seq: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)  # (S, dim/2)
+        angles = torch.cat([angles, angles], dim=-1)                                # (S, dim)
+        # non-persistent: rebuilt from the config, never saved in a checkpoint
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        """Rotate x of shape (B, heads, T, dim) by its position along T."""
+        T = x.shape[-2]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)              # (T, dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention_core(q, k, v):
+    """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel: no (T, T) matrix is kept.
+
+    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head (kv_heads == heads), grouped-query or multi-query (kv_heads == 1) attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x, rope: Rotary):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)     # (B, H, T, d)
+        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        y = attention_core(rope(q), rope(k), v)                                  # (B, H, T, d)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention: keys and values come from one small latent.
+
+    Per token the KV cache holds only the latent (kv_lora_rank) and one shared RoPE key
+    (qk_rope_dim), instead of 2 x heads x head_dim numbers.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, qk = cfg.heads, cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.hidden, H * qk, bias=False)
+        self.wkv_a = nn.Linear(cfg.hidden, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * cfg.v_head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x, rope: Rotary):
+        c, (B, T, _) = self.cfg, x.shape
+        H, nope, rdim, vdim = c.heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
+        q = q.view(B, T, H, nope + rdim).transpose(1, 2)                        # (B, H, T, qk)
+        q_nope, q_rope = q.split([nope, rdim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([c.kv_lora_rank, rdim], dim=-1)    # (B, T, r), (B, T, rdim)
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, T, H, nope + vdim).transpose(1, 2)
+        k_nope, v = kv.split([nope, vdim], dim=-1)                                # (B, H, T, nope|v)
+        k_rope = rope(k_rope.unsqueeze(1)).expand(B, H, T, rdim)                 # one key head, shared
+        q = torch.cat([q_nope, rope(q_rope)], dim=-1)                             # (B, H, T, qk)
+        k = torch.cat([k_nope, k_rope], dim=-1)                                   # (B, H, T, qk)
+        # the fused kernels want one head width: pad v to qk and drop the padding after
+        v = F.pad(v, (0, nope + rdim - vdim))                                     # (B, H, T, qk)
+        y = attention_core(q, k, v)[..., :vdim]                                   # (B, H, T, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * vdim))                 # (B, T, hidden)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP, each expert, the shared experts."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w_gate = nn.Linear(hidden, ffn, bias=False)
+        self.w_up = nn.Linear(hidden, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    """Shared experts for every token plus top_k of routed_experts chosen by a router.
+
+    Tokens are sorted by expert and each expert runs once on its contiguous slice. On fake
+    tensors the routing is unknown, so tokens are assumed spread evenly over the experts
+    (what a load-balancing loss aims at).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, h, f = cfg.routed_experts, cfg.hidden, cfg.moe_ffn
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(h, E, bias=False)
+        self.router_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
+        self.experts = nn.ModuleList(SwiGLU(h, f) for _ in range(E))
+        self.shared = SwiGLU(h, cfg.shared_experts * f) if cfg.shared_experts else None
+
+    def route(self, x):
+        """(N, hidden) -> expert weights (N, k) and expert ids (N, k)."""
+        scores = F.softmax(self.router(x), dim=-1, dtype=torch.float32)         # (N, E)
+        choice = scores if self.router_bias is None else scores + self.router_bias
+        expert_ids = choice.topk(self.top_k, dim=-1).indices                      # (N, k)
+        return scores.gather(-1, expert_ids), expert_ids
+
+    def tokens_per_expert(self, expert_ids) -> list[int]:
+        E = len(self.experts)
+        if isinstance(expert_ids, FakeTensor):      # no data: balanced routing
+            n = expert_ids.numel()
+            return [n // E + (e < n % E) for e in range(E)]
+        return torch.bincount(expert_ids.flatten(), minlength=E).tolist()
+
+    def forward(self, x):
+        B, T, h = x.shape
+        x = x.reshape(B * T, h)                                                   # (N, h)
+        weights, expert_ids = self.route(x)                                       # (N, k)
+        order = expert_ids.flatten().argsort()                                    # (N*k,)
+        token = order // self.top_k                                               # token of each slot
+        x_sorted = x[token]                                                       # (N*k, h)
+        outputs = [expert(xe) for expert, xe in
+                   zip(self.experts, x_sorted.split(self.tokens_per_expert(expert_ids)))
+                   if xe.shape[0]]
+        y_sorted = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)  # (N*k, h)
+        y = torch.zeros_like(x).index_add(0, token, y_sorted.to(x.dtype))        # (N, h)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.view(B, T, h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MoE(cfg) if layer >= cfg.dense_layers else SwiGLU(cfg.hidden, cfg.ffn)
+
+    def forward(self, x, rope: Rotary):
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final RMSNorm -> LM head; ``forward`` returns the loss.
+
+    ``recompute[i]`` (set by ``labkit.checkpointing``) says whether block i recomputes its
+    activations in the backward pass instead of keeping them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.rope = Rotary(cfg.rope_dim, cfg.max_seq, cfg.rope_theta)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.recompute = [False] * cfg.layers      # per block: keep activations or recompute
+        self.checkpoint_options = {}                # extra torch.utils.checkpoint arguments
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Normal(0, 0.02) weights (GPT-2 / LLaMA practice), ones for norms."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+            elif "router_bias" in name:
+                nn.init.zeros_(p)
+
+    def forward(self, tokens, targets=None):
+        """tokens, targets: (B, T) int64. Returns the mean next-token loss, or logits if no targets."""
+        if tokens.shape[1] > self.cfg.max_seq:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq="
+                             f"{self.cfg.max_seq}; build the model with a larger max_seq")
+        x = self.embed(tokens)                                                    # (B, T, hidden)
+        for block, recompute in zip(self.blocks, self.recompute):
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(block, x, self.rope, use_reentrant=False,
+                                                      **self.checkpoint_options)
+            else:
+                x = block(x, self.rope)
+        logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)
+        if targets is None:
+            return logits
+        # the loss in fp32 whatever the compute dtype: log-softmax over a large vocab needs it
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> Transformer:
+    """A ``Transformer`` with parameters of ``dtype``; call under FakeTensorMode for full scale.
+
+    The default dtype is set while building rather than converting after, because
+    ``module.to(dtype)`` cannot swap parameters of fake tensors.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return Transformer(cfg)
+    finally:
+        torch.set_default_dtype(previous)

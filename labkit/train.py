@@ -1,0 +1,88 @@
+"""One training step with the options every lab toggles: precision, optimizer, recompute.
+
+Precisions (what is stored, what is computed):
+
+- ``fp32``: fp32 weights, gradients, optimizer state and activations.
+- ``bf16``: everything in bf16 ("pure bf16"; the optimizer state too).
+- ``bf16-mixed``: fp32 weights, gradients and state; matmuls in bf16 under
+  ``torch.autocast`` (PyTorch AMP). Autocast keeps bf16 copies of the weights for the
+  backward pass, so they count as activations.
+- ``fp16-mixed``: as bf16-mixed in fp16, with a loss scaler (``torch.amp.GradScaler``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+PRECISIONS = ("fp32", "bf16", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+
+
+def check_choice(name: str, value, choices) -> None:
+    """ValueError naming the valid values when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype the weights are stored in."""
+    check_choice("precision", precision, PRECISIONS)
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype autocast computes in, or None when autocast is off."""
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+
+
+def default_optimizer_impl(device: str | torch.device) -> str:
+    """What ``torch.optim.AdamW()`` runs when left to choose: foreach on CUDA, a for-loop on CPU."""
+    return "foreach" if torch.device(device).type == "cuda" else "for-loop"
+
+
+def make_optimizer(params, optimizer: str = "adamw", impl: str | None = None, lr: float = 1e-3,
+                   device: str | torch.device = "cpu") -> torch.optim.Optimizer:
+    """A torch optimizer by the course's names; ``impl`` picks AdamW's implementation."""
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    impl = impl or default_optimizer_impl(device)
+    check_choice("optimizer implementation", impl, OPTIMIZER_IMPLS)
+    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
+             "fused": dict(fused=True)}[impl]
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1, **flags)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, **flags)
+    if optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    raise ValueError("adamw-8bit is modelled by labkit.estimate only: measuring it needs "
+                     "bitsandbytes (lab 06); use optimizer='adamw' to measure")
+
+
+@dataclass
+class StepResult:
+    loss: float | None          # None on fake tensors
+
+
+def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
+               tracker=None) -> StepResult:
+    """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``."""
+    phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
+    dtype = autocast_dtype(precision)
+    autocast = (torch.autocast(tokens.device.type, dtype=dtype) if dtype is not None
+                else contextlib.nullcontext())
+    with phase("forward"), autocast:
+        loss = model(tokens, targets)
+    with phase("backward"):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(None if isinstance(loss, FakeTensor) else loss.item())

@@ -1,0 +1,59 @@
+"""Bytes: sizes of number formats, human-readable printing, and the breakdown every lab shows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_bytes(dtype) -> float:
+    """Bytes per element of a format name ("bf16") or a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def fmt_bytes(n: float, digits: int = 2) -> str:
+    """Binary units, said as such: 1536 -> '1.50 KiB'; 16 GiB is 17.18 GB."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.{digits}f} {unit}"
+        n /= 1024
+
+
+@dataclass
+class Breakdown:
+    """Bytes per device at the peak of one training step, by category (sum == total).
+
+    ``saved_activations`` is the activation memory at the end of the forward pass (its
+    largest value), which is not always what is alive at the peak: when the peak falls in
+    the optimizer step, the activations are already gone.
+    """
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    other: int = 0
+    peak_phase: str = ""
+    saved_activations: int = 0
+    details: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict:
+        keys = ("params", "grads", "optimizer", "activations", "other", "total",
+                "peak_phase", "saved_activations")
+        return {k: getattr(self, k) for k in keys}
