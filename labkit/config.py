@@ -146,7 +146,7 @@ def validate(cfg: ModelConfig) -> None:
 
 # ---- presets -----------------------------------------------------------------------
 def _preset_files() -> dict:
-    folder = resources.files("labkit.presets")
+    folder = resources.files("labkit.preset_data")
     return {f.name[:-5]: f for f in folder.iterdir() if f.name.endswith(".json")}
 
 

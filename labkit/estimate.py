@@ -298,6 +298,11 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     if layer_moments:
         worst = max(layer_moments, key=lambda i: sum(layer_moments[i].values()))
         moment(f"backward: layer {worst}", "backward", **layer_moments[worst])
+    if first:
+        # backward ends in the embedding: every other gradient is done, its own is being formed
+        embedding_grad = c.vocab_size * c.hidden * d.stream // tp
+        moment("backward: embedding", "backward", grads=grad_bytes - embedding_grad,
+               other=embedding_grad + grad_stream)
     moment("optimizer step", "optimizer", grads=grad_bytes,
            other=_optimizer_temporaries(c, optimizer, impl, n_local, d, shard))
     for m in moments.values():

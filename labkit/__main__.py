@@ -1,0 +1,118 @@
+"""Command line: ``python -m labkit estimate|measure|presets`` (also installed as ``labkit``).
+
+    python -m labkit estimate --model deepseek-v2-lite --seq 4096 --precision bf16-mixed \\
+        --zero-stage 2 --dp 8
+    python -m labkit measure --model llama-2-7b --seq 2048      # one step on fake tensors
+    python -m labkit presets
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import preset, presets
+from .estimate import RECOMPUTE, count_params, estimate
+from .track import measure_step
+from .train import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from .units import fmt_bytes
+
+ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
+        ("activations", "activations"), ("other", "other (temporaries, buffers)"))
+
+
+def _step_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="preset name (see: presets)")
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch size per device")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length")
+    parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    parser.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
+                        help="AdamW implementation (default: what torch picks on --device)")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labkit",
+                                     description="GPU memory of LLM training: predict and measure.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    est = sub.add_parser("estimate", help="closed-form memory of one training step, per device")
+    _step_options(est)
+    est.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    est.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    est.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    est.add_argument("--device", default="cpu", help="device whose AdamW default to assume")
+    mea = sub.add_parser("measure", help="run one training step under the memory tracker")
+    _step_options(mea)
+    mea.add_argument("--real", action="store_true",
+                     help="real tensors on this machine (default: fake tensors, any size)")
+    pre = sub.add_parser("presets", help="list the model presets with their sizes")
+    pre.add_argument("--json", action="store_true")
+    return parser
+
+
+def _table(title: str, result, extra: dict) -> str:
+    width = max(len(label) for _, label in ROWS) + 2
+    lines = [title, ""]
+    for field, label in ROWS:
+        lines.append(f"{label:<{width}}{fmt_bytes(getattr(result, field)):>12}")
+    lines.append(f"{'total (peak)':<{width}}{fmt_bytes(result.total):>12}")
+    lines.append(f"peak during the {result.peak_phase} phase; activations saved at the end of "
+                 f"the forward pass: {fmt_bytes(result.saved_activations)}")
+    for key, value in extra.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k:<{width - 2}}{v:>12}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {value:,}" if isinstance(value, int) else f"{key}: {value}")
+    return "\n".join(lines)
+
+
+def _run(args) -> str:
+    if args.command == "presets":
+        rows = {name: count_params(name) for name in presets()}
+        if args.json:
+            return json.dumps({n: {"total": p.total, "active": p.active,
+                                   "published": preset(n).published} for n, p in rows.items()},
+                              indent=2)
+        lines = [f"{'preset':<18}{'parameters':>18}{'active':>18}  published"]
+        lines += [f"{n:<18}{p.total:>18,}{p.active:>18,}  {preset(n).published}"
+                  for n, p in rows.items()]
+        return "\n".join(lines)
+    step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
+                optimizer=args.optimizer, recompute=args.recompute,
+                optimizer_impl=args.optimizer_impl)
+    if args.command == "estimate":
+        result = estimate(args.model, zero_stage=args.zero_stage, dp=args.dp, tp=args.tp,
+                          pp=args.pp, sp=args.sp, device=args.device, **step)
+        extra = {**result.details,
+                 "moments (the peak is the largest)": {k: fmt_bytes(v)
+                                                       for k, v in result.moments.items()}}
+        title = (f"{args.model}: predicted bytes per device\n(batch {args.batch}, seq {args.seq}, "
+                 f"{args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}, dp {args.dp}, "
+                 f"tp {args.tp}, pp {args.pp}{', sp' if args.sp else ''})")
+    else:
+        result = measure_step(args.model, fake=not args.real, **step)
+        extra = {"tensors": "fake (shapes only)" if result.fake else result.device}
+        title = (f"{args.model}: measured bytes at the peak of one training step\n"
+                 f"(batch {args.batch}, seq {args.seq}, {args.precision}, {args.optimizer})")
+    if args.json:
+        return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)
+    return _table(title, result, extra)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(_run(args))
+    except ValueError as error:       # bad input: the message names the fix
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Auto-checked exercises, in the spirit of srush's LLM Training Puzzles: every answer is
+computed by labkit, and ``check(id, answer)`` says at once whether yours is right.
+
+    from labkit.exercises import check, solution
+    check("01-adamw-bytes", 16)          # ✅ ... (a wrong answer shows a hint instead)
+    solution("01-adamw-bytes")           # the worked solution, with labkit's numbers
+
+A later lab adds its own with ``@register("05-...", question=..., unit=..., hint=...,
+solution=...)`` on a function that returns ``{"answer": value, ...}``; the other names it
+returns fill the ``{placeholders}`` of the solution text.
+"""
+from __future__ import annotations
+
+import html
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import preset
+from .estimate import count_params, kv_cache_bytes
+from .papers import STATE_BYTES, model_state_bytes
+
+GiB = 2**30
+BILLION = 10**9
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One question; ``compute`` returns the answer (and the numbers its solution quotes)."""
+
+    id: str
+    question: str
+    unit: str
+    hint: str
+    solution: str
+    compute: Callable[[], dict]
+    rtol: float = 0.01
+
+    def answer(self) -> float:
+        return self.compute()["answer"]
+
+
+_REGISTRY: dict[str, Exercise] = {}
+
+
+def register(id: str, *, question: str, unit: str, hint: str, solution: str, rtol: float = 0.01):
+    """Decorator: add the exercise ``id`` whose decorated function computes the answer."""
+    def add(compute: Callable[[], dict]) -> Callable[[], dict]:
+        if id in _REGISTRY:
+            raise ValueError(f"exercise {id!r} is already registered")
+        _REGISTRY[id] = Exercise(id, question.strip(), unit, hint.strip(), solution.strip(),
+                                 compute, rtol)
+        return compute
+    return add
+
+
+def exercises(prefix: str = "") -> list[str]:
+    """The exercise ids, in order; ``prefix="01"`` keeps one lab's."""
+    return [i for i in _REGISTRY if i.startswith(prefix)]
+
+
+def get(id: str) -> Exercise:
+    """The exercise ``id``; an unknown id raises ValueError naming the known ones."""
+    if id not in _REGISTRY:
+        raise ValueError(f"unknown exercise {id!r}; known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[id]
+
+
+def question(id: str) -> str:
+    """The question, with the unit its answer is expected in."""
+    return f"{get(id).question}\n(answer in {get(id).unit})"
+
+
+def solution(id: str) -> str:
+    """The worked solution, with the numbers labkit computes."""
+    ex = get(id)
+    return ex.solution.format(**ex.compute())
+
+
+# ---- checking -------------------------------------------------------------------------------
+@dataclass
+class Result:
+    """The verdict on one answer; the last expression of a cell shows it as one clear line."""
+
+    correct: bool
+    message: str
+    hint: str = ""
+
+    def __bool__(self):
+        return self.correct
+
+    def __repr__(self):
+        return self.message + (f"\nHint: {self.hint}" if self.hint else "")
+
+    def _repr_html_(self):
+        hint = f"<br><i>Hint:</i> {html.escape(self.hint)}" if self.hint else ""
+        return f"<p><b>{html.escape(self.message)}</b>{hint}</p>"
+
+
+def _as_number(answer) -> float | None:
+    """A finite float from an int, float, numpy/torch scalar or numeric string; else None."""
+    if isinstance(answer, str):
+        try:
+            answer = float(answer.replace(",", "").replace("_", ""))
+        except ValueError:
+            return None
+    elif not isinstance(answer, numbers.Real) and hasattr(answer, "item"):
+        try:
+            answer = answer.item()             # a one-element numpy array or torch tensor
+        except (ValueError, RuntimeError):
+            return None
+    if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
+        return None
+    return float(answer) if math.isfinite(answer) else None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if x == int(x) else f"{x:.6g}"
+
+
+def check(id: str, answer) -> Result:
+    """Is ``answer`` within the exercise's relative tolerance of labkit's value?"""
+    ex = get(id)
+    given = _as_number(answer)
+    if given is None:
+        return Result(False, f"❌ {id}: expected one number (in {ex.unit}), got {answer!r} "
+                             f"of type {type(answer).__name__}. Give just the number, e.g. 12.5.")
+    expected = ex.answer()
+    if abs(given - expected) <= ex.rtol * abs(expected) + 1e-12:
+        return Result(True, f"✅ {id}: {_fmt(given)} {ex.unit} is right.")
+    off = "too high" if given > expected else "too low"
+    if expected and abs(given / expected - GiB / BILLION) < 0.01 * GiB / BILLION:
+        off += "; it looks like GB (10^9 bytes): GiB is 2^30 bytes"
+    return Result(False, f"❌ {id}: {_fmt(given)} {ex.unit} is {off}.", ex.hint)
+
+
+# ---- lab 01: parameter memory --------------------------------------------------------------
+@register(
+    "01-adamw-bytes",
+    question="""Mixed-precision training with Adam keeps, for every parameter, a bf16 weight,
+a bf16 gradient, an fp32 master weight and two fp32 moments (the ZeRO paper's accounting).
+How many bytes of model states is that per parameter?""",
+    unit="bytes per parameter", rtol=0,
+    hint="Add the bytes of each copy: bf16 is 2 bytes, fp32 is 4 bytes.",
+    solution="""weight {w} + gradient {g} + master weight, first and second moment {o}
+= {answer} bytes per parameter (ZeRO's 2 + 2 + K with K = 12).
+In code: lk.model_state_bytes(1, "bf16-mixed", "adamw") == {answer}""",
+)
+def _adamw_bytes():
+    w, g, o = STATE_BYTES["bf16-mixed"]["adamw"]
+    return {"answer": model_state_bytes(1, "bf16-mixed", "adamw"), "w": w, "g": g, "o": o}
+
+
+@register(
+    "01-llama-7b-fp32-adamw",
+    question="""LLaMA-2-7B trained in plain fp32 with AdamW: how much memory do its model
+states (weights, gradients, two moments) take, before any activation?""",
+    unit="GiB",
+    hint="Count the parameters with lk.count_params; fp32 AdamW keeps 4 + 4 + 8 bytes each. "
+         "1 GiB = 2^30 bytes.",
+    solution="""lk.count_params("llama-2-7b").total = {n:,} parameters.
+fp32 AdamW: weight 4 + gradient 4 + two moments 8 = {per} bytes per parameter.
+{n:,} x {per} = {bytes:,} bytes = {answer:.1f} GiB - more than one 80 GB GPU holds.""",
+)
+def _llama_fp32_adamw():
+    n = count_params("llama-2-7b").total
+    total = model_state_bytes(n, "fp32", "adamw")
+    return {"answer": total / GiB, "n": n, "per": total // n, "bytes": total}
+
+
+@register(
+    "01-deepseek-v2-lite-params",
+    question="How many parameters does DeepSeek-V2-Lite have in total (all experts counted)?",
+    unit="billion parameters",
+    hint="Add up lk.count_params(\"deepseek-v2-lite\").by_component, or take .total; "
+         "a billion is 10^9.",
+    solution="""lk.count_params("deepseek-v2-lite").by_component:
+{parts}
+total = {total:,} = {answer:.2f} billion (DeepSeek-AI publish 15.7B).""",
+)
+def _v2_lite_params():
+    pc = count_params("deepseek-v2-lite")
+    parts = "\n".join(f"  {k:15s} {v:>15,}" for k, v in pc.by_component.items())
+    return {"answer": pc.total / BILLION, "total": pc.total, "parts": parts}
+
+
+@register(
+    "01-deepseek-v2-lite-idle-experts",
+    question="""DeepSeek-V2-Lite routes each token to 6 of its 64 routed experts in every MoE
+layer. How many routed-expert parameters sit idle for any one token?""",
+    unit="billion parameters",
+    hint="Each expert is a SwiGLU MLP (3 matrices of hidden x moe_ffn); "
+         "per MoE layer, routed_experts - top_k of them are not used. "
+         "Or: total - active from lk.count_params.",
+    solution="""one expert: 3 x hidden x moe_ffn = 3 x {h} x {f} = {expert:,} parameters.
+idle per token: {layers} MoE layers x ({E} - {k}) experts x {expert:,} = {idle:,}
+= {answer:.2f} billion, the difference total - active of lk.count_params.""",
+)
+def _v2_lite_idle():
+    c, pc = preset("deepseek-v2-lite"), count_params("deepseek-v2-lite")
+    idle = pc.total - pc.active
+    return {"answer": idle / BILLION, "idle": idle, "h": c.hidden, "f": c.moe_ffn,
+            "expert": 3 * c.hidden * c.moe_ffn, "layers": c.moe_layers,
+            "E": c.routed_experts, "k": c.top_k}
+
+
+@register(
+    "01-llama-7b-kv-cache",
+    question="""At inference, LLaMA-2-7B caches a key and a value per layer, head and token.
+How large is that KV cache for one sequence of 4096 tokens in bf16?""",
+    unit="GiB",
+    hint="Per token and layer: 2 (K and V) x kv_heads x head_dim numbers of 2 bytes; "
+         "then x layers x tokens. Check with lk.kv_cache_bytes.",
+    solution="""per token: 2 x {layers} layers x {kv} heads x {d} dims x 2 bytes = {per:,} bytes.
+x 4096 tokens = {bytes:,} bytes = {answer:.2f} GiB (lk.kv_cache_bytes("llama-2-7b", seq=4096)).""",
+)
+def _llama_kv():
+    c = preset("llama-2-7b")
+    total = kv_cache_bytes(c, batch=1, seq=4096, dtype="bf16")
+    return {"answer": total / GiB, "bytes": total, "per": total // 4096, "layers": c.layers,
+            "kv": c.kv_heads, "d": c.head_dim}
+
+
+@register(
+    "01-mla-kv-ratio",
+    question="""DeepSeek-V2-Lite's multi-head latent attention caches one compressed latent
+(plus a shared RoPE key) per token and layer instead of full keys and values. How many
+times smaller is its KV cache per token than LLaMA-2-7B's (both bf16)?""",
+    unit="times",
+    hint="MLA caches kv_lora_rank + qk_rope_dim numbers per token and layer; compare "
+         "lk.kv_cache_bytes of both models at the same length.",
+    solution="""LLaMA-2-7B: {llama:,} bytes per token; DeepSeek-V2-Lite: {layers} layers x
+({r} + {rope}) x 2 bytes = {mla:,} bytes per token. Ratio: {answer:.1f}x.""",
+)
+def _mla_ratio():
+    c = preset("deepseek-v2-lite")
+    llama, mla = (kv_cache_bytes(name, seq=1) for name in ("llama-2-7b", "deepseek-v2-lite"))
+    return {"answer": llama / mla, "llama": llama, "mla": mla, "layers": c.layers,
+            "r": c.kv_lora_rank, "rope": c.qk_rope_dim}

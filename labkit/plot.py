@@ -1,0 +1,149 @@
+"""Matplotlib figures every lab shows: the peak's breakdown, the memory timeline of one step,
+and predicted vs measured. Each returns a ``Figure`` that pyplot does not keep open: display it
+or save it; nothing accumulates when a notebook or a test draws hundreds."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.transforms import blended_transform_factory
+
+from .track import CATEGORIES, Timeline
+from .units import Breakdown, fmt_bytes
+
+# One colour per category in every labkit plot (Okabe & Ito's colour-blind-safe palette).
+CATEGORY_COLORS = {
+    "parameters": "#0072B2",    # blue
+    "gradients": "#E69F00",     # orange
+    "optimizer": "#009E73",     # bluish green
+    "activations": "#D55E00",   # vermillion
+    "other": "#999999",         # grey
+}
+# Breakdown's field for each tracker category.
+FIELDS = dict(zip(CATEGORIES, ("params", "grads", "optimizer", "activations", "other")))
+PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FBEFE3", "optimizer": "#E6F5EF"}
+MAX_POINTS = 2000
+
+
+def _unit(largest: float) -> tuple[str, int]:
+    """GiB, or MiB when everything is below 1 GiB (binary units, as ``fmt_bytes``)."""
+    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
+def _legend(fig, ax):
+    """The categories' legend below the axes, where it never covers data."""
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
+               ncol=len(CATEGORIES), frameon=False)
+
+
+def _new_figure(width: float, height: float, **kwargs):
+    fig, ax = plt.subplots(figsize=(width, height), layout="constrained", **kwargs)
+    plt.close(fig)                   # not kept by pyplot: no double display, no leak in loops
+    return fig, ax
+
+
+def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
+    """One horizontal bar per item (e.g. predicted, measured), stacked by category."""
+    if not items:
+        raise ValueError("nothing to plot: pass {label: Breakdown}, e.g. {'measured': m}")
+    labels = list(items)
+    name, scale = _unit(max(b.total for b in items.values()))
+    fig, ax = _new_figure(8, 1.6 + 0.55 * len(labels))
+    left = np.zeros(len(labels))
+    for category in CATEGORIES:
+        values = np.array([getattr(items[k], FIELDS[category]) for k in labels]) / scale
+        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category], label=category,
+                height=0.6)
+        left += values
+    for y, label in enumerate(labels):
+        ax.text(left[y], y, "  " + fmt_bytes(items[label].total), va="center")
+    ax.set_xlim(0, left.max() * 1.22)            # room for the totals
+    ax.invert_yaxis()                            # first item on top
+    ax.set_xlabel(f"memory at the peak ({name})")
+    ax.set_title(title or "where the memory goes at the peak")
+    _legend(fig, ax)
+    return fig
+
+
+def _downsample(total: np.ndarray, limit: int = MAX_POINTS) -> np.ndarray:
+    """Indices of at most ``limit`` events: each bucket's lowest and highest, so no peak is lost."""
+    if len(total) <= limit:
+        return np.arange(len(total))
+    keep = set()
+    for bucket in np.array_split(np.arange(len(total)), limit // 2):
+        keep.update((bucket[total[bucket].argmin()], bucket[total[bucket].argmax()]))
+    return np.array(sorted(keep))
+
+
+def timeline_figure(m, title: str | None = None):
+    """Live bytes per category over one step's allocation events, phases shaded, peak marked."""
+    timeline: Timeline = getattr(m, "timeline", m)
+    total = np.array(timeline.total)
+    if len(total) == 0:
+        raise ValueError("the timeline is empty: measure with MemoryTracker(timeline=True)")
+    name, scale = _unit(total.max())
+    x = _downsample(total)
+    fig, ax = _new_figure(9, 4.8)
+    ax.stackplot(x, *[np.array(timeline.by_category[c])[x] / scale for c in CATEGORIES],
+                 colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=CATEGORIES)
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    for phase, start, end in timeline.phase_spans():
+        if phase in PHASE_COLORS:
+            ax.axvspan(start, end, color=PHASE_COLORS[phase], zorder=0)
+            if end - start > 0.06 * len(total):          # label only bands wide enough
+                ax.text((start + end) / 2, 0.97, phase, transform=top, ha="center", va="top")
+    peak = int(total.argmax())
+    ax.plot(peak, total[peak] / scale, "o", color="black", zorder=3)
+    ax.axhline(total[peak] / scale, color="black", linestyle=":", linewidth=1)
+    ax.annotate(f"peak {fmt_bytes(total[peak])}", (peak, total[peak] / scale),
+                xytext=(0, 8), textcoords="offset points",
+                ha="right" if peak > 0.7 * len(total) else "left",
+                bbox=dict(boxstyle="round", fc="white", ec="none", alpha=0.8))
+    ax.set_xlim(0, len(total) - 1)
+    ax.set_ylim(0, total.max() / scale * 1.25)       # headroom for the labels
+    ax.set_xlabel("allocation events")
+    ax.set_ylabel(f"live memory ({name})")
+    ax.set_title(title or "memory over one training step")
+    _legend(fig, ax)
+    return fig
+
+
+def predicted_vs_measured_figure(rows: list[tuple[str, int, int]], title: str | None = None):
+    """Predicted against measured totals (left, on y = x when they agree) and each error (right).
+
+    ``rows``: (label, predicted bytes, measured bytes), e.g. one per model or setting.
+    """
+    if not rows:
+        raise ValueError("no rows to plot: pass [(label, predicted bytes, measured bytes), ...]")
+    labels = [f"{i}. {label}" for i, (label, _, _) in enumerate(rows, 1)]
+    predicted, measured = np.array([r[1:] for r in rows], dtype=float).T
+    name, scale = _unit(max(predicted.max(), measured.max()))
+    fig, (ax, err) = _new_figure(11, 1.8 + 0.4 * max(len(rows), 6), ncols=2)
+
+    ax.scatter(measured / scale, predicted / scale, color=CATEGORY_COLORS["parameters"], zorder=3)
+    # points are numbered as the rows on the right; offsets alternate so equal points stay legible
+    offsets = [((7, -4), "left"), ((-7, -4), "right"), ((0, 6), "center"), ((0, -15), "center")]
+    for i, (x, y) in enumerate(zip(measured / scale, predicted / scale)):
+        xytext, ha = offsets[i % len(offsets)]
+        ax.annotate(str(i + 1), (x, y), xytext=xytext, textcoords="offset points", ha=ha)
+    low, high = min(predicted.min(), measured.min()) / scale, max(predicted.max(),
+                                                                    measured.max()) / scale
+    if high > 30 * low > 0:                                # sizes over decades: log axes
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.plot([low, high], [low, high], "--", color="grey", label="predicted = measured")
+    ax.margins(0.12)
+    ax.set_xlabel(f"measured ({name})")
+    ax.set_ylabel(f"predicted ({name})")
+    ax.legend(loc="upper left", frameon=False)
+
+    error = 100 * (predicted - measured) / measured
+    err.barh(labels, error, color="#555555", height=0.6)
+    err.axvline(0, color="black", linewidth=1)
+    for y, e in enumerate(error):
+        err.text(e, y, f" {e:+.3f}% ", va="center", ha="left" if e >= 0 else "right")
+    reach = max(abs(error).max(), 0.5) * 1.6
+    err.set_xlim(-reach, reach)
+    err.invert_yaxis()
+    err.set_xlabel("(predicted - measured) / measured (%)")
+    fig.suptitle(title or "predicted vs measured peak")
+    return fig

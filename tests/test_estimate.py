@@ -1,0 +1,108 @@
+"""The closed-form estimate reproduces the measured peak of a real (or fake) training step."""
+import pytest
+
+import labkit as lk
+
+GRID = [(precision, recompute, seq) for precision in ("fp32", "bf16-mixed")
+        for recompute in ("none", "full") for seq in (512, 2048)]
+
+
+def _within(name, precision, recompute, seq, fake, tolerance=0.03):
+    m = lk.measure_step(name, seq=seq, precision=precision, recompute=recompute, fake=fake)
+    e = lk.estimate(name, seq=seq, precision=precision, recompute=recompute)
+    assert e.total == pytest.approx(m.total, rel=tolerance), (e.moments, m.as_dict())
+    assert e.saved_activations == pytest.approx(m.saved_activations, rel=tolerance)
+    assert e.peak_phase == m.peak_phase
+
+
+@pytest.mark.parametrize("precision, recompute, seq", GRID)
+@pytest.mark.parametrize("name", ["tiny", "small", "tiny-moe"])
+def test_estimate_within_3_percent_of_a_real_cpu_step(name, precision, recompute, seq):
+    _within(name, precision, recompute, seq, fake=False)
+
+
+@pytest.mark.parametrize("precision, recompute, seq", GRID)
+def test_estimate_within_3_percent_of_llama_2_7b_on_fake_tensors(precision, recompute, seq):
+    _within("llama-2-7b", precision, recompute, seq, fake=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, recompute, seq", GRID)
+@pytest.mark.parametrize("name", ["mistral-7b", "deepseek-v2-lite"])
+def test_estimate_within_3_percent_of_larger_models_on_fake_tensors(name, precision, recompute, seq):
+    _within(name, precision, recompute, seq, fake=True)
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_estimate_models_each_adamw_implementation(impl):
+    # a short sequence, so that the optimizer step's temporaries decide the peak
+    m = lk.measure_step("small", seq=64, precision="fp32", fake=False, optimizer_impl=impl)
+    e = lk.estimate("small", seq=64, precision="fp32", optimizer_impl=impl)
+    assert m.peak_phase == e.peak_phase == ("backward" if impl == "fused" else "optimizer")
+    assert e.total == pytest.approx(m.total, rel=0.01)
+
+
+def test_foreach_adamw_costs_a_copy_of_the_weights_at_the_peak():
+    loop = lk.estimate("llama-2-7b", seq=512, precision="fp32", optimizer_impl="for-loop")
+    foreach = lk.estimate("llama-2-7b", seq=512, precision="fp32", optimizer_impl="foreach")
+    per_param = (foreach.total - loop.total) / lk.count_params("llama-2-7b").total
+    assert 3.5 < per_param < 4.0        # ~4 bytes: sqrt(v) for all parameters at once
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum"])
+def test_estimate_matches_sgd_steps(optimizer):
+    m = lk.measure_step("small", seq=256, precision="fp32", optimizer=optimizer, fake=False)
+    e = lk.estimate("small", seq=256, precision="fp32", optimizer=optimizer)
+    assert e.total == pytest.approx(m.total, rel=0.03)
+
+
+def test_pure_bf16_halves_the_model_states():
+    fp32 = lk.estimate("llama-2-7b", precision="fp32")
+    bf16 = lk.estimate("llama-2-7b", precision="bf16")
+    assert bf16.params * 2 == fp32.params
+
+
+def test_zero_stage_3_over_4_ranks_holds_a_quarter_of_the_states():
+    full = lk.estimate("llama-2-7b", precision="fp32", zero_stage=0, dp=4)
+    zero3 = lk.estimate("llama-2-7b", precision="fp32", zero_stage=3, dp=4)
+    assert zero3.params == full.params // 4
+
+
+def test_tensor_parallel_splits_the_weights():
+    assert lk.estimate("llama-2-7b", tp=8).params == pytest.approx(
+        lk.estimate("llama-2-7b").params / 8, rel=0.001)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp=3), "tp=3 does not divide heads=32"),
+    (dict(pp=40), "pp=40 is larger than layers=32"),
+    (dict(seq=-1), "seq must be a positive integer"),
+    (dict(batch=0), "batch must be a positive integer"),
+    (dict(precision="fp8"), "unknown precision 'fp8'"),
+    (dict(optimizer="lion"), "unknown optimizer 'lion'"),
+    (dict(recompute="some"), "unknown recompute policy 'some'"),
+    (dict(zero_stage=4), "zero_stage must be 0, 1, 2 or 3"),
+    (dict(sp=True), "needs tp > 1"),
+])
+def test_bad_input_raises_a_value_error_naming_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lk.estimate("llama-2-7b", **kwargs)
+
+
+def test_kv_cache_of_multi_head_grouped_multi_query_and_latent_attention():
+    # 2 (K and V) x layers x kv_heads x head_dim x tokens x 2 bytes
+    assert lk.kv_cache_bytes("llama-2-7b", seq=4096) == 2 * 32 * 32 * 128 * 4096 * 2   # 2 GiB
+    assert lk.kv_cache_bytes("mistral-7b", seq=4096) == 2 * 32 * 8 * 128 * 4096 * 2    # GQA: 1/4
+    mqa = lk.preset("llama-2-7b", kv_heads=1)
+    assert lk.kv_cache_bytes(mqa, seq=4096) == 2 * 32 * 1 * 128 * 4096 * 2
+    # MLA: the latent (512) and one shared RoPE key (64) per token and layer
+    assert lk.kv_cache_bytes("deepseek-v2", seq=4096) == 60 * (512 + 64) * 4096 * 2
+
+
+def test_megatron_formula_and_ours_count_the_same_layer_input():
+    # full recompute keeps only each layer's input: 2sbh bytes in fp16 in both
+    ours = lk.estimate("llama-2-7b", seq=2048, precision="bf16", recompute="full")
+    per_layer_input = 2048 * 4096 * 2
+    megatron = lk.megatron_activation_bytes(2048, 1, 4096, 32, layers=32, recompute="full")
+    assert megatron == 32 * per_layer_input
+    assert ours.saved_activations - megatron < 2048 * 32000 * 4 + 2048 * 4096 * 20

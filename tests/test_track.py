@@ -1,0 +1,87 @@
+"""The tracker counts exact bytes of live storages and agrees with PyTorch's own MemTracker."""
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import labkit as lk
+from labkit.track import init_optimizer_state
+from labkit.train import make_optimizer, train_step
+
+
+def test_counts_each_new_storage_once_and_frees_it():
+    with lk.MemoryTracker() as mt:
+        a = torch.empty(1000)                  # 4000 bytes
+        view = a[:10]                          # a view: no new storage
+        a.add_(1)                              # in place: no new storage
+        b = torch.empty(250, dtype=torch.float64)
+        assert mt.current == 4000 + 2000
+        del a, view
+        gc.collect()
+        assert mt.current == 2000
+    assert mt.peak == 6000
+    del b
+
+
+def test_tags_weights_gradients_and_optimizer_state():
+    model = torch.nn.Linear(10, 10, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with lk.MemoryTracker(model, opt) as mt:
+        with mt.phase("forward"):
+            loss = model(torch.ones(4, 10)).sum()
+        with mt.phase("backward"):
+            loss.backward()
+        with mt.phase("optimizer"):
+            opt.step()
+        now = mt.by_category
+    assert now["parameters"] == 400 and now["gradients"] == 400 and now["optimizer"] == 400
+
+
+def test_timeline_is_labelled_by_phase():
+    m = lk.measure_step("tiny", seq=64, precision="fp32", fake=False)
+    phases = [p for p, _, _ in m.timeline.phase_spans() if p != "setup"]
+    assert phases == ["forward", "backward", "optimizer"]
+    assert max(m.timeline.total) == m.total
+
+
+@pytest.mark.parametrize("name, fake", [("small", False), ("tiny-moe", False), ("llama-2-7b", True)])
+def test_peak_equals_torch_memtracker_on_the_same_step(name, fake):
+    cfg = lk.preset(name)
+    with FakeTensorMode() if fake else torch.autocast("cpu", enabled=False):
+        model = lk.build_model(cfg)
+        opt = make_optimizer(model.parameters())
+        init_optimizer_state(model, opt)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 257))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        with lk.MemoryTracker(model, opt) as ours:
+            train_step(model, opt, x, y, "fp32", tracker=ours)
+        theirs = MemTracker()
+        theirs.track_external(model, opt)
+        with theirs:
+            train_step(model, opt, x, y, "fp32")
+    peak = theirs.get_tracker_snapshot("peak")
+    assert ours.peak == next(iter(peak.values()))["Total"]
+
+
+def test_fake_tensors_measure_a_7b_step_without_allocating_it():
+    m = lk.measure_step("llama-2-7b", seq=512, precision="fp32", fake=True)
+    assert m.params == 6_738_415_616 * 4
+    assert m.optimizer >= 2 * m.params and m.fake
+
+
+def test_measure_step_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="batch and seq must be positive"):
+        lk.measure_step("tiny", seq=0)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq"):
+        lk.measure_step("tiny", seq=4096)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        lk.measure_step("tiny", seq=64, precision="fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_tracker_matches_max_memory_allocated():
+    m = lk.measure_step("small", seq=1024, precision="bf16-mixed", fake=False, device="cuda")
+    # the caching allocator rounds each block up to 512 bytes: slightly more, never less
+    assert m.total <= m.cuda_peak <= m.total * 1.02
