@@ -4,5 +4,6 @@ from .model import Transformer, build_model
 from .estimate import ParamCount, count_params, estimate, kv_cache_bytes
 from .papers import (megatron_activation_bytes, megatron_params, model_state_bytes,
                      pipeline_bubble, pipeline_bubble_ratio)
-from .track import CATEGORIES, MemoryTracker, measure_step
-from .units import Breakdown, fmt_bytes
+from .track import CATEGORIES, MemoryTracker, activations_per_module, measure_step
+from .train import device
+from .units import Breakdown, fmt_bytes, fmt_count

@@ -115,13 +115,16 @@ def _rmsnorm(width: float) -> float:
     return 8 * width + 4
 
 
-def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int) -> Saved:
-    """The attention sub-layer after its norm: projections' inputs, q, k, v, output, log-sum-exp."""
+def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
+    """The attention sub-layer after its norm: projections' inputs, q, k, v, output, log-sum-exp.
+
+    Heads are split over ``tp`` ranks; inputs replicated on each rank are split over ``sp``.
+    """
     H = c.heads // tp
     rope_tables = 0 if d.compute == 4 else 4 * c.rope_dim * d.compute     # cos, sin for q and k
     if c.attention == "gqa":
         Hkv = max(1, c.kv_heads // tp)
-        per_token = (d.linear_inputs(3, c.hidden)                            # into wq, wk, wv
+        per_token = (d.linear_inputs(3, c.hidden) / sp                       # into wq, wk, wv
                      + (2 * H + 2 * Hkv) * c.head_dim * d.compute            # q, k, v, output
                      + 4 * H)                                                # log-sum-exp (fp32)
         return Saved(per_token, rope_tables)
@@ -132,6 +135,7 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int) -> Saved:
     # in fp32 the norm keeps its input: a view of the whole (latent + rope key) projection
     per_token += _rmsnorm(r) + (4 * c.qk_rope_dim if d.compute == 4 else 0)
     per_token += d.linear_inputs(1, r)                                       # into wkv_b
+    per_token /= sp                                      # the low-rank path is replicated
     per_token += (4 * H * qk * d.compute                                     # q, k, padded v, output
                   + 4 * H                                                    # log-sum-exp
                   + H * c.v_head_dim * d.compute)                            # un-padded output into wo
@@ -142,12 +146,12 @@ def _swiglu_saved(width: int, d: _Dtypes) -> float:
     return 4 * width * d.compute                                             # gate, silu, up, product
 
 
-def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int) -> Saved:
+def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved:
     """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block)."""
     if not moe:
-        return Saved(d.linear_inputs(2, c.hidden) + _swiglu_saved(c.ffn // tp, d))
+        return Saved(d.linear_inputs(2, c.hidden) / sp + _swiglu_saved(c.ffn // tp, d))
     k, E, shared = c.top_k, c.routed_experts, c.shared_experts
-    per_token = (d.linear_inputs(1 + 2 * (shared > 0), c.hidden)             # router, shared experts
+    per_token = (d.linear_inputs(1 + 2 * (shared > 0), c.hidden) / sp        # router, shared experts
                  + 4 * E                                                     # router softmax (fp32)
                  + 3 * 8 * k                                                 # expert ids, order, token (int64)
                  + (2 if d.stream == 2 else 4) * k                           # gate weights, sorted
@@ -161,14 +165,18 @@ def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int) -> Saved:
 
 
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
-                recompute: str = "none") -> Saved:
-    """What one transformer block keeps for its backward pass."""
-    d = _Dtypes.of(precision)
+                recompute: str = "none", sp: bool = False) -> Saved:
+    """What one transformer block keeps for its backward pass, per tensor-parallel rank.
+
+    With sequence parallelism (``sp``) the tensors every rank would hold whole (norms, the
+    residual stream, the inputs of column-parallel projections) are split over the ranks too.
+    """
+    d, split = _Dtypes.of(precision), (tp if sp else 1)
     if recompute == "full":
-        return Saved(c.hidden * d.stream)                                    # the block's input only
+        return Saved(c.hidden * d.stream / split)                            # the block's input only
     copies = 2 * _layer_params(c, moe)[1] // tp if d.mixed else 0            # autocast weight copies
-    return (Saved(2 * _rmsnorm(c.hidden), per_layer=copies)
-            + _attention_saved(c, d, tp) + _mlp_saved(c, d, moe, tp))
+    return (Saved(2 * _rmsnorm(c.hidden) / split, per_layer=copies)
+            + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split))
 
 
 def head_saved(c: ModelConfig, precision: str, tp: int = 1) -> Saved:
@@ -255,7 +263,7 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     opt_bytes = n_local * state_per_param // shard + step_counters
     buffers = 2 * c.max_seq * c.rope_dim * 4                                 # RoPE cos, sin
     # -- activations ------------------------------------------------------------------------
-    saved = [layer_saved(c, precision, i >= c.dense_layers, tp, recompute).bytes(B, T)
+    saved = [layer_saved(c, precision, i >= c.dense_layers, tp, recompute, sp).bytes(B, T)
              for i in layers]
     act_layers = sum(saved) * in_flight
     head = head_saved(c, precision, tp).bytes(B, T) if last else 0
@@ -287,7 +295,7 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
         below = sum(saved[:i]) * in_flight + sum(saved[i:]) * (in_flight - 1)
         grads = (sum(p for p, _ in layer_params[i + 1:]) * d.stream // tp + head_grads
                  + _first_grad(c, d, moe, tp))
-        this_layer = layer_saved(c, precision, moe, tp, "none").bytes(B, T)
+        this_layer = layer_saved(c, precision, moe, tp, "none", sp).bytes(B, T)
         transient = _layer_backward_transient(c, d, moe, tp, N) + grad_stream
         if recompute == "full":      # its input stays saved; the rest is recomputed ("other")
             layer_moments[layers[i]] = dict(grads=grads, activations=below + saved[i],

@@ -261,3 +261,26 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
         saved_activations=saved, timeline=mt.timeline, device=device.type, fake=fake,
         cuda_peak=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         loss=result.loss)
+
+
+def activations_per_module(model, tokens, targets, modules) -> dict[str, int]:
+    """Bytes each named module adds to what the forward pass keeps alive (its saved activations).
+
+    The tracker's live bytes are read before and after each module's forward: what stays is
+    what autograd saved for the backward pass, plus the module's output.
+    """
+    kept, before, handles = {}, {}, []
+    with MemoryTracker(model) as mt:
+        for name, module in modules.items():
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, name=name: before.__setitem__(name, mt.current)))
+            handles.append(module.register_forward_hook(
+                lambda m, args, out, name=name: kept.__setitem__(name, mt.current - before[name])))
+        try:
+            with mt.phase("forward"):
+                loss = model(tokens, targets)
+        finally:
+            for h in handles:
+                h.remove()
+    del loss
+    return kept

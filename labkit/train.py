@@ -22,6 +22,11 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 
 
+def device() -> torch.device:
+    """The device every lab uses: the GPU when CUDA is present, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def check_choice(name: str, value, choices) -> None:
     """ValueError naming the valid values when ``value`` is not one of ``choices``."""
     if value not in choices:

@@ -57,3 +57,11 @@ class Breakdown:
         keys = ("params", "grads", "optimizer", "activations", "other", "total",
                 "peak_phase", "saved_activations")
         return {k: getattr(self, k) for k in keys}
+
+
+def fmt_count(n: float) -> str:
+    """Parameter counts the way papers say them: 6.74B, 5.05M, 125K."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))

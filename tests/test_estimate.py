@@ -106,3 +106,17 @@ def test_megatron_formula_and_ours_count_the_same_layer_input():
     megatron = lk.megatron_activation_bytes(2048, 1, 4096, 32, layers=32, recompute="full")
     assert megatron == 32 * per_layer_input
     assert ours.saved_activations - megatron < 2048 * 32000 * 4 + 2048 * 4096 * 20
+
+
+def test_sequence_parallel_splits_the_replicated_activations_too():
+    tp = lk.estimate("llama-2-70b", seq=4096, tp=8)
+    tp_sp = lk.estimate("llama-2-70b", seq=4096, tp=8, sp=True)
+    assert tp_sp.saved_activations < 0.5 * tp.saved_activations
+
+
+def test_first_pipeline_stage_keeps_a_micro_batch_per_stage_in_flight():
+    one = lk.estimate("llama-2-7b", seq=2048, precision="bf16", pp=1)
+    four = lk.estimate("llama-2-7b", seq=2048, precision="bf16", pp=4)
+    # 1F1B: the first stage holds 4 micro-batches of its 8 layers = all 32 layers' worth
+    assert four.saved_activations == pytest.approx(one.saved_activations, rel=0.05)
+    assert four.params == pytest.approx(one.params / 4, rel=0.05)

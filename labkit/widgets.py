@@ -1,0 +1,163 @@
+"""ipywidgets panels. Thin on purpose: every panel calls plain functions that the tests call.
+
+    lk.widgets.memory_panel()     # pick a model and a step, see the predicted breakdown;
+                                  # a button measures the same step on fake tensors
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as w
+from IPython.display import display
+
+from .config import ModelConfig, preset, presets
+from .estimate import Estimate, count_params, estimate
+from .plot import breakdown_figure, timeline_figure
+from .track import Measurement, measure_step
+from .train import OPTIMIZERS, PRECISIONS
+from .units import fmt_bytes, fmt_count
+
+SHAPE_FIELDS = ("hidden", "layers", "heads", "vocab_size")
+
+
+@dataclass
+class PanelResult:
+    """What a panel shows: a result, or the reason there is none (never a traceback)."""
+
+    config: ModelConfig | None = None
+    estimate: Estimate | None = None
+    measurement: Measurement | None = None
+    error: str | None = None
+
+    def summary(self) -> str:
+        if self.error:
+            return f"⚠ {self.error}"
+        pc = count_params(self.config)
+        e = self.estimate
+        text = (f"{self.config.name}: {fmt_count(pc.total)} parameters — predicted peak "
+                f"{fmt_bytes(e.total)} (during {e.peak_phase}): weights {fmt_bytes(e.params)}, "
+                f"gradients {fmt_bytes(e.grads)}, optimizer {fmt_bytes(e.optimizer)}, "
+                f"activations {fmt_bytes(e.activations)}, other {fmt_bytes(e.other)}")
+        if self.measurement is not None:
+            m = self.measurement
+            text += (f"\nmeasured peak {fmt_bytes(m.total)} (during {m.peak_phase}); "
+                     f"prediction off by {100 * (e.total - m.total) / m.total:+.2f}%")
+        return text
+
+
+def model_config(name: str, **shape) -> ModelConfig:
+    """The preset ``name`` with its shape fields (hidden, layers, heads, vocab_size) changed."""
+    base = preset(name)
+    changes = {k: v for k, v in shape.items() if v is not None and getattr(base, k) != v}
+    if "hidden" in changes or "heads" in changes:
+        changes.setdefault("head_dim", 0)          # re-derive hidden // heads
+    if "heads" in changes and base.kv_heads == base.heads:
+        changes["kv_heads"] = 0                    # multi-head stays multi-head
+    return base.replace(name=name if not changes else f"{name} (modified)", **changes)
+
+
+def predict(name: str, *, batch: int, seq: int, precision: str, optimizer: str,
+            **shape) -> PanelResult:
+    """Configuration and estimate from the panel's values, or the error explained."""
+    try:
+        cfg = model_config(name, **shape)
+        return PanelResult(cfg, estimate(cfg, batch=batch, seq=seq, precision=precision,
+                                         optimizer=optimizer))
+    except ValueError as error:
+        return PanelResult(error=str(error))
+
+
+def predict_and_measure(name: str, *, batch: int, seq: int, precision: str, optimizer: str,
+                        **shape) -> PanelResult:
+    """``predict``, then one step of the same model measured on fake tensors."""
+    result = predict(name, batch=batch, seq=seq, precision=precision, optimizer=optimizer, **shape)
+    if result.error:
+        return result
+    try:
+        cfg = result.config.replace(max_seq=max(result.config.max_seq, seq))
+        result.measurement = measure_step(cfg, batch=batch, seq=seq, precision=precision,
+                                          optimizer=optimizer, fake=True)
+    except ValueError as error:
+        result.error = str(error)
+    return result
+
+
+class MemoryPanel:
+    """Controls -> predicted breakdown at once; the button adds the fake-tensor measurement."""
+
+    def __init__(self, model: str = "llama-2-7b", seq: int = 2048, batch: int = 1,
+                 precision: str = "bf16-mixed", optimizer: str = "adamw"):
+        cfg = preset(model)
+        self.model = w.Dropdown(options=presets(), value=model, description="model")
+        self.shape = {f: w.BoundedIntText(value=getattr(cfg, f), min=1, max=10**7,
+                                          description=f.replace("_size", ""),
+                                          layout=w.Layout(width="190px"))
+                      for f in SHAPE_FIELDS}
+        self.seq = w.IntSlider(value=seq, min=128, max=32768, step=128, description="seq")
+        self.batch = w.BoundedIntText(value=batch, min=1, max=4096, description="batch",
+                                      layout=w.Layout(width="190px"))
+        self.precision = w.Dropdown(options=PRECISIONS, value=precision, description="precision")
+        self.optimizer = w.Dropdown(options=[o for o in OPTIMIZERS if o != "adamw-8bit"],
+                                    value=optimizer, description="optimizer")
+        self.button = w.Button(description="measure on fake tensors", icon="play",
+                               layout=w.Layout(width="220px"))
+        self.status = w.HTML()
+        self.output = w.Output()
+        self.result: PanelResult | None = None
+        self._syncing = False
+        self.model.observe(self._on_model, names="value")
+        for control in (*self.shape.values(), self.seq, self.batch, self.precision,
+                        self.optimizer):
+            control.observe(lambda _: self._syncing or self.update(), names="value")
+        self.button.on_click(lambda _: self.measure())
+        self.widget = w.VBox([
+            w.HBox([self.model, self.precision, self.optimizer]),
+            w.HBox(list(self.shape.values())),
+            w.HBox([self.seq, self.batch, self.button]),
+            self.status, self.output])
+        self.update()
+
+    def values(self) -> dict:
+        return dict(batch=self.batch.value, seq=self.seq.value, precision=self.precision.value,
+                    optimizer=self.optimizer.value,
+                    **{f: c.value for f, c in self.shape.items()})
+
+    def _on_model(self, change):
+        cfg = preset(change["new"])
+        self._syncing = True                       # one update for the whole new shape
+        for field, control in self.shape.items():
+            control.value = getattr(cfg, field)
+        self._syncing = False
+        self.update()
+
+    def _show(self, result: PanelResult):
+        self.result = result
+        self.status.value = "<br>".join(result.summary().splitlines())
+        self.output.clear_output(wait=True)
+        if result.error:
+            return
+        with self.output:
+            items = {"predicted": result.estimate}
+            if result.measurement is not None:
+                items["measured (fake tensors)"] = result.measurement
+            display(breakdown_figure(items))
+            if result.measurement is not None:
+                display(timeline_figure(result.measurement))
+
+    def update(self) -> PanelResult:
+        self._show(predict(self.model.value, **self.values()))
+        return self.result
+
+    def measure(self) -> PanelResult:
+        self.status.value = "measuring one training step on fake tensors…"
+        self.button.disabled = True
+        try:
+            self._show(predict_and_measure(self.model.value, **self.values()))
+        finally:
+            self.button.disabled = False
+        return self.result
+
+
+def memory_panel(**defaults) -> w.VBox:
+    """The memory panel of labs 00 and 01 (``MemoryPanel`` holds its state and callbacks)."""
+    return MemoryPanel(**defaults).widget
