@@ -6,4 +6,4 @@ from .papers import (megatron_activation_bytes, megatron_params, model_state_byt
                      pipeline_bubble, pipeline_bubble_ratio)
 from .track import CATEGORIES, MemoryTracker, activations_per_module, measure_step
 from .train import device
-from .units import Breakdown, fmt_bytes, fmt_count
+from .units import Breakdown, fmt_bytes, fmt_count, reconciliation

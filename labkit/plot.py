@@ -36,6 +36,7 @@ def _legend(fig, ax):
 
 
 def _new_figure(width: float, height: float, **kwargs):
+    """A constrained-layout figure that pyplot forgets at once (returned, never shown twice)."""
     fig, ax = plt.subplots(figsize=(width, height), layout="constrained", **kwargs)
     plt.close(fig)                   # not kept by pyplot: no double display, no leak in loops
     return fig, ax

@@ -65,3 +65,17 @@ def fmt_count(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.3g}{unit}"
     return str(int(n))
+
+
+def reconciliation(predicted: Breakdown, measured: Breakdown) -> str:
+    """A predicted-vs-measured table by category, with each difference in bytes and percent."""
+    rows = [("weights", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
+            ("activations", "activations"), ("other", "other"), ("total (peak)", "total"),
+            ("saved at end of forward", "saved_activations")]
+    lines = [f"{'':<25}{'predicted':>13}{'measured':>13}{'difference':>13}"]
+    for label, field in rows:
+        p, m = getattr(predicted, field), getattr(measured, field)
+        pct = f" ({100 * (p - m) / m:+.2f}%)" if m else ""
+        lines.append(f"{label:<25}{fmt_bytes(p):>13}{fmt_bytes(m):>13}{fmt_bytes(p - m):>13}{pct}")
+    lines.append(f"peak during: predicted {predicted.peak_phase}, measured {measured.peak_phase}")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Exercises accept labkit's own answer, reject a wrong one with a hint, and never raise on junk."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import labkit as lk
+from labkit import exercises as ex
+
+GiB = 2**30
+ALL = ex.exercises()
+
+
+def test_lab_01_has_at_least_four_exercises():
+    assert len(ex.exercises("01")) >= 4
+
+
+@pytest.mark.parametrize("id", ALL)
+def test_labkits_own_answer_is_right_and_the_solution_quotes_it(id):
+    exercise = ex.get(id)
+    result = ex.check(id, exercise.answer())
+    assert result.correct and "✅" in repr(result) and "Hint" not in repr(result)
+    text = ex.solution(id)
+    assert text and "{" not in text                      # every placeholder was filled
+    assert exercise.unit in ex.question(id)
+
+
+def test_answers_come_from_labkit():
+    assert ex.get("01-adamw-bytes").answer() == 16
+    n = lk.count_params("llama-2-7b").total
+    assert ex.get("01-llama-7b-fp32-adamw").answer() == pytest.approx(16 * n / GiB)
+    assert ex.get("01-llama-7b-kv-cache").answer() == pytest.approx(2.0)
+    assert ex.get("01-deepseek-v2-lite-params").answer() == pytest.approx(15.7, rel=0.01)
+    pc = lk.count_params("deepseek-v2-lite")
+    assert ex.get("01-deepseek-v2-lite-idle-experts").answer() * 1e9 == pytest.approx(
+        pc.total - pc.active)
+
+
+def test_the_published_rounded_figure_is_accepted():
+    assert ex.check("01-deepseek-v2-lite-params", 15.7)        # DeepSeek-AI's "15.7B"
+    assert ex.check("01-llama-7b-fp32-adamw", 100.4)
+
+
+def test_a_wrong_answer_shows_the_hint_but_not_the_answer():
+    result = ex.check("01-adamw-bytes", 12)
+    assert not result.correct
+    assert "❌" in repr(result) and "too low" in result.message
+    assert ex.get("01-adamw-bytes").hint in repr(result)
+    assert "Hint" in result._repr_html_()
+    assert "16" not in result.message
+
+
+def test_gb_instead_of_gib_is_pointed_out():
+    n = lk.count_params("llama-2-7b").total
+    result = ex.check("01-llama-7b-fp32-adamw", 16 * n / 1e9)   # 107.8 "GB"
+    assert not result.correct and "GB" in result.message
+
+
+def test_exact_exercises_reject_a_near_miss():
+    assert not ex.check("01-adamw-bytes", 16.5)
+
+
+@pytest.mark.parametrize("answer", [None, "sixteen", "16 GiB", float("nan"), math.inf, [16],
+                                    {"bytes": 16}, True, np.array([16, 2])])
+def test_a_malformed_answer_says_what_is_expected(answer):
+    result = ex.check("01-llama-7b-kv-cache", answer)
+    assert not result.correct
+    assert "expected one number (in GiB)" in result.message
+
+
+@pytest.mark.parametrize("answer", [16, 16.0, "16", np.int64(16), np.float32(16), torch.tensor(16)])
+def test_any_kind_of_number_is_accepted(answer):
+    assert ex.check("01-adamw-bytes", answer).correct
+
+
+def test_an_unknown_id_lists_the_known_ones():
+    with pytest.raises(ValueError, match="01-adamw-bytes"):
+        ex.check("01-no-such-exercise", 1)
+    with pytest.raises(ValueError, match="known"):
+        ex.solution("99")
+
+
+def test_a_later_lab_registers_its_own(monkeypatch):
+    monkeypatch.setattr(ex, "_REGISTRY", dict(ex._REGISTRY))
+
+    @ex.register("99-kv-bytes", question="KV cache of tiny at 128 tokens?", unit="bytes",
+                 hint="lk.kv_cache_bytes", solution="{answer:,} bytes", rtol=0)
+    def _():
+        return {"answer": lk.kv_cache_bytes("tiny", seq=128)}
+
+    assert "99-kv-bytes" in ex.exercises("99")
+    assert ex.check("99-kv-bytes", lk.kv_cache_bytes("tiny", seq=128))
+    with pytest.raises(ValueError, match="already registered"):
+        ex.register("99-kv-bytes", question="", unit="", hint="", solution="")(_)

@@ -1,0 +1,114 @@
+"""The figures show the numbers they are given: bar lengths, the peak, the phases, the units."""
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from matplotlib.colors import to_hex
+
+import labkit as lk
+from labkit.plot import (CATEGORY_COLORS, FIELDS, PHASE_COLORS, _downsample, breakdown_figure,
+                         predicted_vs_measured_figure, timeline_figure)
+from labkit.track import Timeline
+
+MiB, GiB = 2**20, 2**30
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return lk.measure_step("tiny", seq=128, precision="bf16-mixed", fake=False)
+
+
+@pytest.fixture(scope="module")
+def predicted():
+    return lk.estimate("tiny", seq=128, precision="bf16-mixed")
+
+
+def test_breakdown_bars_are_the_categories_bytes_in_mib(measured, predicted):
+    items = {"predicted": predicted, "measured": measured}
+    ax = breakdown_figure(items).axes[0]
+    assert "MiB" in ax.get_xlabel()                          # tiny: everything below 1 GiB
+    for category, bars in zip(lk.CATEGORIES, ax.containers):
+        for bar, item in zip(bars, items.values()):
+            assert bar.get_width() == pytest.approx(getattr(item, FIELDS[category]) / MiB)
+            assert to_hex(bar.get_facecolor()) == CATEGORY_COLORS[category].lower()
+    ends = [bars[-1].get_x() + bars[-1].get_width() for bars in ax.containers]
+    assert max(ends) == pytest.approx(measured.total / MiB)   # the stack adds up to the total
+
+
+def test_breakdown_writes_each_total_and_labels_each_bar(measured, predicted):
+    fig = breakdown_figure({"predicted": predicted, "measured": measured}, title="tiny")
+    ax = fig.axes[0]
+    texts = [t.get_text().strip() for t in ax.texts]
+    assert lk.fmt_bytes(predicted.total) in texts and lk.fmt_bytes(measured.total) in texts
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["predicted", "measured"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(lk.CATEGORIES)
+    assert ax.get_title() == "tiny"
+
+
+def test_breakdown_switches_to_gib_for_a_7b_model():
+    est = lk.estimate("llama-2-7b", seq=2048)
+    ax = breakdown_figure({"predicted": est}).axes[0]
+    assert "GiB" in ax.get_xlabel()
+    total = sum(bars[0].get_width() for bars in ax.containers)
+    assert total == pytest.approx(est.total / GiB)
+
+
+def test_timeline_marks_the_peak_at_the_largest_total(measured):
+    ax = timeline_figure(measured).axes[0]
+    total = np.array(measured.timeline.total)
+    (dot,) = [line for line in ax.lines if line.get_marker() == "o"]
+    assert dot.get_xdata()[0] == total.argmax()
+    assert dot.get_ydata()[0] == pytest.approx(total.max() / MiB)
+    assert any(lk.fmt_bytes(total.max()) in t.get_text() for t in ax.texts)
+    assert ax.get_xlabel() == "allocation events" and "MiB" in ax.get_ylabel()
+
+
+def test_timeline_shades_and_labels_each_phase(measured):
+    ax = timeline_figure(measured.timeline).axes[0]            # a bare Timeline works too
+    labels = {t.get_text() for t in ax.texts}
+    assert {"forward", "backward", "optimizer"} <= labels
+    band_colors = {to_hex(p.get_facecolor()) for p in ax.patches}
+    assert {c.lower() for c in PHASE_COLORS.values()} <= band_colors
+    spans = {phase: (start, end) for phase, start, end in measured.timeline.phase_spans()}
+    backward = PHASE_COLORS["backward"].lower()
+    (band,) = [p for p in ax.patches if to_hex(p.get_facecolor()) == backward]
+    assert band.get_x() == spans["backward"][0]
+
+
+def test_downsampling_keeps_the_peak_of_a_long_timeline():
+    rng = np.random.default_rng(0)
+    n = 50_000
+    timeline = Timeline(phase=["forward"] * n,
+                        by_category={c: list(rng.integers(0, 100, n)) for c in lk.CATEGORIES})
+    total = np.array(timeline.total)
+    kept = _downsample(total)
+    assert len(kept) <= 2000 and total.argmax() in kept
+    ax = timeline_figure(timeline).axes[0]
+    (dot,) = [line for line in ax.lines if line.get_marker() == "o"]
+    assert dot.get_xdata()[0] == total.argmax()
+
+
+def test_predicted_vs_measured_plots_each_row_and_the_diagonal():
+    rows = [("a", 100 * MiB, 101 * MiB), ("b", 300 * MiB, 300 * MiB)]
+    scatter_ax, error_ax = predicted_vs_measured_figure(rows).axes
+    points = scatter_ax.collections[0].get_offsets()
+    assert np.allclose(points, [[101, 100], [300, 300]])       # (measured, predicted) in MiB
+    (diagonal,) = [line for line in scatter_ax.lines if line.get_linestyle() == "--"]
+    assert np.allclose(diagonal.get_xdata(), diagonal.get_ydata())
+    widths = [bar.get_width() for bar in error_ax.containers[0]]
+    assert widths == pytest.approx([100 * (100 - 101) / 101, 0])
+    assert [t.get_text() for t in error_ax.get_yticklabels()] == ["1. a", "2. b"]
+
+
+def test_figures_are_not_left_open_in_pyplot(measured):
+    before = plt.get_fignums()
+    breakdown_figure({"m": measured})
+    timeline_figure(measured)
+    predicted_vs_measured_figure([("m", measured.total, measured.total)])
+    assert plt.get_fignums() == before
+
+
+def test_empty_inputs_say_what_to_pass():
+    with pytest.raises(ValueError, match="Breakdown"):
+        breakdown_figure({})
+    with pytest.raises(ValueError, match="predicted bytes"):
+        predicted_vs_measured_figure([])
