@@ -184,7 +184,7 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1) -> Saved:
     d = _Dtypes.of(precision)
     copies = 2 * c.vocab_size * c.hidden // tp if d.mixed else 0
     return Saved(_rmsnorm(c.hidden) + d.linear_inputs(1, c.hidden) + 4 * c.vocab_size / tp,
-                 per_layer=copies + 4)                                       # + the loss itself
+                 per_layer=copies)
 
 
 # ---- the whole step ------------------------------------------------------------------------
@@ -266,6 +266,9 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     saved = [layer_saved(c, precision, i >= c.dense_layers, tp, recompute, sp).bytes(B, T)
              for i in layers]
     act_layers = sum(saved) * in_flight
+    # alive the whole step: the token batch (B x (T + 1) int64, inputs and shifted targets)
+    # and the loss (one fp32 number)
+    batch_and_loss = (8 * B * (T + 1) if first else 0) + (4 if last else 0)
     head = head_saved(c, precision, tp).bytes(B, T) if last else 0
     logits = N * c.vocab_size // tp * 4                                      # one fp32 (N, V)
     grad_stream = N * c.hidden * d.stream
@@ -274,7 +277,7 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
 
     def moment(name, phase, grads=0, activations=0, other=0):
         moments[name] = Estimate(params=params, grads=grads, optimizer=opt_bytes,
-                                 activations=activations, other=buffers + other,
+                                 activations=batch_and_loss + activations, other=buffers + other,
                                  peak_phase=phase)
 
     weight_cache = (2 * sum(m for _, m in layer_params) // tp
@@ -314,7 +317,7 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     moment("optimizer step", "optimizer", grads=grad_bytes,
            other=_optimizer_temporaries(c, optimizer, impl, n_local, d, shard))
     for m in moments.values():
-        m.saved_activations = act_layers + (head if last else 0)
+        m.saved_activations = batch_and_loss + act_layers + head
     peak_name = max(moments, key=lambda k: moments[k].total)
     result = moments[peak_name]
     out = Estimate(**{k: getattr(result, k) for k in (

@@ -95,7 +95,8 @@ class Result:
 
     def _repr_html_(self):
         hint = f"<br><i>Hint:</i> {html.escape(self.hint)}" if self.hint else ""
-        return f"<p><b>{html.escape(self.message)}</b>{hint}</p>"
+        message = html.escape(self.message).replace("\n", "<br>")
+        return f"<p><b>{message}</b>{hint}</p>"
 
 
 def _as_number(answer) -> float | None:
@@ -122,6 +123,8 @@ def _fmt(x: float) -> str:
 def check(id: str, answer) -> Result:
     """Is ``answer`` within the exercise's relative tolerance of labkit's value?"""
     ex = get(id)
+    if answer is None:                         # the notebook's placeholder, not yet answered
+        return Result(False, f"✏️ {id}: replace None with your answer.\n{question(id)}")
     given = _as_number(answer)
     if given is None:
         return Result(False, f"❌ {id}: expected one number (in {ex.unit}), got {answer!r} "

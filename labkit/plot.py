@@ -8,7 +8,7 @@ import numpy as np
 from matplotlib.transforms import blended_transform_factory
 
 from .track import CATEGORIES, Timeline
-from .units import Breakdown, fmt_bytes
+from .units import Breakdown, fmt_bytes, fmt_count
 
 # One colour per category in every labkit plot (Okabe & Ito's colour-blind-safe palette).
 CATEGORY_COLORS = {
@@ -147,4 +147,54 @@ def predicted_vs_measured_figure(rows: list[tuple[str, int, int]], title: str | 
     err.invert_yaxis()
     err.set_xlabel("(predicted - measured) / measured (%)")
     fig.suptitle(title or "predicted vs measured peak")
+    return fig
+
+
+def state_bytes_figure(rows: dict[str, tuple[float, float, float]], title: str | None = None):
+    """Bytes per parameter of (weights, gradients, optimizer state), one stacked bar per recipe."""
+    if not rows:
+        raise ValueError("nothing to plot: pass {label: (weight, gradient, optimizer) bytes}")
+    labels = list(rows)
+    fig, ax = _new_figure(8, 1.4 + 0.45 * len(labels))
+    left = np.zeros(len(labels))
+    for i, category in enumerate(("parameters", "gradients", "optimizer")):
+        values = np.array([rows[k][i] for k in labels], dtype=float)
+        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category], label=category,
+                height=0.6)
+        left += values
+    for y, total in enumerate(left):
+        ax.text(total, y, f"  {total:g}", va="center")
+    ax.set_xlim(0, left.max() * 1.12)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes per parameter (model states only)")
+    ax.set_title(title or "model states per parameter")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3, frameon=False)
+    return fig
+
+
+def param_components_figure(counts: dict, title: str | None = None):
+    """Each model's parameters split by component (share of the total), total and active written."""
+    if not counts:
+        raise ValueError("nothing to plot: pass {model name: lk.count_params(...)}")
+    names = list(counts)
+    components = list(dict.fromkeys(k for pc in counts.values() for k in pc.by_component))
+    colors = dict(zip(components, plt.get_cmap("tab10").colors))
+    fig, ax = _new_figure(9, 1.6 + 0.55 * len(names))
+    left = np.zeros(len(names))
+    for component in components:
+        share = np.array([counts[n].by_component.get(component, 0) / counts[n].total
+                          for n in names]) * 100
+        ax.barh(names, share, left=left, color=colors[component], label=component, height=0.6)
+        left += share
+    for y, n in enumerate(names):
+        pc = counts[n]
+        ax.text(101, y, f"{fmt_count(pc.total)} total, {fmt_count(pc.active)} active",
+                va="center")
+    ax.set_xlim(0, 150)
+    ax.set_xticks(range(0, 101, 20))
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the model's parameters (%)")
+    ax.set_title(title or "where the parameters are")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
+               ncol=min(4, len(components)), frameon=False)
     return fig

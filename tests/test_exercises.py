@@ -61,7 +61,13 @@ def test_exact_exercises_reject_a_near_miss():
     assert not ex.check("01-adamw-bytes", 16.5)
 
 
-@pytest.mark.parametrize("answer", [None, "sixteen", "16 GiB", float("nan"), math.inf, [16],
+def test_an_unanswered_exercise_shows_its_question():
+    result = ex.check("01-llama-7b-kv-cache", None)
+    assert not result.correct
+    assert "replace None with your answer" in result.message and "(answer in GiB)" in result.message
+
+
+@pytest.mark.parametrize("answer", ["sixteen", "16 GiB", float("nan"), math.inf, [16],
                                     {"bytes": 16}, True, np.array([16, 2])])
 def test_a_malformed_answer_says_what_is_expected(answer):
     result = ex.check("01-llama-7b-kv-cache", answer)

@@ -6,6 +6,7 @@ from matplotlib.colors import to_hex
 
 import labkit as lk
 from labkit.plot import (CATEGORY_COLORS, FIELDS, PHASE_COLORS, _downsample, breakdown_figure,
+                         param_components_figure, state_bytes_figure,
                          predicted_vs_measured_figure, timeline_figure)
 from labkit.track import Timeline
 
@@ -112,3 +113,26 @@ def test_empty_inputs_say_what_to_pass():
         breakdown_figure({})
     with pytest.raises(ValueError, match="predicted bytes"):
         predicted_vs_measured_figure([])
+
+
+def test_state_bytes_bars_add_up_to_the_bytes_per_parameter():
+    fig = state_bytes_figure({"fp32 AdamW": (4, 4, 8), "mixed AdamW": (2, 2, 12)})
+    ax = fig.axes[0]
+    ends = {}
+    for bar in ax.patches:
+        y = round(bar.get_y() + bar.get_height() / 2)
+        ends[y] = max(ends.get(y, 0), bar.get_x() + bar.get_width())
+    assert sorted(ends.values()) == [16, 16]
+    assert "bytes per parameter" in ax.get_xlabel()
+
+
+def test_parameter_components_are_shares_of_the_total():
+    counts = {n: lk.count_params(n) for n in ("llama-2-7b", "deepseek-v3")}
+    ax = param_components_figure(counts).axes[0]
+    ends = {}
+    for bar in ax.patches:
+        y = round(bar.get_y() + bar.get_height() / 2)
+        ends[y] = max(ends.get(y, 0), bar.get_x() + bar.get_width())
+    assert all(abs(v - 100) < 1e-9 for v in ends.values())
+    texts = [t.get_text() for t in ax.texts]
+    assert any("671B total" in t for t in texts) and any("37.6B active" in t for t in texts)
