@@ -96,14 +96,20 @@ class _Dtypes:
     """Bytes per element of each kind of tensor under a precision."""
 
     compute: int      # matmul outputs, attention (bf16 under autocast)
-    stream: int       # the residual stream and weights (fp32 unless pure bf16)
+    stream: int       # the residual stream, weights and gradients (fp32 unless bf16 weights)
     mixed: bool       # autocast: each linear saves its own low-precision copy of its input
+    master: bool      # the optimizer keeps fp32 master weights (and fp32 state)
 
     @classmethod
     def of(cls, precision: str) -> "_Dtypes":
-        return cls(compute=4 if precision == "fp32" else 2,
-                   stream=2 if precision == "bf16" else 4,
-                   mixed=precision.endswith("-mixed"))
+        bf16_weights = precision in ("bf16", "bf16-master")
+        return cls(compute=4 if precision == "fp32" else 2, stream=2 if bf16_weights else 4,
+                   mixed=precision.endswith("-mixed"), master=precision == "bf16-master")
+
+    @property
+    def state(self) -> int:
+        """Bytes of one optimizer-state number (the masters' dtype when there are masters)."""
+        return 4 if self.master else self.stream
 
     def linear_inputs(self, consumers: int, width: float) -> float:
         """Saved inputs of ``consumers`` linears reading one tensor of ``width`` per token."""
@@ -257,8 +263,8 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     shard = dp if zero_stage else 1
     params = n_local * d.stream // (dp if zero_stage >= 3 else 1)
     grad_bytes = n_local * d.stream // (dp if zero_stage >= 2 else 1)
-    state_per_param = {"adamw": 2 * d.stream, "sgd": 0, "sgd-momentum": d.stream,
-                       "adamw-8bit": 2}[optimizer]
+    state_per_param = ({"adamw": 2 * d.state, "sgd": 0, "sgd-momentum": d.state,
+                        "adamw-8bit": 2}[optimizer] + (4 if d.master else 0))     # + masters
     step_counters = 4 * n_tensors if optimizer.startswith("adamw") else 0
     opt_bytes = n_local * state_per_param // shard + step_counters
     buffers = 2 * c.max_seq * c.rope_dim * 4                                 # RoPE cos, sin
@@ -314,8 +320,10 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
         embedding_grad = c.vocab_size * c.hidden * d.stream // tp
         moment("backward: embedding", "backward", grads=grad_bytes - embedding_grad,
                other=embedding_grad + grad_stream)
-    moment("optimizer step", "optimizer", grads=grad_bytes,
-           other=_optimizer_temporaries(c, optimizer, impl, n_local, d, shard))
+    # with master weights the step swaps each bf16 gradient for an fp32 copy first
+    fp32_grads = n_local * 4 // (dp if zero_stage >= 2 else 1) if d.master else 0
+    moment("optimizer step", "optimizer", grads=0 if d.master else grad_bytes,
+           other=fp32_grads + _optimizer_temporaries(c, optimizer, impl, n_local, d, shard))
     for m in moments.values():
         m.saved_activations = batch_and_loss + act_layers + head
     peak_name = max(moments, key=lambda k: moments[k].total)
@@ -368,9 +376,9 @@ def _optimizer_temporaries(c, optimizer, impl, n_local, d, shard) -> int:
     if not optimizer.startswith("adamw") or impl == "fused":
         return 0
     if impl == "foreach":
-        return n_local * d.stream // shard                                   # sqrt(v) for all at once
+        return n_local * d.state // shard                                    # sqrt(v) for all at once
     largest = max(c.vocab_size * c.hidden, c.hidden * c.ffn)
-    return 2 * largest * d.stream                                            # sqrt(v), then / bc2
+    return 2 * largest * d.state                                             # sqrt(v), then / bc2
 
 
 def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,

@@ -240,7 +240,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         model = apply_recompute(build_model(cfg, param_dtype(precision), device), recompute)
-        opt = make_optimizer(model.parameters(), optimizer, optimizer_impl, device=device)
+        opt = make_optimizer(model.parameters(), optimizer, optimizer_impl, device=device,
+                             master_weights=precision == "bf16-master")
         scaler = (torch.amp.GradScaler(device.type) if precision == "fp16-mixed" and not fake
                   else None)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)

@@ -120,3 +120,21 @@ def test_first_pipeline_stage_keeps_a_micro_batch_per_stage_in_flight():
     # 1F1B: the first stage holds 4 micro-batches of its 8 layers = all 32 layers' worth
     assert four.saved_activations == pytest.approx(one.saved_activations, rel=0.05)
     assert four.params == pytest.approx(one.params / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("name, precision", [
+    ("small", "bf16"), ("small", "bf16-master"), ("tiny-moe", "bf16"),
+    ("tiny-moe", "bf16-master"), ("tiny", "fp16-mixed"), ("tiny-moe", "fp16-mixed")])
+@pytest.mark.parametrize("seq", [64, 512])
+def test_estimate_matches_every_precision(name, precision, seq):
+    _within(name, precision, "none", seq, fake=False, tolerance=0.01)
+
+
+def test_master_weights_cost_12_bytes_of_state_and_4_of_fp32_gradients_at_the_step():
+    n = lk.count_params("llama-2-7b").total
+    e = lk.estimate("llama-2-7b", seq=64, precision="bf16-master")
+    m = lk.measure_step("llama-2-7b", seq=64, precision="bf16-master", fake=True)
+    assert e.params == m.params == 2 * n
+    tensors = 9 * 32 + 3                                     # 9 per layer, embedding, norm, head
+    assert e.optimizer == m.optimizer == 12 * n + 4 * tensors  # + one AdamW step counter each
+    assert m.other >= 4 * n                                  # the fp32 gradients at the peak
