@@ -113,8 +113,12 @@ class StepResult:
 
 
 def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
-               tracker=None) -> StepResult:
-    """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``."""
+               tracker=None, loss_factor: float = 1.0) -> StepResult:
+    """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``.
+
+    ``loss_factor`` multiplies the loss before backward (lab 02 shrinks gradients with it);
+    the loss reported is the model's own.
+    """
     phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
     dtype = autocast_dtype(precision)
     autocast = (torch.autocast(tokens.device.type, dtype=dtype) if dtype is not None
@@ -122,7 +126,8 @@ def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scale
     with phase("forward"), autocast:
         loss = model(tokens, targets)
     with phase("backward"):
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        scaled = loss * loss_factor if loss_factor != 1.0 else loss
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
     with phase("optimizer"):
         if scaler is not None:
             scaler.step(optimizer)
@@ -131,3 +136,46 @@ def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scale
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepResult(None if isinstance(loss, FakeTensor) else loss.item())
+
+
+def bigram_corpus(vocab_size: int, n_tokens: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
+    """A seeded token stream where each token is followed by one of ``branching`` successors:
+    learnable in a few dozen steps, its best loss is ln(branching)."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab_size, (vocab_size, branching), generator=g)
+    choice = torch.randint(0, branching, (n_tokens,), generator=g)
+    tokens = torch.empty(n_tokens, dtype=torch.long)
+    tokens[0] = 0
+    for i in range(1, n_tokens):
+        tokens[i] = successors[tokens[i - 1], choice[i]]
+    return tokens
+
+
+def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: int = 64,
+          lr: float = 3e-3, seed: int = 0, scaler=None, loss_factor: float = 1.0,
+          progress: bool = True) -> list[float]:
+    """A short real training run of ``labkit.model`` on ``bigram_corpus``; the loss per step.
+
+    Same seed, same initial weights and batches for every precision, so curves compare.
+    ``scaler`` (a GradScaler or labkit's DynamicLossScaler) is used for fp16. AdamW ignores
+    the gradients' overall size, so ``loss_factor`` changes nothing unless gradients underflow.
+    """
+    from tqdm.auto import trange
+    from .config import preset
+    from .model import build_model
+
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    if steps <= 0 or batch <= 0 or seq <= 0:
+        raise ValueError(f"steps, batch and seq must be positive, got {steps}, {batch}, {seq}")
+    torch.manual_seed(seed)
+    model = build_model(cfg, param_dtype(precision))
+    opt = make_optimizer(model.parameters(), "adamw", lr=lr,
+                         master_weights=precision == "bf16-master")
+    corpus = bigram_corpus(cfg.vocab_size, steps * batch * (seq + 1), seed)
+    rows = corpus.view(steps, batch, seq + 1)                                # (steps, B, T+1)
+    losses = []
+    for step in trange(steps, desc=f"training {cfg.name} ({precision})", disable=not progress):
+        result = train_step(model, opt, rows[step, :, :-1], rows[step, :, 1:], precision, scaler,
+                            loss_factor=loss_factor)
+        losses.append(result.loss)
+    return losses

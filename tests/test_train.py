@@ -26,3 +26,22 @@ def test_master_weights_live_in_the_optimizer_state():
     state = opt.state[w]
     assert state["master"].dtype == torch.float32
     assert state["exp_avg"].dtype == torch.float32 and isinstance(opt, MasterWeights)
+
+
+def test_mixed_precision_and_master_weights_follow_the_fp32_loss_curve():
+    from labkit.train import train
+    fp32 = train("tiny", steps=30, precision="fp32", progress=False)
+    for precision in ("bf16-mixed", "bf16-master"):
+        other = train("tiny", steps=30, precision=precision, progress=False)
+        assert abs(other[-1] - fp32[-1]) < 0.02 * fp32[-1]
+    assert fp32[-1] < fp32[0] - 1.0
+
+
+def test_fp16_without_loss_scaling_stalls_when_gradients_underflow():
+    from labkit.train import train
+    shrunk = dict(steps=30, loss_factor=1e-3, progress=False)     # AdamW ignores the factor
+    fp32 = train("tiny", precision="fp32", **shrunk)
+    unscaled = train("tiny", precision="fp16-mixed", **shrunk)
+    scaled = train("tiny", precision="fp16-mixed", scaler=torch.amp.GradScaler("cpu"), **shrunk)
+    assert unscaled[-1] > fp32[-1] + 0.5                          # gradients lost to underflow
+    assert abs(scaled[-1] - fp32[-1]) < 0.01 * fp32[-1]          # loss scaling restores them
