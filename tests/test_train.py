@@ -1,4 +1,5 @@
 """Training-step options: master weights keep the updates bf16 would round away."""
+import pytest
 import torch
 
 from labkit.train import MasterWeights, make_optimizer
@@ -37,6 +38,7 @@ def test_mixed_precision_and_master_weights_follow_the_fp32_loss_curve():
     assert fp32[-1] < fp32[0] - 1.0
 
 
+@pytest.mark.slow          # fp16 matmuls are slow on CPUs without fp16 units
 def test_fp16_without_loss_scaling_stalls_when_gradients_underflow():
     from labkit.train import train
     shrunk = dict(steps=30, loss_factor=1e-3, progress=False)     # AdamW ignores the factor
