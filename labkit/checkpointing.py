@@ -1,19 +1,181 @@
 """Activation recomputation ("checkpointing") policies applied to a ``labkit.model.Transformer``.
 
-- ``none``: keep every activation for the backward pass.
-- ``full``: keep only each block's input; recompute the block in the backward pass
-  (Chen et al., 2016, with one segment per layer).
+A recomputed unit keeps only its input for the backward pass and runs its forward again
+there (Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost"). The policies:
+
+- ``none``: keep every activation.
+- ``selective``: every block recomputes, but keeps the outputs of its matmuls and of
+  attention; only the cheap elementwise ops and norms run again (the op-level policy of
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, as in torchtitan;
+  Korthikanti et al., 2022, recompute the attention core instead, which SDPA's fused
+  kernel already avoids storing).
+- ``every-k``: one block in every k recomputes (blocks k-1, 2k-1, ...), the others keep
+  everything - torchtitan's ``selective_ac_option=k``. ``every-1`` is ``full``. The name
+  may carry k (``"every-3"``); plain ``"every-k"`` takes k from ``every``.
+- ``sqrt``: Chen et al.'s sqrt(n) schedule: the n blocks are cut into segments of
+  round(sqrt(n)) blocks, each recomputed as one unit from its first block's input.
+  Fewer inputs kept than ``full``; a whole segment is rebuilt at once in the backward pass.
+- ``full``: every block recomputes from its input (one segment per layer).
+
+``recompute_cost`` counts what the extra forward costs in FLOPs.
 """
 from __future__ import annotations
 
-from .train import check_choice
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
 
-RECOMPUTE_POLICIES = ("none", "full")
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from .config import preset
+from .model import build_model
+
+RECOMPUTE_POLICIES = ("none", "selective", "every-k", "sqrt", "full")
+
+aten = torch.ops.aten
+# what ``selective`` keeps: the outputs of matmuls and of fused attention (any backend)
+KEEP_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default}
 
 
-def apply_recompute(model, policy: str = "none"):
-    """Set which blocks of ``model`` recompute their activations; returns the model."""
-    check_choice("recompute policy", policy, RECOMPUTE_POLICIES)
-    model.recompute = [policy == "full"] * len(model.blocks)
-    model.checkpoint_options = {}
+@dataclass(frozen=True)
+class Unit:
+    """Blocks ``first`` .. ``last - 1`` run together; ``recompute``: checkpointed as one unit."""
+
+    first: int
+    last: int
+    recompute: bool
+
+
+def parse_policy(policy: str, every: int = 2) -> tuple[str, int]:
+    """(policy name, k) from ``"every-k"`` + ``every``, ``"every-3"``, or another name."""
+    name, k = policy, every
+    if isinstance(policy, str) and policy.startswith("every-") and policy[6:].isdigit():
+        name, k = "every-k", int(policy[6:])
+    if name not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {policy!r}; use one of "
+                         f"{', '.join(RECOMPUTE_POLICIES)} (or 'every-3' for k=3)")
+    if name == "every-k" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+        raise ValueError(f"every must be a positive whole number of blocks, got {k!r}; "
+                         f"every=1 recomputes every block (the same as 'full')")
+    return name, k
+
+
+def plan(layers: int, policy: str = "none", every: int = 2) -> list[Unit]:
+    """The units a model of ``layers`` blocks runs under ``policy``, in order."""
+    name, k = parse_policy(policy, every)
+    if name == "sqrt":
+        size = max(1, round(math.sqrt(layers)))
+        return [Unit(i, min(i + size, layers), True) for i in range(0, layers, size)]
+    recompute = {"none": lambda i: False, "full": lambda i: True,
+                 "selective": lambda i: True, "every-k": lambda i: (i + 1) % k == 0}[name]
+    return [Unit(i, i + 1, recompute(i)) for i in range(layers)]
+
+
+class Segment(nn.Module):
+    """Consecutive blocks run as one module, so that one checkpoint covers them all."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x, rope):
+        for block in self.blocks:
+            x = block(x, rope)
+        return x
+
+
+def blocks_of(model) -> list[nn.Module]:
+    """The model's transformer blocks in order, whether or not ``sqrt`` grouped them."""
+    return [b for unit in model.blocks
+            for b in (unit.blocks if isinstance(unit, Segment) else [unit])]
+
+
+def keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    """``selective``'s op policy: save matmul and attention outputs, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_recompute(model, policy: str = "none", every: int = 2):
+    """Set which blocks of ``model`` recompute their activations; returns the model.
+
+    ``sqrt`` replaces ``model.blocks`` by ``Segment`` modules (the parameters are the same
+    objects, their names gain a level: ``blocks.0.blocks.1...``); any other policy restores
+    the flat list, so policies can be switched back and forth on one model.
+    """
+    name, _ = parse_policy(policy, every)
+    blocks = blocks_of(model)
+    units = plan(len(blocks), policy, every)
+    if name == "sqrt":
+        model.blocks = nn.ModuleList(Segment(blocks[u.first:u.last]) for u in units)
+    elif any(isinstance(unit, Segment) for unit in model.blocks):
+        model.blocks = nn.ModuleList(blocks)
+    model.recompute = [u.recompute for u in units]
+    model.checkpoint_options = (
+        {"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                         keep_matmuls_and_attention)}
+        if name == "selective" else {})
     return model
+
+
+# ---- what recomputation costs ---------------------------------------------------------
+def _attention_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _attention_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+# FlopCounterMode knows the CUDA attention kernels but not the CPU one: count it the same way
+CPU_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+}
+
+
+@dataclass
+class RecomputeCost:
+    """FLOPs of one forward + backward pass with and without recomputation."""
+
+    policy: str
+    flops: int             # with the policy
+    baseline_flops: int    # policy "none"
+
+    @property
+    def extra(self) -> float:
+        """Extra work as a fraction of the step: ``full`` adds one forward of the blocks only
+        (not the embedding or LM head), so a little under 1/3."""
+        return self.flops / self.baseline_flops - 1
+
+
+def step_flops(cfg, policy: str = "none", seq: int = 512, batch: int = 1, every: int = 2,
+               fake: bool = True) -> int:
+    """Matmul and attention FLOPs of ``loss.backward()`` after a forward, as FlopCounterMode counts.
+
+    Elementwise ops are not counted (they are memory-bound): ``selective`` costs ~0 here.
+    Attention counts as a whole T x T product: FlopCounterMode ignores causality.
+    """
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = apply_recompute(build_model(cfg), policy, every)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter:
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+    return counter.get_total_flops()
+
+
+def recompute_cost(cfg, policy: str, seq: int = 512, batch: int = 1, every: int = 2,
+                   fake: bool = True) -> RecomputeCost:
+    """The FLOPs ``policy`` adds to a training step's forward and backward passes."""
+    return RecomputeCost(policy, step_flops(cfg, policy, seq, batch, every, fake),
+                         step_flops(cfg, "none", seq, batch, every, fake))

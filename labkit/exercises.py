@@ -241,3 +241,54 @@ def _mla_ratio():
     llama, mla = (kv_cache_bytes(name, seq=1) for name in ("llama-2-7b", "deepseek-v2-lite"))
     return {"answer": llama / mla, "llama": llama, "mla": mla, "layers": c.layers,
             "r": c.kv_lora_rank, "rope": c.qk_rope_dim}
+
+
+# ---- lab 02: mixed precision -----------------------------------------------------------------
+@register(
+    "02-fp16-largest",
+    question="What is the largest finite number fp16 can hold?",
+    unit="(a plain number)", rtol=0,
+    hint="fp16 has 5 exponent bits (largest exponent 15) and 10 mantissa bits: "
+         "(2 - 2^-10) x 2^15. torch.finfo(torch.float16).max agrees.",
+    solution="""(2 - 2^-10) x 2^15 = {answer:,.0f} = torch.finfo(torch.float16).max.
+A gradient or activation above it becomes inf: one reason bf16 (largest {bf16:.3g}) is easier.""",
+)
+def _fp16_largest():
+    import torch
+    return {"answer": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
+
+
+@register(
+    "02-autocast-weight-copies",
+    question="""Under torch.autocast (bf16) with fp32 weights, every matmul weight is cast to
+bf16 once per forward pass, and the copy is kept for the backward pass. For LLaMA-2-7B, how
+much memory do those copies take?""",
+    unit="GiB",
+    hint="Every weight except the RMSNorm gains (and the embedding table, which is looked up, "
+         "not multiplied) is a matmul weight; each copy is 2 bytes per element.",
+    solution="""matmul weights: {matmul:,} of the {total:,} parameters (all but the embedding
+table and the norm gains). x 2 bytes = {bytes:,} bytes = {answer:.2f} GiB, alive from the
+forward pass until each layer's backward: activations that pure-bf16 or master-weight training
+does not have.""",
+)
+def _autocast_copies():
+    pc = count_params("llama-2-7b")
+    matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]
+    return {"answer": 2 * matmul / GiB, "matmul": matmul, "total": pc.total, "bytes": 2 * matmul}
+
+
+@register(
+    "02-fp8-block-bytes",
+    question="""DeepSeek-V3 stores a 7168 x 7168 weight in FP8 (1 byte per number) with one fp32
+scale per 128 x 128 block. How many bytes is that, scales included?""",
+    unit="bytes", rtol=0,
+    hint="7168 / 128 = 56 blocks per side; each block has one 4-byte scale.",
+    solution="""data: 7168 x 7168 x 1 = {data:,} bytes; scales: (7168/128)^2 = {blocks:,} blocks x 4
+bytes = {scales:,} bytes; total {answer:,} bytes — the scales add {overhead:.3f}%.
+In bf16 the same weight takes {bf16:,} bytes.""",
+)
+def _fp8_block_bytes():
+    n, block = 7168, 128
+    data, blocks = n * n, (n // block) ** 2
+    return {"answer": data + 4 * blocks, "data": data, "blocks": blocks, "scales": 4 * blocks,
+            "overhead": 100 * 4 * blocks / data, "bf16": 2 * data}

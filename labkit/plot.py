@@ -198,3 +198,30 @@ def param_components_figure(counts: dict, title: str | None = None):
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
                ncol=min(4, len(components)), frameon=False)
     return fig
+
+
+def exponent_figure(values, dtype, loss_scale: float | None = None, title: str | None = None):
+    """Histogram of the values' base-2 exponents against a format's normal and subnormal ranges;
+    with ``loss_scale``, the same values multiplied by it (what loss scaling does)."""
+    from .precision import exponent_histogram, format_info
+    info = format_info(dtype)
+    fig, ax = _new_figure(9, 3.8)
+    ax.axvspan(np.log2(info.min_subnormal), np.log2(info.min_normal), color="#FBEFE3",
+               label=f"{info.name} subnormal (few bits left)")
+    ax.axvspan(np.log2(info.min_normal), np.log2(info.max), color="#E6F5EF",
+               label=f"{info.name} normal range")
+    series = [("gradients", values, CATEGORY_COLORS["gradients"])]
+    if loss_scale:
+        series.append((f"x {loss_scale:g} (loss scaling)", values * loss_scale,
+                       CATEGORY_COLORS["parameters"]))
+    for label, tensor, color in series:
+        hist = exponent_histogram(tensor)
+        ax.bar(list(hist), list(hist.values()), width=0.9, color=color, alpha=0.8, label=label)
+    ax.axvline(np.log2(info.min_subnormal), color="black", linewidth=1)
+    ax.text(np.log2(info.min_subnormal), ax.get_ylim()[1] * 0.95, "smaller: becomes 0 ",
+            va="top", ha="right", fontsize=9)
+    ax.set_xlabel("exponent: floor(log2 |value|)")
+    ax.set_ylabel("how many values")
+    ax.set_title(title or f"where the values fall in {info.name}")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
+    return fig

@@ -179,3 +179,30 @@ def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: in
                             loss_factor=loss_factor)
         losses.append(result.loss)
     return losses
+
+
+def time_step(cfg, precision: str = "bf16-mixed", seq: int = 1024, batch: int = 1,
+              device="cuda", repeats: int = 5) -> float:
+    """Median seconds of one real training step (after one warm-up step) on ``device``."""
+    import statistics
+    import time
+    from .config import preset
+    from .model import build_model
+
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    device = torch.device(device)
+    model = build_model(cfg, param_dtype(precision), device)
+    opt = make_optimizer(model.parameters(), device=device,
+                         master_weights=precision == "bf16-master")
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        train_step(model, opt, tokens[:, :-1], tokens[:, 1:], precision, scaler)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

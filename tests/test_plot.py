@@ -2,6 +2,7 @@
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
+import torch
 from matplotlib.colors import to_hex
 
 import labkit as lk
@@ -136,3 +137,13 @@ def test_parameter_components_are_shares_of_the_total():
     assert all(abs(v - 100) < 1e-9 for v in ends.values())
     texts = [t.get_text() for t in ax.texts]
     assert any("671B total" in t for t in texts) and any("37.6B active" in t for t in texts)
+
+
+def test_exponent_figure_shades_the_format_ranges_and_shifts_by_the_loss_scale():
+    from labkit.plot import exponent_figure
+    values = torch.full((100,), 2.0 ** -20)
+    ax = exponent_figure(values, torch.float16, loss_scale=2.0 ** 16).axes[0]
+    centres = sorted({round(b.get_x() + b.get_width() / 2) for b in ax.patches if b.get_height() == 100})
+    assert centres == [-20, -4]
+    labels = [t.get_text() for t in ax.get_figure().legends[0].get_texts()]
+    assert any("normal range" in t for t in labels) and any("subnormal" in t for t in labels)

@@ -1,0 +1,320 @@
+"""Padding vs packing, and gradient accumulation: how documents of many lengths become batches.
+
+- ``pad_batches``: documents in dataset order, each batch padded to its longest document
+  (or to a fixed length): every padding position costs memory and compute for nothing.
+- ``bucket_batches``: documents sorted by length first, so each batch pads little.
+- ``pack_batches``: whole documents packed into rows of fixed length (first-fit decreasing
+  bin packing), with a block-diagonal causal mask and position ids that restart in each
+  document, so that no token attends across documents (Krell et al., 2021, "Efficient
+  Sequence Packing without Cross-contamination").
+
+``accumulate_gradients`` sums the gradients of k micro-batches into those of one large batch:
+the activations shrink with the micro-batch, the optimizer state does not change.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import model as model_module
+from .config import preset
+from .model import build_model
+from .track import MemoryTracker, init_optimizer_state
+from .train import make_optimizer
+
+IGNORE = -100          # F.cross_entropy's ignore_index: positions that predict nothing
+
+
+# ---- a realistic spread of document lengths ------------------------------------------------
+def document_lengths(n: int, max_len: int = 2048, median: float = 256, sigma: float = 1.0,
+                     min_len: int = 16, seed: int = 0) -> list[int]:
+    """``n`` log-normal document lengths, clipped to [min_len, max_len]; repeatable per seed.
+
+    Log-normal: most documents are short, a long tail is long (median ``median``; ``sigma``
+    is the spread of log-length). The defaults are illustrative, not fitted to a corpus.
+    """
+    if n <= 0 or not 2 <= min_len <= max_len:
+        raise ValueError(f"need n > 0 and 2 <= min_len <= max_len, got n={n}, "
+                         f"min_len={min_len}, max_len={max_len}")
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.empty(n, dtype=torch.float64).log_normal_(math.log(median), sigma, generator=g)
+    return raw.round().clamp(min_len, max_len).long().tolist()
+
+
+def make_documents(lengths: list[int], vocab_size: int = 256, seed: int = 0) -> list[torch.Tensor]:
+    """Random token ids, one int64 tensor per document length."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g) for n in lengths]
+
+
+# ---- batches and what they cost ------------------------------------------------------------
+@dataclass
+class Batch:
+    """One batch. A document of L tokens fills L positions and predicts L - 1 next tokens."""
+
+    tokens: torch.Tensor                      # (B, T) int64 inputs, 0 on padding
+    targets: torch.Tensor                     # (B, T) int64 next token, IGNORE where none
+    real_tokens: int                          # positions holding a document token
+    position_ids: torch.Tensor | None = None  # (B, T) position in its document (packing only)
+    doc_ids: torch.Tensor | None = None       # (B, T) document index in its row, -1 on padding
+
+    @property
+    def padding(self) -> int:
+        return self.tokens.numel() - self.real_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the batch's tensors (what the data loader hands to the device)."""
+        return sum(t.nbytes for t in (self.tokens, self.targets, self.position_ids,
+                                      self.doc_ids) if t is not None)
+
+    @property
+    def mask_bytes(self) -> int:
+        """Bytes of packing's dense (B, 1, T, T) bool mask; 0 if none (x2 or x4 as bf16/fp32).
+
+        Right padding needs no mask: a causal model never looks ahead at it.
+        """
+        B, T = self.tokens.shape
+        return B * T * T if self.doc_ids is not None else 0
+
+
+@dataclass
+class Batching:
+    """A batcher's output and its totals: real tokens, padding positions, tensor bytes."""
+
+    name: str
+    batches: list[Batch] = field(repr=False)
+    tokens: int
+    padding: int
+    nbytes: int
+    mask_bytes: int
+
+    @property
+    def waste(self) -> float:
+        """Fraction of all positions that are padding."""
+        return self.padding / (self.tokens + self.padding)
+
+
+def summarise(name: str, batches: list[Batch]) -> Batching:
+    """Totals over ``batches``."""
+    return Batching(name, batches, sum(b.real_tokens for b in batches),
+                    sum(b.padding for b in batches), sum(b.nbytes for b in batches),
+                    sum(b.mask_bytes for b in batches))
+
+
+def _rows(rows: list[list[torch.Tensor]], T: int, packed: bool) -> Batch:
+    """Lay each row's documents side by side in T positions; padding at the end."""
+    B = len(rows)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    targets = torch.full((B, T), IGNORE, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    doc_ids = torch.full((B, T), -1, dtype=torch.long)
+    start = [0] * B
+    for r, docs in enumerate(rows):
+        for d, doc in enumerate(docs):
+            s, n = start[r], len(doc)
+            if s + n > T:
+                raise ValueError(f"a document of {n} tokens does not fit in rows of {T}; "
+                                 f"raise the row length or split long documents first")
+            tokens[r, s:s + n] = doc
+            targets[r, s:s + n - 1] = doc[1:]
+            positions[r, s:s + n] = torch.arange(n)
+            doc_ids[r, s:s + n] = d
+            start[r] = s + n
+    if not packed:
+        return Batch(tokens, targets, sum(start))
+    return Batch(tokens, targets, sum(start), positions, doc_ids)
+
+
+def _check_size(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _padded(docs: list[torch.Tensor], batch_size: int, pad_to: int | None) -> list[Batch]:
+    """One document per row, ``batch_size`` rows per batch, padded to ``pad_to`` or the longest."""
+    _check_size("batch_size", batch_size)
+    groups = [docs[i:i + batch_size] for i in range(0, len(docs), batch_size)]
+    return [_rows([[d] for d in g], pad_to or max(map(len, g)), packed=False) for g in groups]
+
+
+def pad_batches(docs: list[torch.Tensor], batch_size: int, pad_to: int | None = None) -> Batching:
+    """Batches of ``batch_size`` documents in order, padded to the longest (or to ``pad_to``)."""
+    return summarise("pad to max" if pad_to else "pad to longest", _padded(docs, batch_size, pad_to))
+
+
+def bucket_batches(docs: list[torch.Tensor], batch_size: int) -> Batching:
+    """Documents sorted by length, then batched and padded to each batch's longest."""
+    return summarise("length buckets", _padded(sorted(docs, key=len), batch_size, None))
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Document indices per row: longest first, each into the first row with room for it."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, free in enumerate(room) if lengths[i] <= free), len(rows))
+        if r == len(rows):
+            rows.append([])
+            room.append(capacity)
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+def pack_batches(docs: list[torch.Tensor], seq: int, rows_per_batch: int = 1) -> Batching:
+    """Whole documents packed into rows of ``seq`` tokens, ``rows_per_batch`` rows a batch."""
+    _check_size("seq", seq)
+    _check_size("rows_per_batch", rows_per_batch)
+    rows = [[docs[i] for i in row] for row in first_fit_decreasing([len(d) for d in docs], seq)]
+    batches = [_rows(rows[i:i + rows_per_batch], seq, packed=True)
+               for i in range(0, len(rows), rows_per_batch)]
+    return summarise("packing", batches)
+
+
+# ---- attention inside documents only -----------------------------------------------------
+def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) bool: query i sees key j iff same document, j <= i.
+
+    Padding (id -1) attends to earlier padding, so no query row is empty (no NaN).
+    """
+    T = doc_ids.shape[-1]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]                        # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same & causal).unsqueeze(1)                                      # (B, 1, T, T)
+
+
+class DocumentRotary(nn.Module):
+    """RoPE by position inside each document: the model's tables indexed by ``position_ids``."""
+
+    def __init__(self, rope: nn.Module, position_ids: torch.Tensor):
+        super().__init__()
+        self.cos = rope.cos[position_ids].unsqueeze(1)                       # (B, 1, T, dim)
+        self.sin = rope.sin[position_ids].unsqueeze(1)
+
+    def forward(self, x):
+        """Rotate x of shape (B, heads, T, dim), as ``labkit.model.Rotary`` does."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * self.sin.to(x.dtype)
+
+
+@contextlib.contextmanager
+def packed_attention(model, position_ids: torch.Tensor, doc_ids: torch.Tensor):
+    """Inside the block, ``model`` attends within documents and rotates by document position.
+
+    A stand-in until ``Transformer.forward`` takes these itself: it swaps
+    ``labkit.model.attention_core`` for a masked one and ``model.rope`` for per-document
+    tables, and restores both on exit (run the backward pass inside too if blocks recompute).
+    """
+    mask = block_causal_mask(doc_ids)
+    # Given a bool mask, SDPA makes an additive float copy in every layer and keeps it for
+    # backward (B*T*T*4 bytes per layer in fp32). One additive mask per dtype, shared by
+    # every layer, costs that once.
+    additive = {}
+
+    def masked_core(q, k, v):                     # q: (B, H, T, d); k, v: (B, Hkv, T, d)
+        if q.dtype not in additive:
+            additive[q.dtype] = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive[q.dtype],
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+    rope = model.rope
+    model.rope = DocumentRotary(rope, position_ids)
+    try:
+        with mock.patch.object(model_module, "attention_core", masked_core):
+            yield model
+    finally:
+        model.rope = rope
+
+
+@dataclass
+class PackedLossCheck:
+    """Loss of packed rows vs each document run alone."""
+
+    packed: float                # mean over every predicted token of the packed rows
+    per_document: list[float]    # each document's own mean loss
+    predictions: list[int]       # tokens each document predicts (its length - 1)
+
+    @property
+    def document_mean(self) -> float:
+        """Per-document losses averaged with weights = tokens predicted (what packing computes)."""
+        return sum(l * n for l, n in zip(self.per_document, self.predictions)) / sum(self.predictions)
+
+
+@torch.no_grad()
+def packed_loss_equals_per_document_loss(model, docs: list[torch.Tensor], seq: int,
+                                         isolate: bool = True) -> PackedLossCheck:
+    """Run ``docs`` packed into rows of ``seq`` and one by one; both losses, side by side.
+
+    With ``isolate=False`` the rows use plain causal attention and running positions:
+    tokens then see the previous documents, and the losses differ.
+    """
+    batch = _rows([[docs[i] for i in row] for row in
+                   first_fit_decreasing([len(d) for d in docs], seq)], seq, packed=True)
+    if isolate:
+        with packed_attention(model, batch.position_ids, batch.doc_ids):
+            packed = model(batch.tokens, batch.targets).item()
+    else:
+        packed = model(batch.tokens, batch.targets).item()
+    alone = [model(d[None, :-1], d[None, 1:]).item() for d in docs]          # (1, L - 1) each
+    return PackedLossCheck(packed, alone, [len(d) - 1 for d in docs])
+
+
+# ---- gradient accumulation ---------------------------------------------------------------
+def accumulate_gradients(model, micro_batches, tracker=None) -> float:
+    """Backward over each (tokens, targets) micro-batch; ``.grad`` then holds the whole batch's.
+
+    Each micro-batch's mean loss is weighted by its share of the predicted tokens: 1/k for k
+    equal micro-batches, and still exact when padding makes their token counts differ.
+    Returns the whole batch's loss.
+    """
+    phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
+    counts = [int((targets != IGNORE).sum()) for _, targets in micro_batches]
+    total, loss_sum = sum(counts), 0.0
+    for (tokens, targets), n in zip(micro_batches, counts):
+        with phase("forward"):
+            loss = model(tokens, targets) * (n / total)
+        with phase("backward"):
+            loss.backward()
+        loss_sum += loss.item()
+        del loss
+    return loss_sum
+
+
+@dataclass
+class AccumulationMemory:
+    """Bytes at the peak of one accumulated step (fp32, AdamW), and the largest of each kind."""
+
+    micro_batch: int
+    steps: int
+    peak: int
+    activations: int      # most activation bytes alive at once
+    grads: int
+    optimizer: int
+
+
+def measure_accumulation(cfg, micro_batch: int, steps: int, seq: int = 128,
+                         seed: int = 0) -> AccumulationMemory:
+    """One training step of ``micro_batch`` x ``steps`` sequences under the tracker."""
+    _check_size("micro_batch", micro_batch)
+    _check_size("steps", steps)
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    opt = make_optimizer(model.parameters())
+    init_optimizer_state(model, opt)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch * steps, seq + 1))
+    micro = [(t[:, :-1], t[:, 1:]) for t in tokens.split(micro_batch)]      # (b, T) each
+    with MemoryTracker(model, opt) as mt:
+        accumulate_gradients(model, micro, tracker=mt)
+        with mt.phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    by = mt.timeline.by_category
+    return AccumulationMemory(micro_batch, steps, mt.peak, max(by["activations"]),
+                              max(by["gradients"]), mt.by_category["optimizer"])
