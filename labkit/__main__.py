@@ -29,7 +29,9 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
                         help="AdamW implementation (default: what torch picks on --device)")
-    parser.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                        help="activation recomputation policy (every-k uses --every)")
+    parser.add_argument("--every", type=int, default=2, help="k of the every-k policy")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -82,8 +84,9 @@ def _run(args) -> str:
         lines += [f"{n:<18}{p.total:>18,}{p.active:>18,}  {preset(n).published}"
                   for n, p in rows.items()]
         return "\n".join(lines)
+    recompute = f"every-{args.every}" if args.recompute == "every-k" else args.recompute
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
-                optimizer=args.optimizer, recompute=args.recompute,
+                optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl)
     if args.command == "estimate":
         result = estimate(args.model, zero_stage=args.zero_stage, dp=args.dp, tp=args.tp,

@@ -16,13 +16,9 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from unittest import mock
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from . import model as model_module
 from .config import preset
 from .model import build_model
 from .track import MemoryTracker, init_optimizer_state
@@ -76,9 +72,11 @@ class Batch:
 
     @property
     def mask_bytes(self) -> int:
-        """Bytes of packing's dense (B, 1, T, T) bool mask; 0 if none (x2 or x4 as bf16/fp32).
+        """Elements of packing's dense (B, 1, T, T) mask, one byte each; 0 if none.
 
-        Right padding needs no mask: a causal model never looks ahead at it.
+        The model turns ``doc_ids`` into one additive ``labkit.model.document_mask`` in its
+        compute dtype: x2 or x4 these bytes as bf16/fp32. Right padding needs no mask: a
+        causal model never looks ahead at it.
         """
         B, T = self.tokens.shape
         return B * T * T if self.doc_ids is not None else 0
@@ -146,7 +144,8 @@ def _padded(docs: list[torch.Tensor], batch_size: int, pad_to: int | None) -> li
 
 def pad_batches(docs: list[torch.Tensor], batch_size: int, pad_to: int | None = None) -> Batching:
     """Batches of ``batch_size`` documents in order, padded to the longest (or to ``pad_to``)."""
-    return summarise("pad to max" if pad_to else "pad to longest", _padded(docs, batch_size, pad_to))
+    name = "pad to max" if pad_to else "pad to longest"
+    return summarise(name, _padded(docs, batch_size, pad_to))
 
 
 def bucket_batches(docs: list[torch.Tensor], batch_size: int) -> Batching:
@@ -177,61 +176,7 @@ def pack_batches(docs: list[torch.Tensor], seq: int, rows_per_batch: int = 1) ->
     return summarise("packing", batches)
 
 
-# ---- attention inside documents only -----------------------------------------------------
-def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, 1, T, T) bool: query i sees key j iff same document, j <= i.
-
-    Padding (id -1) attends to earlier padding, so no query row is empty (no NaN).
-    """
-    T = doc_ids.shape[-1]
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]                        # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same & causal).unsqueeze(1)                                      # (B, 1, T, T)
-
-
-class DocumentRotary(nn.Module):
-    """RoPE by position inside each document: the model's tables indexed by ``position_ids``."""
-
-    def __init__(self, rope: nn.Module, position_ids: torch.Tensor):
-        super().__init__()
-        self.cos = rope.cos[position_ids].unsqueeze(1)                       # (B, 1, T, dim)
-        self.sin = rope.sin[position_ids].unsqueeze(1)
-
-    def forward(self, x):
-        """Rotate x of shape (B, heads, T, dim), as ``labkit.model.Rotary`` does."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * self.cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * self.sin.to(x.dtype)
-
-
-@contextlib.contextmanager
-def packed_attention(model, position_ids: torch.Tensor, doc_ids: torch.Tensor):
-    """Inside the block, ``model`` attends within documents and rotates by document position.
-
-    A stand-in until ``Transformer.forward`` takes these itself: it swaps
-    ``labkit.model.attention_core`` for a masked one and ``model.rope`` for per-document
-    tables, and restores both on exit (run the backward pass inside too if blocks recompute).
-    """
-    mask = block_causal_mask(doc_ids)
-    # Given a bool mask, SDPA makes an additive float copy in every layer and keeps it for
-    # backward (B*T*T*4 bytes per layer in fp32). One additive mask per dtype, shared by
-    # every layer, costs that once.
-    additive = {}
-
-    def masked_core(q, k, v):                     # q: (B, H, T, d); k, v: (B, Hkv, T, d)
-        if q.dtype not in additive:
-            additive[q.dtype] = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive[q.dtype],
-                                              enable_gqa=k.shape[1] != q.shape[1])
-
-    rope = model.rope
-    model.rope = DocumentRotary(rope, position_ids)
-    try:
-        with mock.patch.object(model_module, "attention_core", masked_core):
-            yield model
-    finally:
-        model.rope = rope
-
-
+# ---- attention inside documents only ------------------------------------------------------
 @dataclass
 class PackedLossCheck:
     """Loss of packed rows vs each document run alone."""
@@ -243,7 +188,8 @@ class PackedLossCheck:
     @property
     def document_mean(self) -> float:
         """Per-document losses averaged with weights = tokens predicted (what packing computes)."""
-        return sum(l * n for l, n in zip(self.per_document, self.predictions)) / sum(self.predictions)
+        total = sum(loss * n for loss, n in zip(self.per_document, self.predictions))
+        return total / sum(self.predictions)
 
 
 @torch.no_grad()
@@ -256,11 +202,8 @@ def packed_loss_equals_per_document_loss(model, docs: list[torch.Tensor], seq: i
     """
     batch = _rows([[docs[i] for i in row] for row in
                    first_fit_decreasing([len(d) for d in docs], seq)], seq, packed=True)
-    if isolate:
-        with packed_attention(model, batch.position_ids, batch.doc_ids):
-            packed = model(batch.tokens, batch.targets).item()
-    else:
-        packed = model(batch.tokens, batch.targets).item()
+    packing = dict(position_ids=batch.position_ids, doc_ids=batch.doc_ids) if isolate else {}
+    packed = model(batch.tokens, batch.targets, **packing).item()
     alone = [model(d[None, :-1], d[None, 1:]).item() for d in docs]          # (1, L - 1) each
     return PackedLossCheck(packed, alone, [len(d) - 1 for d in docs])
 
@@ -300,7 +243,11 @@ class AccumulationMemory:
 
 def measure_accumulation(cfg, micro_batch: int, steps: int, seq: int = 128,
                          seed: int = 0) -> AccumulationMemory:
-    """One training step of ``micro_batch`` x ``steps`` sequences under the tracker."""
+    """One training step of ``micro_batch`` x ``steps`` sequences under the tracker.
+
+    All micro-batches' token ids stay resident (8 bytes per position): the only activation
+    bytes that grow with ``steps``.
+    """
     _check_size("micro_batch", micro_batch)
     _check_size("steps", steps)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg

@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -80,25 +79,6 @@ def plan(layers: int, policy: str = "none", every: int = 2) -> list[Unit]:
     return [Unit(i, i + 1, recompute(i)) for i in range(layers)]
 
 
-class Segment(nn.Module):
-    """Consecutive blocks run as one module, so that one checkpoint covers them all."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x, rope):
-        for block in self.blocks:
-            x = block(x, rope)
-        return x
-
-
-def blocks_of(model) -> list[nn.Module]:
-    """The model's transformer blocks in order, whether or not ``sqrt`` grouped them."""
-    return [b for unit in model.blocks
-            for b in (unit.blocks if isinstance(unit, Segment) else [unit])]
-
-
 def keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     """``selective``'s op policy: save matmul and attention outputs, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -107,18 +87,14 @@ def keep_matmuls_and_attention(ctx, op, *args, **kwargs):
 def apply_recompute(model, policy: str = "none", every: int = 2):
     """Set which blocks of ``model`` recompute their activations; returns the model.
 
-    ``sqrt`` replaces ``model.blocks`` by ``Segment`` modules (the parameters are the same
-    objects, their names gain a level: ``blocks.0.blocks.1...``); any other policy restores
-    the flat list, so policies can be switched back and forth on one model.
+    ``model.recompute[i]`` holds how many blocks recompute as one unit from block i's input
+    (0: none; the blocks inside a unit hold 0 and are run by it). ``model.blocks`` is never
+    touched, so parameter names stay the same and policies can be switched on one model.
     """
     name, _ = parse_policy(policy, every)
-    blocks = blocks_of(model)
-    units = plan(len(blocks), policy, every)
-    if name == "sqrt":
-        model.blocks = nn.ModuleList(Segment(blocks[u.first:u.last]) for u in units)
-    elif any(isinstance(unit, Segment) for unit in model.blocks):
-        model.blocks = nn.ModuleList(blocks)
-    model.recompute = [u.recompute for u in units]
+    model.recompute = [0] * len(model.blocks)
+    for u in plan(len(model.blocks), policy, every):
+        model.recompute[u.first] = u.last - u.first if u.recompute else 0
     model.checkpoint_options = (
         {"context_fn": functools.partial(create_selective_checkpoint_contexts,
                                          keep_matmuls_and_attention)}

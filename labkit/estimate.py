@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .checkpointing import RECOMPUTE_POLICIES as RECOMPUTE, parse_policy, plan
 from .config import ModelConfig, preset
 from .papers import model_state_bytes  # noqa: F401  (re-exported: the ZeRO paper's formula)
 from .train import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, check_choice, default_optimizer_impl
 from .units import Breakdown, dtype_bytes
 
-RECOMPUTE = ("none", "full")
 
 
 # ---- parameters ------------------------------------------------------------------------
@@ -170,16 +170,40 @@ def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved
     return Saved(per_token)
 
 
+def _matmul_outputs(c: ModelConfig, d: _Dtypes, moe: bool, tp: int) -> Saved:
+    """What the ``selective`` policy keeps besides the block's input: every matmul's output
+    and fused attention's output and log-sum-exp; norms and elementwise ops are recomputed."""
+    H, h = c.heads // tp, c.hidden
+    if c.attention == "gqa":
+        attention = 2 * H * c.head_dim + 2 * max(1, c.kv_heads // tp) * c.head_dim  # q, out; k, v
+    else:
+        q = (c.q_lora_rank + H * c.qk_head_dim) if c.q_lora_rank else H * c.qk_head_dim
+        attention = (q + c.kv_lora_rank + c.qk_rope_dim + H * (c.qk_nope_dim + c.v_head_dim)
+                     + H * c.qk_head_dim)                                    # ... padded output
+    if moe:
+        shared = c.shared_experts * c.moe_ffn // tp
+        mlp = (c.routed_experts + c.top_k * (2 * c.moe_ffn // tp + h)
+               + (2 * shared + h if shared else 0))                          # router, experts
+    else:
+        mlp = 2 * c.ffn // tp + h                                            # gate, up, down
+    return Saved((attention + h + mlp) * d.compute + 4 * H)                  # + wo; lse (fp32)
+
+
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                 recompute: str = "none", sp: bool = False) -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
-    With sequence parallelism (``sp``) the tensors every rank would hold whole (norms, the
-    residual stream, the inputs of column-parallel projections) are split over the ranks too.
+    ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
+    input plus the matmul and attention outputs. With sequence parallelism (``sp``) the
+    tensors every rank would hold whole (norms, the residual stream, the inputs of
+    column-parallel projections) are split over the ranks too.
     """
     d, split = _Dtypes.of(precision), (tp if sp else 1)
+    block_input = Saved(c.hidden * d.stream / split)
     if recompute == "full":
-        return Saved(c.hidden * d.stream / split)                            # the block's input only
+        return block_input
+    if recompute == "selective":
+        return block_input + _matmul_outputs(c, d, moe, tp)
     copies = 2 * _layer_params(c, moe)[1] // tp if d.mixed else 0            # autocast weight copies
     return (Saved(2 * _rmsnorm(c.hidden) / split, per_layer=copies)
             + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split))
@@ -221,9 +245,11 @@ def _check_layout(c: ModelConfig, batch, seq, dp, tp, pp, zero_stage, sp):
 def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
              zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
-             optimizer_impl: str | None = None, device: str = "cpu") -> Estimate:
+             optimizer_impl: str | None = None, device: str = "cpu", every: int = 2) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
+    ``recompute``: a ``labkit.checkpointing`` policy ("none", "selective", "every-k" with
+    ``every``, "sqrt", "full").
     ``optimizer_impl`` is AdamW's implementation ("for-loop", "foreach", "fused"); by
     default what torch picks on ``device``. With ``pp`` > 1 the device reported is the
     busiest stage; with 1F1B the first stage keeps ``pp`` micro-batches of activations.
@@ -231,13 +257,13 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     c = preset(cfg) if isinstance(cfg, str) else cfg
     check_choice("precision", precision, PRECISIONS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
-    check_choice("recompute policy", recompute, RECOMPUTE)
+    parse_policy(recompute, every)
     impl = optimizer_impl or default_optimizer_impl(device)
     check_choice("optimizer implementation", impl, OPTIMIZER_IMPLS)
     _check_layout(c, batch, seq, dp, tp, pp, zero_stage, sp)
     stages = [_stage(c, s, pp) for s in range(pp)]
     results = [_stage_estimate(c, layers, first, last, batch, seq, precision, optimizer,
-                               recompute, zero_stage, dp, tp, sp, impl, in_flight)
+                               recompute, every, zero_stage, dp, tp, sp, impl, in_flight)
                for layers, first, last, in_flight in stages]
     return max(results, key=lambda e: e.total)
 
@@ -249,7 +275,7 @@ def _stage(c: ModelConfig, s: int, pp: int):
     return layers, s == 0, s == pp - 1, pp - s          # 1F1B: stage s keeps pp - s in flight
 
 
-def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recompute,
+def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recompute, every,
                     zero_stage, dp, tp, sp, impl, in_flight) -> Estimate:
     d = _Dtypes.of(precision)
     N = B * T
@@ -269,8 +295,18 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     opt_bytes = n_local * state_per_param // shard + step_counters
     buffers = 2 * c.max_seq * c.rope_dim * 4                                 # RoPE cos, sin
     # -- activations ------------------------------------------------------------------------
-    saved = [layer_saved(c, precision, i >= c.dense_layers, tp, recompute, sp).bytes(B, T)
-             for i in layers]
+    units = plan(len(layers), recompute, every)
+    kept = {}            # what each layer keeps: everything, its input, or (inside a unit) nothing
+    for u in units:
+        kept[u.first] = "selective" if recompute == "selective" else (
+            "full" if u.recompute else "none")
+        kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
+    full = [layer_saved(c, precision, i >= c.dense_layers, tp, "none", sp).bytes(B, T)
+            for i in layers]
+    saved = [0 if kept[j] == "nothing" else
+             layer_saved(c, precision, i >= c.dense_layers, tp, kept[j], sp).bytes(B, T)
+             for j, i in enumerate(layers)]
+    unit_start = {i: u.first for u in units for i in range(u.first, u.last)}
     act_layers = sum(saved) * in_flight
     # alive the whole step: the token batch (B x (T + 1) int64, inputs and shifted targets)
     # and the loss (one fp32 number)
@@ -286,8 +322,10 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
                                  activations=batch_and_loss + activations, other=buffers + other,
                                  peak_phase=phase)
 
-    weight_cache = (2 * sum(m for _, m in layer_params) // tp
-                    if d.mixed and recompute == "full" else 0)               # autocast's cache
+    # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
+    # layer saves none of them, so for it the cache is extra
+    weight_cache = (2 * sum(m for j, (_, m) in enumerate(layer_params) if kept[j] != "none")
+                    // tp if d.mixed else 0)
     if last:
         # forward, at the loss: the logits and their log-softmax (fp32) side by side
         logit_copies = logits + (logits // 2 if d.mixed else 0)
@@ -301,17 +339,14 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
     layer_moments = {}
     for i in reversed(range(len(layers))):          # backward visits the last layer first
         moe = layers[i] >= c.dense_layers
-        below = sum(saved[:i]) * in_flight + sum(saved[i:]) * (in_flight - 1)
+        below = sum(saved[:i + 1]) * in_flight + sum(saved[i + 1:]) * (in_flight - 1)
         grads = (sum(p for p, _ in layer_params[i + 1:]) * d.stream // tp + head_grads
                  + _first_grad(c, d, moe, tp))
-        this_layer = layer_saved(c, precision, moe, tp, "none", sp).bytes(B, T)
         transient = _layer_backward_transient(c, d, moe, tp, N) + grad_stream
-        if recompute == "full":      # its input stays saved; the rest is recomputed ("other")
-            layer_moments[layers[i]] = dict(grads=grads, activations=below + saved[i],
-                                             other=this_layer - saved[i] + transient)
-        else:
-            layer_moments[layers[i]] = dict(grads=grads, activations=below + this_layer,
-                                            other=transient)
+        # a recomputed unit's layers up to this one are rebuilt, beside what they kept ("other")
+        a = unit_start[i]
+        rebuilt = sum(full[a:i + 1]) - sum(saved[a:i + 1])
+        layer_moments[layers[i]] = dict(grads=grads, activations=below, other=rebuilt + transient)
     if layer_moments:
         worst = max(layer_moments, key=lambda i: sum(layer_moments[i].values()))
         moment(f"backward: layer {worst}", "backward", **layer_moments[worst])

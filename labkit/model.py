@@ -45,17 +45,46 @@ class Rotary(nn.Module):
     def forward(self, x):
         """Rotate x of shape (B, heads, T, dim) by its position along T."""
         T = x.shape[-2]
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)              # (T, dim)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return rotate(x, self.cos[:T], self.sin[:T])                               # tables (T, dim)
 
 
-def attention_core(q, k, v):
+class PackedRotary(nn.Module):
+    """The rotary tables gathered once at ``position_ids`` (B, T): positions restart in each
+    document of a packed row."""
+
+    def __init__(self, rope: Rotary, position_ids):
+        super().__init__()
+        self.cos = rope.cos[position_ids].unsqueeze(1)                             # (B, 1, T, dim)
+        self.sin = rope.sin[position_ids].unsqueeze(1)
+
+    def forward(self, x):
+        return rotate(x, self.cos, self.sin)
+
+
+def rotate(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+def document_mask(doc_ids, dtype):
+    """(B, T) document ids -> additive (B, 1, T, T) mask: 0 where query i may see key j (same
+    document, j <= i), -inf elsewhere. Made once per forward and shared by every layer: given
+    a bool mask, SDPA would make and keep a float copy of it in each layer."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal                 # (B, T, T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)                  # (B, 1, T, T)
+
+
+def attention_core(q, k, v, mask=None):
     """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel: no (T, T) matrix is kept.
 
     q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
+    ``mask``: a ``document_mask`` for packed rows, in place of plain causality.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -70,12 +99,12 @@ class GroupedQueryAttention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x, rope: Rotary):
+    def forward(self, x, rope: Rotary, mask=None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)     # (B, H, T, d)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
         v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
-        y = attention_core(rope(q), rope(k), v)                                  # (B, H, T, d)
+        y = attention_core(rope(q), rope(k), v, mask)                            # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
 
 
@@ -101,7 +130,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(H * cfg.v_head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x, rope: Rotary):
+    def forward(self, x, rope: Rotary, mask=None):
         c, (B, T, _) = self.cfg, x.shape
         H, nope, rdim, vdim = c.heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
@@ -115,7 +144,7 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope], dim=-1)                                   # (B, H, T, qk)
         # the fused kernels want one head width: pad v to qk and drop the padding after
         v = F.pad(v, (0, nope + rdim - vdim))                                     # (B, H, T, qk)
-        y = attention_core(q, k, v)[..., :vdim]                                   # (B, H, T, v)
+        y = attention_core(q, k, v, mask)[..., :vdim]                             # (B, H, T, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, H * vdim))                 # (B, T, hidden)
 
 
@@ -190,16 +219,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MoE(cfg) if layer >= cfg.dense_layers else SwiGLU(cfg.hidden, cfg.ffn)
 
-    def forward(self, x, rope: Rotary):
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x, rope: Rotary, mask=None):
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
     """Token embedding -> blocks -> final RMSNorm -> LM head; ``forward`` returns the loss.
 
-    ``recompute[i]`` (set by ``labkit.checkpointing``) says whether block i recomputes its
-    activations in the backward pass instead of keeping them.
+    ``recompute[i]`` (set by ``labkit.checkpointing``): 0 / False keeps block i's activations;
+    n >= 1 (True = 1) recomputes blocks i .. i+n-1 as one unit from block i's input in the
+    backward pass (the blocks it covers are then skipped in the list).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -224,18 +254,38 @@ class Transformer(nn.Module):
             elif "router_bias" in name:
                 nn.init.zeros_(p)
 
-    def forward(self, tokens, targets=None):
-        """tokens, targets: (B, T) int64. Returns the mean next-token loss, or logits if no targets."""
+    def run_blocks(self, x, first: int, last: int, rope, mask=None):
+        """Blocks first .. last - 1 in order: the unit one checkpoint recomputes."""
+        for block in self.blocks[first:last]:
+            x = block(x, rope, mask)
+        return x
+
+    def forward(self, tokens, targets=None, position_ids=None, doc_ids=None):
+        """tokens, targets: (B, T) int64. Returns the mean next-token loss, or logits if no targets.
+
+        Packed rows (``labkit.batching``) pass ``position_ids`` and ``doc_ids`` (B, T): each
+        token then attends only within its document, at its position in that document.
+        """
         if tokens.shape[1] > self.cfg.max_seq:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq="
                              f"{self.cfg.max_seq}; build the model with a larger max_seq")
         x = self.embed(tokens)                                                    # (B, T, hidden)
-        for block, recompute in zip(self.blocks, self.recompute):
-            if recompute:
-                x = torch.utils.checkpoint.checkpoint(block, x, self.rope, use_reentrant=False,
+        rope = self.rope if position_ids is None else PackedRotary(self.rope, position_ids)
+        mask = None
+        if doc_ids is not None:          # in the dtype attention computes in (bf16 under autocast)
+            dtype = (torch.get_autocast_dtype(x.device.type)
+                     if torch.is_autocast_enabled(x.device.type) else x.dtype)
+            mask = document_mask(doc_ids, dtype)                                 # (B, 1, T, T)
+        i = 0
+        while i < len(self.blocks):
+            span = int(self.recompute[i])      # 0: keep; n: blocks i .. i+n-1 recompute as one
+            if span:
+                x = torch.utils.checkpoint.checkpoint(self.run_blocks, x, i, i + span, rope, mask,
+                                                      use_reentrant=False,
                                                       **self.checkpoint_options)
             else:
-                x = block(x, self.rope)
+                x = self.run_blocks(x, i, i + 1, rope, mask)
+            i += max(span, 1)
         logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)
         if targets is None:
             return logits

@@ -113,21 +113,25 @@ class StepResult:
 
 
 def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
-               tracker=None, loss_factor: float = 1.0) -> StepResult:
+               tracker=None, loss_factor: float = 1.0, offload: bool = False) -> StepResult:
     """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``.
 
     ``loss_factor`` multiplies the loss before backward (lab 02 shrinks gradients with it);
-    the loss reported is the model's own.
+    the loss reported is the model's own. ``offload`` keeps what autograd saves in pinned
+    CPU memory (``torch.autograd.graph.save_on_cpu``): GPU memory for PCIe traffic.
     """
     phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
     dtype = autocast_dtype(precision)
     autocast = (torch.autocast(tokens.device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext())
-    with phase("forward"), autocast:
-        loss = model(tokens, targets)
-    with phase("backward"):
-        scaled = loss * loss_factor if loss_factor != 1.0 else loss
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    saving = (torch.autograd.graph.save_on_cpu(pin_memory=tokens.device.type == "cuda")
+              if offload else contextlib.nullcontext())
+    with saving:
+        with phase("forward"), autocast:
+            loss = model(tokens, targets)
+        with phase("backward"):
+            scaled = loss * loss_factor if loss_factor != 1.0 else loss
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
     with phase("optimizer"):
         if scaler is not None:
             scaler.step(optimizer)
@@ -182,7 +186,8 @@ def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: in
 
 
 def time_step(cfg, precision: str = "bf16-mixed", seq: int = 1024, batch: int = 1,
-              device="cuda", repeats: int = 5) -> float:
+              device="cuda", repeats: int = 5, recompute: str = "none",
+              offload: bool = False) -> float:
     """Median seconds of one real training step (after one warm-up step) on ``device``."""
     import statistics
     import time
@@ -191,7 +196,8 @@ def time_step(cfg, precision: str = "bf16-mixed", seq: int = 1024, batch: int = 
 
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     device = torch.device(device)
-    model = build_model(cfg, param_dtype(precision), device)
+    from .checkpointing import apply_recompute
+    model = apply_recompute(build_model(cfg, param_dtype(precision), device), recompute)
     opt = make_optimizer(model.parameters(), device=device,
                          master_weights=precision == "bf16-master")
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
@@ -201,7 +207,7 @@ def time_step(cfg, precision: str = "bf16-mixed", seq: int = 1024, batch: int = 
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        train_step(model, opt, tokens[:, :-1], tokens[:, 1:], precision, scaler)
+        train_step(model, opt, tokens[:, :-1], tokens[:, 1:], precision, scaler, offload=offload)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -3,28 +3,45 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute, blocks_of,
+from labkit.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute,
                                   keep_matmuls_and_attention, plan, recompute_cost)
 from torch.utils.checkpoint import CheckpointPolicy
 
 POLICIES = ["none", "selective", "every-k", "every-3", "sqrt", "full"]
 
 
-def _gradients(model, tokens):
+def _gradients(model, tokens, autocast, **packing):
     model.zero_grad(set_to_none=True)
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(tokens[:, :-1], tokens[:, 1:], **packing)
+    loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_every_policy_gives_bit_identical_gradients_to_keeping_everything(name):
+def test_every_policy_gives_bit_identical_gradients_to_keeping_everything(name, autocast):
     torch.manual_seed(0)
     model = lk.build_model(lk.preset(name))
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 33))
-    reference = _gradients(apply_recompute(model, "none"), tokens)
+    reference = _gradients(apply_recompute(model, "none"), tokens, autocast)
     for policy in POLICIES:
-        grads = _gradients(apply_recompute(model, policy), tokens)
+        grads = _gradients(apply_recompute(model, policy), tokens, autocast)
         # the recomputed forward runs the same kernels on the same inputs: equal to the bit
+        assert all(torch.equal(a, b) for a, b in zip(reference, grads)), policy
+
+
+def test_packed_rows_recompute_with_their_mask_and_positions_to_the_same_gradients():
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("tiny-moe"))
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 33))
+    doc_ids = torch.tensor([[0] * 12 + [1] * 20, [0] * 25 + [-1] * 7])        # (B, T)
+    position_ids = torch.cat([torch.arange(12), torch.arange(20), torch.arange(32)]).view(2, 32)
+    packing = dict(position_ids=position_ids, doc_ids=doc_ids)
+    reference = _gradients(apply_recompute(model, "none"), tokens, False, **packing)
+    assert not all(torch.equal(a, b) for a, b in zip(reference, _gradients(model, tokens, False)))
+    for policy in POLICIES:
+        grads = _gradients(apply_recompute(model, policy), tokens, False, **packing)
         assert all(torch.equal(a, b) for a, b in zip(reference, grads)), policy
 
 
@@ -41,21 +58,21 @@ def test_sqrt_cuts_n_blocks_into_segments_of_about_sqrt_n():
     assert len(plan(64, "sqrt")) == 8
 
 
-def test_switching_policies_keeps_the_same_parameters_and_restores_their_names():
+def test_switching_policies_keeps_the_same_parameters_and_their_names():
     model = lk.build_model(lk.preset("tiny-moe"))
     names, params = list(model.state_dict()), list(model.parameters())
-    apply_recompute(model, "sqrt")
-    assert len(model.blocks) == 2 and len(blocks_of(model)) == 3
-    assert all(a is b for a, b in zip(params, model.parameters()))
-    apply_recompute(model, "full")
-    assert list(model.state_dict()) == names and model.recompute == [True] * 3
+    for policy, recompute in (("sqrt", [2, 0, 1]), ("full", [1, 1, 1]), ("none", [0, 0, 0]),
+                              ("every-3", [0, 0, 1]), ("sqrt", [2, 0, 1])):
+        apply_recompute(model, policy)
+        assert model.recompute == recompute, policy
+        assert list(model.state_dict()) == names, policy
+        assert all(a is b for a, b in zip(params, model.parameters(), strict=True)), policy
 
 
 def test_selective_saves_matmuls_and_attention_and_recomputes_elementwise_ops():
     aten = torch.ops.aten
-    assert keep_matmuls_and_attention(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
-    assert keep_matmuls_and_attention(
-        None, aten._scaled_dot_product_flash_attention_for_cpu.default) == CheckpointPolicy.MUST_SAVE
+    for op in (aten.mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default):
+        assert keep_matmuls_and_attention(None, op) == CheckpointPolicy.MUST_SAVE
     for op in (aten.rsqrt.default, aten.silu.default, aten.mul.Tensor):
         assert keep_matmuls_and_attention(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -138,3 +138,16 @@ def test_master_weights_cost_12_bytes_of_state_and_4_of_fp32_gradients_at_the_st
     tensors = 9 * 32 + 3                                     # 9 per layer, embedding, norm, head
     assert e.optimizer == m.optimizer == 12 * n + 4 * tensors  # + one AdamW step counter each
     assert m.other >= 4 * n                                  # the fp32 gradients at the peak
+
+
+@pytest.mark.parametrize("recompute", ["selective", "every-2", "sqrt"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+@pytest.mark.parametrize("name", ["small", "tiny-moe"])
+def test_estimate_follows_every_recompute_policy(name, precision, recompute):
+    _within(name, precision, recompute, 1024, fake=False)
+
+
+def test_selective_recompute_keeps_exactly_the_matmul_and_attention_outputs():
+    m = lk.measure_step("small", seq=1024, precision="bf16-mixed", recompute="selective", fake=False)
+    e = lk.estimate("small", seq=1024, precision="bf16-mixed", recompute="selective")
+    assert abs(e.saved_activations - m.saved_activations) <= 8      # to within a scalar
