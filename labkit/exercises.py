@@ -292,3 +292,56 @@ def _fp8_block_bytes():
     data, blocks = n * n, (n // block) ** 2
     return {"answer": data + 4 * blocks, "data": data, "blocks": blocks, "scales": 4 * blocks,
             "overhead": 100 * 4 * blocks / data, "bf16": 2 * data}
+
+
+# ---- lab 03: activations ---------------------------------------------------------------------
+@register(
+    "03-full-recompute-kept",
+    question="""With full recomputation, each layer of LLaMA-2-7B keeps only its input for the
+backward pass. How much is that per layer for one sequence of 4096 tokens in bf16?""",
+    unit="MiB",
+    hint="The input of a block is the hidden state: tokens x hidden numbers, 2 bytes each.",
+    solution="""4096 tokens x {h} hidden x 2 bytes = {bytes:,} bytes = {answer:.0f} MiB per layer;
+x {layers} layers = {total:.0f} MiB, against {none:.1f} GiB of saved activations without
+recomputation (lk.estimate(..., recompute="full")).""",
+)
+def _full_recompute_kept():
+    from .estimate import estimate
+    c = preset("llama-2-7b")
+    per_layer = 4096 * c.hidden * 2
+    none = estimate(c, seq=4096, precision="bf16").saved_activations
+    return {"answer": per_layer / 2**20, "h": c.hidden, "bytes": per_layer, "layers": c.layers,
+            "total": c.layers * per_layer / 2**20, "none": none / GiB}
+
+
+@register(
+    "03-padding-waste",
+    question="""Four documents of 100, 300, 50 and 550 tokens are padded to 600 tokens each.
+What percentage of the positions are padding?""",
+    unit="percent",
+    hint="Positions: 4 x 600. Real tokens: the sum of the lengths. Padding is the rest.",
+    solution="""positions 4 x 600 = 2400; real tokens {real}; padding {pad} = {answer:.1f}%
+(lk.batching.pad_batches(docs, 4, pad_to=600).waste).""",
+)
+def _padding_waste():
+    from .batching import make_documents, pad_batches
+    docs = make_documents([100, 300, 50, 550])
+    b = pad_batches(docs, 4, pad_to=600)
+    return {"answer": 100 * b.waste, "real": b.tokens, "pad": b.padding}
+
+
+@register(
+    "03-accumulation-optimizer",
+    question="""The course model `small` trains in fp32 with AdamW and 8 gradient-accumulation
+steps. How much memory does the optimizer state take?""",
+    unit="MiB",
+    hint="AdamW keeps two fp32 moments per parameter (plus one step counter per tensor); the "
+         "number of accumulation steps does not enter. lk.count_params('small').",
+    solution="""{n:,} parameters x 8 bytes + {tensors} step counters x 4 bytes = {bytes:,} bytes
+= {answer:.2f} MiB, for 1 accumulation step or 8 (lk.estimate("small", precision="fp32").optimizer).""",
+)
+def _accumulation_optimizer():
+    from .estimate import estimate
+    n = count_params("small").total
+    total = estimate("small", precision="fp32").optimizer
+    return {"answer": total / 2**20, "n": n, "tensors": (total - 8 * n) // 4, "bytes": total}

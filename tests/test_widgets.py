@@ -47,3 +47,18 @@ def test_choosing_a_preset_loads_its_shape():
     panel.model.value = "tiny"
     assert panel.shape["hidden"].value == lk.preset("tiny").hidden
     assert panel.result.config.name == "tiny"
+
+
+def test_recompute_report_matches_the_estimate_and_explains_bad_input():
+    result = widgets.recompute_report("small", layers=8, seq=512, batch=1, policy="full")
+    assert result.estimate.total == lk.estimate(lk.preset("small", layers=8), seq=512,
+                                                precision="bf16-mixed", recompute="full").total
+    bad = widgets.recompute_report("small", layers=8, seq=512, batch=1, policy="half")
+    assert "unknown recompute policy 'half'" in bad.error
+
+
+def test_recompute_panel_updates_with_its_controls():
+    panel = widgets.RecomputePanel(model="tiny", seq=256)
+    full = panel.result.estimate.saved_activations
+    panel.policy.value = "none"
+    assert panel.result.estimate.saved_activations > full
