@@ -285,7 +285,7 @@ def _stage_estimate(c, layers, first, last, B, T, precision, optimizer, recomput
                 + ((c.vocab_size * c.hidden if not c.tie_embeddings else 0) + c.hidden
                    if last else 0))
     n_tensors = _param_tensors(c, layers, first, last)
-    n_local = n_params // tp if tp > 1 else n_params        # norms replicated: small, ignored
+    n_local = n_params // tp                                 # norms replicated: small, ignored
     shard = dp if zero_stage else 1
     params = n_local * d.stream // (dp if zero_stage >= 3 else 1)
     grad_bytes = n_local * d.stream // (dp if zero_stage >= 2 else 1)

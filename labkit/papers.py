@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .units import check_choice
+
 # bytes per parameter of (params, grads, optimizer states) for each precision and optimizer;
 # the mixed-precision optimizer states hold the fp32 master copy (ZeRO section 3: K = 12 for Adam)
 STATE_BYTES = {
@@ -19,11 +21,6 @@ RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
-
-
 def _check_int(name, value, low=1):
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         kind = "positive" if low == 1 else "non-negative"
@@ -33,10 +30,12 @@ def _check_int(name, value, low=1):
 def model_state_bytes(n_params, precision="bf16-mixed", optimizer="adamw", zero_stage=0, dp=1) -> int:
     """Per-device bytes of params + grads + optimizer states (ZeRO, section 3 and Table 1);
     bytes per parameter from ``STATE_BYTES``; stage 1/2/3 shards optimizer/+grads/+params over dp."""
+    if isinstance(n_params, float) and n_params.is_integer():
+        n_params = int(n_params)                    # 7.5e9, as the paper writes it
     _check_int("n_params", n_params, low=0)
     _check_int("dp", dp)
-    _check_choice("precision", precision, tuple(STATE_BYTES))
-    _check_choice("optimizer", optimizer, tuple(STATE_BYTES[precision]))
+    check_choice("precision", precision, tuple(STATE_BYTES))
+    check_choice("optimizer", optimizer, tuple(STATE_BYTES[precision]))
     if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {zero_stage!r}")
     sizes = (n_params * b for b in STATE_BYTES[precision][optimizer])  # params, grads, optimizer
@@ -50,7 +49,7 @@ def megatron_activation_bytes(seq, batch, hidden, heads, layers=1, tp=1, sp=Fals
     for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
                         ("layers", layers), ("tp", tp)):
         _check_int(name, value)
-    _check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("recompute", recompute, RECOMPUTE)
     if heads % tp:
         raise ValueError(f"tp={tp} does not divide heads={heads}; choose tp among the divisors of {heads}")
     s, b, h, a, t = seq, batch, hidden, heads, Fraction(tp)
@@ -80,7 +79,7 @@ def _check_pipeline(p, m, schedule, v):
     _check_int("p", p)
     _check_int("m", m)
     _check_int("v", v)
-    _check_choice("schedule", schedule, SCHEDULES)
+    check_choice("schedule", schedule, SCHEDULES)
     if v > 1 and schedule != "interleaved":
         raise ValueError(f"v={v} virtual stages needs schedule='interleaved'; use v=1 with {schedule!r}")
 

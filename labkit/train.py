@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .units import check_choice
+
 PRECISIONS = ("fp32", "bf16", "bf16-master", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
@@ -27,12 +29,6 @@ OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 def device() -> torch.device:
     """The device every lab uses: the GPU when CUDA is present, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def check_choice(name: str, value, choices) -> None:
-    """ValueError naming the valid values when ``value`` is not one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
 
 
 def param_dtype(precision: str) -> torch.dtype:

@@ -9,6 +9,12 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_choice(name: str, value, choices) -> None:
+    """ValueError naming the valid values when ``value`` is not one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
+
+
 def dtype_bytes(dtype) -> float:
     """Bytes per element of a format name ("bf16") or a torch dtype."""
     if isinstance(dtype, torch.dtype):

@@ -183,7 +183,7 @@ def test_idle_fraction_is_ratio_over_one_plus_ratio():
 @pytest.mark.parametrize("call, message", [
     (lambda: model_state_bytes(100, dp=0), r"dp must be a positive integer, got 0"),
     (lambda: model_state_bytes(-1), r"n_params must be a non-negative integer, got -1"),
-    (lambda: model_state_bytes(7.5e9), r"n_params must be a non-negative integer, got 7500000000.0"),
+    (lambda: model_state_bytes(7.5e9 + 0.5), r"n_params must be a non-negative integer, got 7500000000.5"),
     (lambda: model_state_bytes(100, zero_stage=4), r"zero_stage must be one of 0, 1, 2, 3, got 4"),
     (lambda: model_state_bytes(100, precision="fp8"), r"unknown precision 'fp8'; use one of bf16-mixed, "),
     (lambda: model_state_bytes(100, optimizer="lion"), r"unknown optimizer 'lion'; use one of adamw, "),
@@ -203,3 +203,7 @@ def test_idle_fraction_is_ratio_over_one_plus_ratio():
 def test_bad_input_names_the_fix(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_parameter_counts_written_as_the_paper_writes_them_are_accepted():
+    assert model_state_bytes(7.5e9) == model_state_bytes(7_500_000_000) == 16 * 7_500_000_000
