@@ -2,10 +2,14 @@
 
     python scripts/run_notebooks.py                      # every notebooks/*.ipynb
     python scripts/run_notebooks.py 03_activations       # or those named (stem or path)
+    python scripts/run_notebooks.py --check              # execute, compare, write nothing
 
 Each notebook runs with papermill from its own folder (notebooks/), then is saved without
 what would only add noise to a diff: papermill's injected cell and metadata, per-cell
-timings and widget state. tests/test_notebooks.py uses the same ``execute``.
+timings and widget state. tests/test_notebooks.py uses the same ``execute`` and
+``compare_checked``: the text a cell marked ``# NBVAL_CHECK_OUTPUT`` prints must equal the
+committed text, on every machine, so such a cell prints only bytes, counts and verdicts
+(CONTRIBUTING.md).
 """
 from __future__ import annotations
 
@@ -14,12 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+import copy
+import difflib
+
 import nbformat
 import papermill
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CI = {"SCALE": "ci"}
-CELL_TIMEOUT_S = 600          # a hung cell fails the run instead of stalling it
+CELL_TIMEOUT_S = 300          # a hung cell fails the run, naming the cell, instead of stalling it
+CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
 
 
 def find(names=()) -> list[Path]:
@@ -66,18 +74,68 @@ def clean(nb):
     return nb
 
 
+def _printed(cell) -> str:
+    """What a code cell showed as text: its stdout (however the kernel chunked it) and the
+    plain-text form of its results. stderr (warnings, progress bars) is left out."""
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream" and output.name == "stdout":
+            parts.append(output.text)
+        elif output.output_type in ("execute_result", "display_data"):
+            parts.append(output.get("data", {}).get("text/plain", "") + "\n")
+        elif output.output_type == "error":
+            parts.append(f"{output.ename}: {output.evalue}\n")
+    return "".join(parts)
+
+
+def checked_outputs(nb) -> dict[int, tuple[str, str]]:
+    """{code cell number: (first line of its code, printed text)} for the cells marked
+    ``# NBVAL_CHECK_OUTPUT`` (papermill's injected cell is not counted)."""
+    nb = clean(copy.deepcopy(nb))
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    return {i: (next((line for line in c.source.splitlines()
+                      if line.strip() and CHECK_MARK not in line), ""), _printed(c))
+            for i, c in enumerate(code, 1) if CHECK_MARK in c.source}
+
+
+def compare_checked(expected, executed) -> list[str]:
+    """One message per checked cell whose printed text differs from the committed one."""
+    want, got = checked_outputs(expected), checked_outputs(executed)
+    problems = []
+    if set(want) != set(got):
+        problems.append(f"checked cells moved: committed {sorted(want)}, executed {sorted(got)}"
+                        " (re-run scripts/run_notebooks.py)")
+    for i in sorted(set(want) & set(got)):
+        (code, before), (_, after) = want[i], got[i]
+        if before != after:
+            diff = difflib.unified_diff(before.splitlines(), after.splitlines(), "committed",
+                                        "executed", lineterm="", n=0)
+            problems.append(f"cell [{i}] `{code}` printed something else:\n" + "\n".join(diff))
+    return problems
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", help="stems or paths (default: all)")
-    paths = find(parser.parse_args(argv).notebooks)
+    parser.add_argument("--check", action="store_true",
+                        help="compare the checked cells with the committed outputs; write nothing")
+    args = parser.parse_args(argv)
+    paths = find(args.notebooks)
     if not paths:
         print(f"no notebooks in {NOTEBOOKS}")
+    failed = 0
     for path in paths:
         start = time.perf_counter()
-        nb = clean(execute(path))
-        nbformat.write(nb, str(path))
-        print(f"{time.perf_counter() - start:6.1f} s  {path.name}")
-    return 0
+        nb = execute(path)
+        problems = compare_checked(nbformat.read(str(path), as_version=4), nb)
+        if args.check:
+            failed += bool(problems)
+            print("\n".join(problems))
+        else:
+            nbformat.write(clean(nb), str(path))
+        print(f"{time.perf_counter() - start:6.1f} s  {path.name}"
+              + (f"  ({len(problems)} checked cells differ)" if problems else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

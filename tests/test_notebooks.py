@@ -1,12 +1,17 @@
-"""Every notebook executes at SCALE="ci", and again with each alternative parameter set it
-declares in its metadata: ``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``."""
+"""Every notebook executes once at SCALE="ci" and its checked cells print what is committed;
+the alternative parameter sets a notebook declares in its metadata
+(``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``) run again, marked slow."""
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from nbclient.exceptions import CellTimeoutError
 from papermill.exceptions import PapermillExecutionError
 
 _spec = importlib.util.spec_from_file_location(
@@ -25,7 +30,7 @@ def _cases():
         for alt in alts if isinstance(alts, list) else [alts]:
             label = ",".join(f"{k}={v}" for k, v in alt.items())
             cases.append(pytest.param(path, {**run_notebooks.CI, **alt},
-                                      id=f"{path.stem}:{label}"))
+                                      id=f"{path.stem}:{label}", marks=pytest.mark.slow))
     return cases or [pytest.param(None, None, id="no-notebooks", marks=pytest.mark.skip(
         reason=f"no notebooks in {run_notebooks.NOTEBOOKS} yet"))]
 
@@ -42,16 +47,20 @@ def check_conventions(nb):
 @pytest.mark.notebook
 @pytest.mark.parametrize("path, parameters", _cases())
 def test_notebook_executes(path, parameters, tmp_path, record_notebook_seconds):
-    check_conventions(nbformat.read(str(path), as_version=4))
+    committed = nbformat.read(str(path), as_version=4)
+    check_conventions(committed)
     start, output, error = time.perf_counter(), tmp_path / path.name, None
     try:
-        run_notebooks.execute(path, parameters, output=output)
-    except PapermillExecutionError as e:        # report the failing cell, not papermill's stack
+        executed = run_notebooks.execute(path, parameters, output=output)
+    except (PapermillExecutionError, CellTimeoutError) as e:   # the failing cell, not a stack
         error = e
     record_notebook_seconds(time.perf_counter() - start)
     if error:
         pytest.fail(f"{path.name} with {parameters} failed (executed copy: {output})\n{error}",
                     pytrace=False)
+    if parameters == run_notebooks.CI:          # other parameters print other numbers
+        problems = run_notebooks.compare_checked(committed, executed)
+        assert not problems, f"{path.name}: " + "\n\n".join(problems)
 
 
 def test_clean_keeps_outputs_and_drops_noise():
@@ -68,3 +77,56 @@ def test_clean_keeps_outputs_and_drops_noise():
     assert cell.metadata == {} and cell.execution_count == 1
     assert cell.outputs[0].data == {"text/plain": "IntSlider(value=3)"}
     assert cell.outputs[0].execution_count == 1
+
+
+def _notebook(*cells):
+    nb = nbformat.v4.new_notebook()
+    for source, printed in cells:
+        cell = nbformat.v4.new_code_cell(source)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=t) for t in printed]
+        nb.cells.append(cell)
+    return nb
+
+
+def test_checked_cells_compare_printed_text_however_chunked():
+    committed = _notebook(("# NBVAL_CHECK_OUTPUT\nprint(n)", ["a\nb\n"]), ("x = 1", ["1.234\n"]))
+    same = _notebook(("# NBVAL_CHECK_OUTPUT\nprint(n)", ["a\n", "b\n"]), ("x = 1", ["1.235\n"]))
+    assert run_notebooks.compare_checked(committed, same) == []
+
+
+def test_a_changed_checked_cell_is_named_with_its_difference():
+    committed = _notebook(("x = 1", []), ("# NBVAL_CHECK_OUTPUT\nprint(loss)", ["loss 2.783\n"]))
+    other = _notebook(("x = 1", []), ("# NBVAL_CHECK_OUTPUT\nprint(loss)", ["loss 2.784\n"]))
+    (problem,) = run_notebooks.compare_checked(committed, other)
+    assert problem.startswith("cell [2] `print(loss)`")
+    assert "-loss 2.783" in problem and "+loss 2.784" in problem
+
+
+# Other CPU kernels, one thread: torch's own kernels without vector extensions, oneDNN and
+# MKL held to SSE4. Losses then move in the third decimal; bytes, counts and verdicts must not.
+OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                 "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", run_notebooks.find(), ids=lambda p: p.stem)
+def test_checked_cells_print_the_same_with_other_cpu_kernels(path):
+    script = Path(run_notebooks.__file__)
+    done = subprocess.run([sys.executable, str(script), "--check", str(path)],
+                          env={**os.environ, **OTHER_KERNELS}, capture_output=True, text=True,
+                          timeout=20 * 60)
+    assert done.returncode == 0, f"with {OTHER_KERNELS}:\n{done.stdout}\n{done.stderr[-3000:]}"
+
+
+def test_a_stuck_cell_times_out_naming_the_cell(tmp_path, monkeypatch):
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+        "name": "python3", "language": "python", "display_name": "Python 3"}})
+    parameters = nbformat.v4.new_code_cell('SCALE = "ci"', metadata={"tags": ["parameters"]})
+    nb.cells = [parameters, nbformat.v4.new_code_cell("import time\ntime.sleep(60)  # stuck")]
+    nbformat.write(nb, str(tmp_path / "stuck.ipynb"))
+    monkeypatch.setattr(run_notebooks, "CELL_TIMEOUT_S", 2)
+    start = time.perf_counter()
+    with pytest.raises(CellTimeoutError, match="time.sleep"):
+        run_notebooks.execute(tmp_path / "stuck.ipynb")
+    assert time.perf_counter() - start < 30
