@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.flop_counter import register_flop_formula
 
 from .config import ModelConfig
 
@@ -94,9 +95,9 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x, rope: Rotary, mask=None):
@@ -149,7 +150,7 @@ class LatentAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP, each expert, the shared experts."""
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP and the shared experts."""
 
     def __init__(self, hidden: int, ffn: int):
         super().__init__()
@@ -161,21 +162,120 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+# ---- grouped matmul: every expert's matmul in one op ----------------------------------------
+# Tokens sorted by expert form contiguous groups of rows; group g is multiplied by weight g of a
+# stacked (G, out, in) tensor. One output tensor is written in place and, in the backward pass,
+# one (G, out, in) weight gradient - what a grouped GEMM kernel does. A custom op rather than
+# torch._grouped_mm: in torch 2.13 that one runs on CPU, but on fake tensors it accepts bf16
+# only, autocast leaves it in fp32, and it wants 16-byte-aligned strides. On fake tensors this
+# op runs once per call, not once per expert.
+
+@torch.library.custom_op("labkit::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """(N, in) rows sorted by group, (G, out, in) weights -> (N, out): group g's rows @ w[g]^T."""
+    y = x.new_empty(x.shape[0], w.shape[1])                                   # (N, out)
+    for xg, yg, wg in zip(x.split(counts), y.split(counts), w):            # views, no copies
+        torch.mm(xg, wg.t(), out=yg)                                          # (n_g, out)
+    return y
+
+
+@torch.library.custom_op("labkit::grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(grad_y: torch.Tensor, x: torch.Tensor,
+                           counts: list[int]) -> torch.Tensor:
+    """d loss / d w of ``grouped_mm``: (G, out, in), slice g = grad_y[group g]^T @ x[group g]."""
+    grad_w = x.new_empty(len(counts), grad_y.shape[1], x.shape[1])            # (G, out, in)
+    for gy, xg, gw in zip(grad_y.split(counts), x.split(counts), grad_w):
+        torch.mm(gy.t(), xg, out=gw)                                          # zeros if n_g = 0
+    return grad_w
+
+
+@grouped_mm.register_fake
+def _(x, w, counts):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@grouped_mm_weight_grad.register_fake
+def _(grad_y, x, counts):
+    return x.new_empty(len(counts), grad_y.shape[1], x.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts = inputs
+    ctx.save_for_backward(x, w)                                               # as F.linear saves
+    ctx.counts = counts
+
+
+def _grouped_mm_backward(ctx, grad_y):
+    x, w = ctx.saved_tensors
+    grad_x = grouped_mm(grad_y, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+    grad_w = grouped_mm_weight_grad(grad_y, x, ctx.counts) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+# FlopCounterMode (labkit.checkpointing.step_flops) counts them as the matmuls they are
+@register_flop_formula(torch.ops.labkit.grouped_mm)
+def _(x_shape, w_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * w_shape[1] * w_shape[2]
+
+
+@register_flop_formula(torch.ops.labkit.grouped_mm_weight_grad)
+def _(grad_y_shape, x_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * grad_y_shape[1] * x_shape[1]
+
+
+def grouped_linear(x, w, counts):
+    """``F.linear`` of each group's rows with its own weight: x (N, in), w (G, out, in) -> (N, out).
+
+    Under autocast, bf16 copies of x and w, as autocast makes for ``F.linear``."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, w = x.to(dtype), w.to(dtype)
+    return grouped_mm(x, w, counts)
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stacked into three (E, out, in) weights, run as grouped matmuls on tokens
+    sorted by expert (as production MoE kernels hold them); slice e is expert e's weight."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int):
+        super().__init__()
+        E, h, f = experts, hidden, ffn
+        self.w_gate = nn.Parameter(torch.empty(E, f, h).normal_(std=0.02))     # (E, f, h)
+        self.w_up = nn.Parameter(torch.empty(E, f, h).normal_(std=0.02))       # (E, f, h)
+        self.w_down = nn.Parameter(torch.empty(E, h, f).normal_(std=0.02))     # (E, h, f)
+
+    def forward(self, x, counts: list[int]):
+        """x (N, hidden): the first counts[0] rows go to expert 0, the next counts[1] to 1, ..."""
+        gate = grouped_linear(x, self.w_gate, counts)                            # (N, f)
+        up = grouped_linear(x, self.w_up, counts)                                # (N, f)
+        return grouped_linear(F.silu(gate) * up, self.w_down, counts)           # (N, h)
+
+    def expert(self, e: int, x):
+        """Expert e alone on x (..., hidden): a SwiGLU on views of its weights."""
+        return F.linear(F.silu(F.linear(x, self.w_gate[e])) * F.linear(x, self.w_up[e]),
+                        self.w_down[e])
+
+
 class MoE(nn.Module):
     """Shared experts for every token plus top_k of routed_experts chosen by a router.
 
-    Tokens are sorted by expert and each expert runs once on its contiguous slice. On fake
-    tensors the routing is unknown, so tokens are assumed spread evenly over the experts
-    (what a load-balancing loss aims at).
+    Tokens are sorted by expert so that each expert's tokens are contiguous rows, which
+    ``RoutedExperts`` runs as one grouped matmul per weight. On fake tensors the routing is
+    unknown, so tokens are assumed spread evenly over the experts (what a load-balancing loss
+    aims at).
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, h, f = cfg.routed_experts, cfg.hidden, cfg.moe_ffn
-        self.top_k = cfg.top_k
+        self.routed_experts, self.top_k = E, cfg.top_k
         self.router = nn.Linear(h, E, bias=False)
         self.router_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
-        self.experts = nn.ModuleList(SwiGLU(h, f) for _ in range(E))
+        self.experts = RoutedExperts(E, h, f)
         self.shared = SwiGLU(h, cfg.shared_experts * f) if cfg.shared_experts else None
 
     def route(self, x):
@@ -186,7 +286,7 @@ class MoE(nn.Module):
         return scores.gather(-1, expert_ids), expert_ids
 
     def tokens_per_expert(self, expert_ids) -> list[int]:
-        E = len(self.experts)
+        E = self.routed_experts
         if isinstance(expert_ids, FakeTensor):      # no data: balanced routing
             n = expert_ids.numel()
             return [n // E + (e < n % E) for e in range(E)]
@@ -199,10 +299,8 @@ class MoE(nn.Module):
         order = expert_ids.flatten().argsort()                                    # (N*k,)
         token = order // self.top_k                                               # token of each slot
         x_sorted = x[token]                                                       # (N*k, h)
-        outputs = [expert(xe) for expert, xe in
-                   zip(self.experts, x_sorted.split(self.tokens_per_expert(expert_ids)))
-                   if xe.shape[0]]
-        y_sorted = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)  # (N*k, h)
+        out = self.experts(x_sorted, self.tokens_per_expert(expert_ids))          # (N*k, h)
+        y_sorted = out * weights.flatten()[order, None].to(x.dtype)               # (N*k, h)
         y = torch.zeros_like(x).index_add(0, token, y_sorted.to(x.dtype))        # (N, h)
         if self.shared is not None:
             y = y + self.shared(x)
@@ -251,7 +349,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02)
-            elif "router_bias" in name:
+            elif "router_bias" in name or name.endswith(".bias"):
                 nn.init.zeros_(p)
 
     def run_blocks(self, x, first: int, last: int, rope, mask=None):
