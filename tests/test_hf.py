@@ -1,0 +1,263 @@
+"""Hugging Face models: from_hf_config predicts them, and measure_step measures them as they are.
+
+Small configs built with transformers (no download): each mapped config has the Hugging
+Face model's parameter count, and labkit's model loaded with the Hugging Face weights
+computes the same logits.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
+                          LlamaConfig, MistralConfig, Qwen2Config)
+
+import labkit as lk  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             vocab_size=300, max_position_embeddings=128)
+MLA = dict(q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=12, num_key_value_heads=4)
+MOE = dict(n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+           moe_intermediate_size=32, first_k_dense_replace=1, num_hidden_layers=3)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SMALL, num_key_value_heads=2),
+    "mistral": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64),
+    "qwen2": lambda: Qwen2Config(**SMALL, num_key_value_heads=2),
+    "qwen2-tied": lambda: Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True),
+    "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, **MOE, "q_lora_rank": 20,
+                                               "n_group": 2, "topk_group": 1}),
+}
+# DeepSeek's attention (MLA) alone: every layer dense, so the logits compare (see below)
+DENSE_MLA = {
+    "deepseek_v2": lambda: DeepseekV2Config(**SMALL, **MLA, first_k_dense_replace=2),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, "q_lora_rank": 20,
+                                               "first_k_dense_replace": 2}),
+}
+
+
+def hf_model(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+# ---- the mapping ---------------------------------------------------------------------------
+def component(name: str) -> str:
+    """The count_params component a Hugging Face parameter belongs to."""
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm head"
+    if ".self_attn." in name:
+        return "attention"                # MLA's inner norms included, as count_params does
+    if "layernorm" in name or name == "model.norm.weight":
+        return "norms"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp.shared_experts." in name:
+        return "shared experts"
+    if ".mlp.experts." in name:
+        return "routed experts"
+    return "dense mlp"
+
+
+def hf_counts(model) -> dict:
+    """Parameters by component. DeepSeek-V3's router bias (e_score_correction_bias) is a
+    buffer in transformers - it is not trained by gradients - and a parameter in labkit."""
+    counts = {}
+    tensors = list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    for name, p in tensors:
+        counts[component(name)] = counts.get(component(name), 0) + p.numel()
+    return counts
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_mapped_config_has_the_hugging_face_parameter_count(kind):
+    config = CONFIGS[kind]()
+    model = hf_model(config)
+    ours = lk.count_params(lk.from_hf_config(config))
+    assert ours.by_component == hf_counts(model)
+    bias = sum(b.numel() for n, b in model.named_buffers() if "e_score_correction_bias" in n)
+    assert ours.total == sum(p.numel() for p in model.parameters()) + bias
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_a_config_dict_maps_like_the_config_object(kind):
+    config = CONFIGS[kind]()
+    assert lk.from_hf_config(config.to_dict()) == lk.from_hf_config(config)
+
+
+def test_maps_every_named_field_of_a_deepseek_v3_config():
+    cfg = lk.from_hf_config(CONFIGS["deepseek_v3"]())
+    assert (cfg.attention, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.qk_rope_dim,
+            cfg.v_head_dim) == ("mla", 20, 24, 16, 8, 12)
+    assert (cfg.routed_experts, cfg.shared_experts, cfg.top_k, cfg.moe_ffn, cfg.dense_layers,
+            cfg.router_bias) == (8, 2, 2, 32, 1, True)
+    assert (cfg.hidden, cfg.layers, cfg.heads, cfg.ffn, cfg.vocab_size, cfg.max_seq) == (
+        64, 3, 4, 160, 300, 128)
+
+
+def test_reads_rope_theta_from_an_old_style_config_json():
+    old = {**CONFIGS["llama"]().to_dict(), "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    old.pop("rope_parameters")
+    assert lk.from_hf_config(old).rope_theta == 500000.0
+
+
+# ---- the same model: Hugging Face weights in labkit's Transformer -----------------------------
+def interleaved_to_halves(d: int) -> torch.Tensor:
+    """DeepSeek rotates pairs (x0, x1), (x2, x3), ...; labkit rotates (x_i, x_i+d/2): the
+    rows that make a RoPE part, reordered, give the same attention scores."""
+    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+
+
+def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
+    """Hugging Face LLaMA / Mistral / Qwen2 / DeepSeek (dense layers) names -> labkit's."""
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"],
+           "lm_head.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+             "self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk",
+             "self_attn.v_proj": "attn.wv", "self_attn.o_proj": "attn.wo",
+             "self_attn.q_a_proj": "attn.wq_a", "self_attn.q_a_layernorm": "attn.q_norm",
+             "self_attn.q_b_proj": "attn.wq_b", "self_attn.kv_a_proj_with_mqa": "attn.wkv_a",
+             "self_attn.kv_a_layernorm": "attn.kv_norm", "self_attn.kv_b_proj": "attn.wkv_b",
+             "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
+             "mlp.down_proj": "mlp.w_down"}
+    for key, value in sd.items():
+        if not key.startswith("model.layers."):
+            continue
+        _, _, i, rest = key.split(".", 3)
+        module, param = rest.rsplit(".", 1)
+        order = interleaved_to_halves(cfg.qk_rope_dim) if cfg.attention == "mla" else None
+        if order is not None and module in ("self_attn.q_proj", "self_attn.q_b_proj"):
+            q = value.view(cfg.heads, cfg.qk_head_dim, -1)          # rope rows of each head
+            q[:, cfg.qk_nope_dim:] = q[:, cfg.qk_nope_dim:][:, order]
+        if order is not None and module == "self_attn.kv_a_proj_with_mqa":
+            value[cfg.kv_lora_rank:] = value[cfg.kv_lora_rank:][order]  # the shared rope key
+        out[f"blocks.{i}.{names[module]}.{param}"] = value
+    return out
+
+
+def assert_same_logits(config):
+    hf = hf_model(config)
+    with torch.no_grad():                 # random biases and norm weights too
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    cfg = lk.from_hf_config(config)
+    ours = lk.build_model(cfg)
+    ours.load_state_dict(labkit_state_dict(hf, cfg))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied"])
+def test_labkit_model_with_hugging_face_weights_gives_the_same_logits(kind):
+    assert_same_logits(CONFIGS[kind]())
+
+
+@pytest.mark.parametrize("kind", DENSE_MLA)
+def test_deepseek_attention_with_hugging_face_weights_gives_the_same_logits(kind):
+    # Only DeepSeek's dense layers compare: transformers stacks the routed experts into
+    # (experts, 2 x ffn, hidden) tensors and routes differently from labkit's softmax top-k
+    # (V3: sigmoid scores, the best groups first, normalised weights x 2.5), so the MoE
+    # layers are checked by parameter counts per component above, not by their values.
+    assert_same_logits(DENSE_MLA[kind]())
+
+
+# ---- what from_hf_config refuses --------------------------------------------------------------
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "gpt2", "n_embd": 64}, "unsupported model_type 'gpt2'"),
+    ({}, "unsupported model_type None"),
+    ({**SMALL, "model_type": "llama", "attention_bias": True}, "attention_bias=True"),
+    ({**SMALL, "model_type": "llama", "mlp_bias": True}, "mlp_bias=True"),
+    ({**SMALL, "model_type": "mistral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "moe_layer_freq": 2},
+     "moe_layer_freq=2"),
+    ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "topk_method": "noaux_tc"},
+     "topk_method='noaux_tc'"),
+    ({"model_type": "llama", "hidden_size": 64}, "lacks num_hidden_layers"),
+])
+def test_refuses_what_labkit_cannot_build(config, match):
+    with pytest.raises(ValueError, match=match):
+        lk.from_hf_config(config)
+
+
+def test_refuses_an_unknown_config_object():
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*by hand"):
+        lk.from_hf_config(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4))
+
+
+def test_labkit_imports_without_transformers():
+    code = "import sys; sys.modules['transformers'] = None; import labkit; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+# ---- measure_step on a Hugging Face module ------------------------------------------------------
+def test_measures_a_real_hugging_face_step_with_exact_model_states():
+    model = hf_model(CONFIGS["llama"]())
+    n = sum(p.numel() for p in model.parameters())
+    m = lk.measure_step(model, batch=2, seq=16, precision="fp32", optimizer_impl="for-loop")
+    assert not m.fake and m.device == "cpu" and m.loss > 0
+    assert m.peak_phase == "optimizer"
+    # fp32 AdamW: 4 bytes of weights, 4 of gradients, 8 of moments per parameter, and a
+    # 4-byte step counter per parameter tensor
+    assert (m.params, m.grads) == (4 * n, 4 * n)
+    assert m.optimizer == 8 * n + 4 * len(list(model.parameters()))
+
+
+def test_a_module_built_under_fake_tensors_is_measured_in_its_own_mode():
+    with FakeTensorMode():
+        model = hf_model(CONFIGS["qwen2"]())
+    n = sum(p.numel() for p in model.parameters())
+    m = lk.measure_step(model, batch=2, seq=16, precision="fp32")
+    assert m.fake and m.loss is None and m.params == 4 * n and m.optimizer_impl == "foreach"
+
+
+def test_a_function_builds_the_module_in_the_precision_s_dtype_on_fake_tensors():
+    config = CONFIGS["deepseek_v2"]()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        weights = sum(p.nbytes for p in hf_model(config).parameters())
+    finally:
+        torch.set_default_dtype(torch.float32)
+    m = lk.measure_step(lambda: AutoModelForCausalLM.from_config(config), batch=2, seq=16,
+                        precision="bf16")
+    # bf16 weights (recent transformers keep DeepSeek's router weights in fp32)
+    assert m.fake and m.params == weights
+    assert weights < 2.1 * sum(p.numel() for p in hf_model(config).parameters())
+
+
+def test_a_loss_function_replaces_the_causal_lm_call():
+    calls = []
+
+    def loss_fn(model, tokens):
+        calls.append(tokens.shape)
+        return model(input_ids=tokens).logits.float().logsumexp(-1).mean()
+
+    lk.measure_step(hf_model(CONFIGS["llama"]()), batch=2, seq=8, precision="fp32",
+                    loss_fn=loss_fn)
+    assert calls == [(2, 8)]
+
+
+def test_measure_step_names_the_fix_for_a_module_it_cannot_step():
+    model = hf_model(CONFIGS["llama"]())
+    with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
+        lk.measure_step(model, seq=16, precision="fp32", recompute="full")
+    with pytest.raises(ValueError, match="build the module under FakeTensorMode"):
+        lk.measure_step(model, seq=16, precision="fp32", fake=True)
+    with pytest.raises(ValueError, match="stores weights in torch.bfloat16"):
+        lk.measure_step(model, seq=16, precision="bf16")
+    with pytest.raises(ValueError, match="vocabulary size"):
+        lk.measure_step(torch.nn.Linear(4, 4), seq=16, precision="fp32")
