@@ -4,11 +4,14 @@
 
 Prints medians of ``--repeats`` runs and the ratios DESIGN.md sets targets for:
 tracker >= 5x faster than MemTracker on a fake LLaMA-2-7B step; overhead on a real CPU
-step of ``small`` <= 1.5x; ``measure_step`` of LLaMA-2-7B on fake tensors < 15 s.
+step of ``small`` <= 1.5x; ``measure_step`` of LLaMA-2-7B on fake tensors < 15 s; and the
+process's memory after 10 real ``measure_step`` calls (nothing measured may stay alive).
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import resource
 import statistics
 import time
 
@@ -17,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import labkit as lk
-from labkit.track import init_optimizer_state
+from labkit.train import init_optimizer_state
 from labkit.train import make_optimizer, train_step
 
 
@@ -78,6 +81,21 @@ def main():
 
     wall = median_seconds(lambda: lk.measure_step("llama-2-7b", seq=2048, fake=True), r)
     print(f"measure_step(llama-2-7b, seq 2048, fake): {wall:.2f} s (target < 15 s)")
+
+    rss = [current_rss()]
+    for _ in range(10):
+        lk.measure_step("small", seq=512, precision="fp32", fake=False)
+        rss.append(current_rss())
+    print("resident memory over 10 measure_step('small', fake=False) calls: "
+          + " -> ".join(lk.fmt_bytes(v) for v in (rss[0], rss[1], rss[-1]))
+          + f" (first, after one, after ten; growth after the first: {lk.fmt_bytes(rss[-1] - rss[1])})")
+
+
+def current_rss() -> int:
+    """This process's resident memory now (bytes), after a collection."""
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 if __name__ == "__main__":

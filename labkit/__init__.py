@@ -1,9 +1,12 @@
 """labkit: the mechanisms behind GPU Memory Labs, importable from notebooks and scripts."""
 from .config import ModelConfig, preset, presets
+from .hf import from_hf_config
 from .model import Transformer, build_model
-from .estimate import ParamCount, count_params, estimate, kv_cache_bytes
+from .layers import ParamCount, count_params
+from .predict import Estimate, estimate, kv_cache_bytes
+from .recipe import Layout, Recipe
 from .papers import (megatron_activation_bytes, megatron_params, model_state_bytes,
                      pipeline_bubble, pipeline_bubble_ratio)
-from .track import CATEGORIES, MemoryTracker, activations_per_module, measure_step
-from .train import device
-from .units import Breakdown, fmt_bytes, fmt_count, reconciliation
+from .track import MemoryTracker, activations_per_module
+from .train import Measurement, device, measure_step
+from .units import CATEGORIES, Breakdown, fmt_bytes, fmt_count, reconciliation

@@ -8,17 +8,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from .config import preset, presets
-from .estimate import RECOMPUTE, count_params, estimate
-from .track import measure_step
-from .train import OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
-from .units import fmt_bytes
-
-ROWS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
-        ("activations", "activations"), ("other", "other (temporaries, buffers)"))
+from .checkpointing import RECOMPUTE_POLICIES
+from .predict import count_params, estimate
+from .recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout
+from .train import measure_step
+from .units import CATEGORIES, fmt_bytes
 
 
 def _step_options(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +28,11 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
                         help="AdamW implementation (default: what torch picks on --device)")
-    parser.add_argument("--recompute", default="none", choices=RECOMPUTE,
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES,
                         help="activation recomputation policy (every-k uses --every)")
     parser.add_argument("--every", type=int, default=2, help="k of the every-k policy")
+    parser.add_argument("--device", default="cuda", choices=DEVICES,
+                        help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -46,20 +47,24 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     est.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     est.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    est.add_argument("--device", default="cpu", help="device whose AdamW default to assume")
+    est.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: pp)")
+    est.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
+    est.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    est.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
     mea.add_argument("--real", action="store_true",
-                     help="real tensors on this machine (default: fake tensors, any size)")
+                     help="real tensors on --device (default: fake tensors, any size)")
     pre = sub.add_parser("presets", help="list the model presets with their sizes")
     pre.add_argument("--json", action="store_true")
     return parser
 
 
 def _table(title: str, result, extra: dict) -> str:
-    width = max(len(label) for _, label in ROWS) + 2
+    width = max(len(label) for label in CATEGORIES.values()) + 2
     lines = [title, ""]
-    for field, label in ROWS:
+    for field, label in CATEGORIES.items():
         lines.append(f"{label:<{width}}{fmt_bytes(getattr(result, field)):>12}")
     lines.append(f"{'total (peak)':<{width}}{fmt_bytes(result.total):>12}")
     lines.append(f"peak during the {result.peak_phase} phase; activations saved at the end of "
@@ -87,19 +92,28 @@ def _run(args) -> str:
     recompute = f"every-{args.every}" if args.recompute == "every-k" else args.recompute
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
-                optimizer_impl=args.optimizer_impl)
+                optimizer_impl=args.optimizer_impl, device=args.device)
     if args.command == "estimate":
-        result = estimate(args.model, zero_stage=args.zero_stage, dp=args.dp, tp=args.tp,
-                          pp=args.pp, sp=args.sp, device=args.device, **step)
+        layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
+                        pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
+                        ep=args.ep, cp=args.cp)
+        result = estimate(args.model, layout=layout, **step)
         extra = {**result.details,
                  "moments (the peak is the largest)": {k: fmt_bytes(v)
                                                        for k, v in result.moments.items()}}
-        title = (f"{args.model}: predicted bytes per device\n(batch {args.batch}, seq {args.seq}, "
-                 f"{args.precision}, {args.optimizer}, ZeRO-{args.zero_stage}, dp {args.dp}, "
-                 f"tp {args.tp}, pp {args.pp}{', sp' if args.sp else ''})")
+        if args.json:
+            extra["tensors"] = [dataclasses.asdict(t) for t in result.tensors]
+        elif args.explain:
+            extra["tensors alive at the peak"] = "\n" + result.explain()
+        title = (f"{args.model}: predicted bytes per device, {args.device} defaults\n(batch "
+                 f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
+                 f"ZeRO-{args.zero_stage}, dp {args.dp}, tp {args.tp}{' with sp' if args.sp else ''}, "
+                 f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
     else:
         result = measure_step(args.model, fake=not args.real, **step)
-        extra = {"tensors": "fake (shapes only)" if result.fake else result.device}
+        extra = {"tensors": (f"fake (shapes only), {result.device} defaults" if result.fake
+                             else result.device),
+                 "optimizer implementation": result.optimizer_impl}
         title = (f"{args.model}: measured bytes at the peak of one training step\n"
                  f"(batch {args.batch}, seq {args.seq}, {args.precision}, {args.optimizer})")
     if args.json:

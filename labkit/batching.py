@@ -21,7 +21,8 @@ import torch
 
 from .config import preset
 from .model import build_model
-from .track import MemoryTracker, init_optimizer_state
+from .track import MemoryTracker
+from .train import init_optimizer_state
 from .train import make_optimizer
 
 IGNORE = -100          # F.cross_entropy's ignore_index: positions that predict nothing
@@ -264,4 +265,4 @@ def measure_accumulation(cfg, micro_batch: int, steps: int, seq: int = 128,
             opt.zero_grad(set_to_none=True)
     by = mt.timeline.by_category
     return AccumulationMemory(micro_batch, steps, mt.peak, max(by["activations"]),
-                              max(by["gradients"]), mt.by_category["optimizer"])
+                              max(by["grads"]), mt.by_category["optimizer"])

@@ -32,7 +32,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .config import preset
-from .model import build_model
 
 RECOMPUTE_POLICIES = ("none", "selective", "every-k", "sqrt", "full")
 
@@ -79,9 +78,15 @@ def plan(layers: int, policy: str = "none", every: int = 2) -> list[Unit]:
     return [Unit(i, i + 1, recompute(i)) for i in range(layers)]
 
 
+# ... and of the MoE experts' grouped matmul (``labkit.model.grouped_mm``), by name: the op
+# exists once the model is imported, which this module does not do
+KEEP_OP_NAMES = {"labkit::grouped_mm"}
+
+
 def keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     """``selective``'s op policy: save matmul and attention outputs, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in KEEP_OPS or op.name() in KEEP_OP_NAMES
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_recompute(model, policy: str = "none", every: int = 2):
@@ -140,6 +145,8 @@ def step_flops(cfg, policy: str = "none", seq: int = 512, batch: int = 1, every:
     Elementwise ops are not counted (they are memory-bound): ``selective`` costs ~0 here.
     Attention counts as a whole T x T product: FlopCounterMode ignores causality.
     """
+    from .model import build_model          # imported here: the estimate imports this module
+
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     with FakeTensorMode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)

@@ -9,13 +9,15 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 ATTENTION_KINDS = ("gqa", "mla")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer. Sizes are element counts; no biases anywhere.
+    """Shape of a decoder-only transformer. Sizes are element counts; no biases but Qwen2's
+    on q, k and v (``qkv_bias``).
 
     Dense models leave the MoE fields at 0; DeepSeek models use MLA attention
     (``attention="mla"``) and an MoE block in every layer after the first ``dense_layers``.
@@ -33,6 +35,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    qkv_bias: bool = False       # biases on the q, k, v projections (Qwen2)
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
     attention: str = "gqa"
     q_lora_rank: int = 0         # 0: queries projected straight from hidden
@@ -52,16 +55,22 @@ class ModelConfig:
     family: str = ""
 
     def __post_init__(self):
-        # Fill the derived defaults so every consumer reads one resolved value.
-        if self.kv_heads == 0:
+        # Fill the derived defaults so every consumer reads one resolved value, and remember
+        # which were derived, so that ``replace`` derives them again from the new sizes.
+        # A value equal to its derivation counts as derived: multi-head attention stays
+        # multi-head when heads change.
+        derived = []
+        if self.kv_heads in (0, self.heads):
             object.__setattr__(self, "kv_heads", self.heads)
-        if self.routed_experts == 0:
-            object.__setattr__(self, "dense_layers", self.layers)
-        elif self.dense_layers < 0:
-            object.__setattr__(self, "dense_layers", 0)
-        if self.head_dim == 0 and self.attention == "gqa" and self.heads > 0 \
-                and self.hidden % self.heads == 0:
+            derived.append("kv_heads")
+        if self.routed_experts == 0 or self.dense_layers < 0:
+            object.__setattr__(self, "dense_layers", self.layers if self.routed_experts == 0 else 0)
+            derived.append("dense_layers")
+        if self.attention == "gqa" and self.heads > 0 and self.hidden % self.heads == 0 \
+                and self.head_dim in (0, self.hidden // self.heads):
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+            derived.append("head_dim")
+        object.__setattr__(self, "_derived", tuple(derived))
         validate(self)
 
     # ---- derived sizes -------------------------------------------------------------
@@ -89,8 +98,11 @@ class ModelConfig:
         return self.qk_rope_dim if self.attention == "mla" else self.head_dim
 
     def replace(self, **changes) -> "ModelConfig":
-        """A copy with some fields changed, validated again."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed, validated again; sizes that were derived (head_dim
+        from hidden / heads, kv_heads from heads, dense_layers) are derived again."""
+        unset = {"kv_heads": 0, "head_dim": 0, "dense_layers": -1}
+        again = {name: unset[name] for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **again, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -145,9 +157,17 @@ def validate(cfg: ModelConfig) -> None:
 
 
 # ---- presets -----------------------------------------------------------------------
+def _preset_folder():
+    """The installed package data, or ``data/models`` beside a source checkout of ``labkit``
+    (where ``labkit.preset_data`` exists only once the project is installed)."""
+    try:
+        return resources.files("labkit.preset_data")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "data" / "models"
+
+
 def _preset_files() -> dict:
-    folder = resources.files("labkit.preset_data")
-    return {f.name[:-5]: f for f in folder.iterdir() if f.name.endswith(".json")}
+    return {f.name[:-5]: f for f in _preset_folder().iterdir() if f.name.endswith(".json")}
 
 
 def presets() -> list[str]:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import preset
-from .estimate import count_params, kv_cache_bytes
-from .papers import STATE_BYTES, model_state_bytes
+from .layers import count_params
+from .predict import kv_cache_bytes
+from .papers import model_state_bytes
+from .recipe import state_bytes
 
 GiB = 2**30
 BILLION = 10**9
@@ -148,11 +150,12 @@ How many bytes of model states is that per parameter?""",
     hint="Add the bytes of each copy: bf16 is 2 bytes, fp32 is 4 bytes.",
     solution="""weight {w} + gradient {g} + master weight, first and second moment {o}
 = {answer} bytes per parameter (ZeRO's 2 + 2 + K with K = 12).
-In code: lk.model_state_bytes(1, "bf16-mixed", "adamw") == {answer}""",
+In code: lk.model_state_bytes(1, "bf16-master", "adamw") == {answer}""",
 )
 def _adamw_bytes():
-    w, g, o = STATE_BYTES["bf16-mixed"]["adamw"]
-    return {"answer": model_state_bytes(1, "bf16-mixed", "adamw"), "w": w, "g": g, "o": o}
+    b = state_bytes("bf16-master", "adamw")
+    return {"answer": model_state_bytes(1, "bf16-master", "adamw"), "w": b.weights,
+            "g": b.grads, "o": b.optimizer}
 
 
 @register(
@@ -306,7 +309,7 @@ x {layers} layers = {total:.0f} MiB, against {none:.1f} GiB of saved activations
 recomputation (lk.estimate(..., recompute="full")).""",
 )
 def _full_recompute_kept():
-    from .estimate import estimate
+    from .predict import estimate
     c = preset("llama-2-7b")
     per_layer = 4096 * c.hidden * 2
     none = estimate(c, seq=4096, precision="bf16").saved_activations
@@ -341,7 +344,7 @@ steps. How much memory does the optimizer state take?""",
 = {answer:.2f} MiB, for 1 accumulation step or 8 (lk.estimate("small", precision="fp32").optimizer).""",
 )
 def _accumulation_optimizer():
-    from .estimate import estimate
+    from .predict import estimate
     n = count_params("small").total
     total = estimate("small", precision="fp32").optimizer
     return {"answer": total / 2**20, "n": n, "tensors": (total - 8 * n) // 4, "bytes": total}

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .parallel import zero
+from .parallel.pipeline import SCHEDULES
+from .recipe import OPTIMIZERS, PRECISIONS, state_bytes
 from .units import check_choice
 
-# bytes per parameter of (params, grads, optimizer states) for each precision and optimizer;
-# the mixed-precision optimizer states hold the fp32 master copy (ZeRO section 3: K = 12 for Adam)
-STATE_BYTES = {
-    "bf16-mixed": {"adamw": (2, 2, 12), "sgd": (2, 2, 4), "sgd-momentum": (2, 2, 8), "adamw-8bit": (2, 2, 6)},
-    "fp16-mixed": {"adamw": (2, 2, 12), "sgd": (2, 2, 4), "sgd-momentum": (2, 2, 8), "adamw-8bit": (2, 2, 6)},
-    "fp32": {"adamw": (4, 4, 8), "sgd": (4, 4, 0), "sgd-momentum": (4, 4, 4), "adamw-8bit": (4, 4, 2)},
-    "bf16": {"adamw": (2, 2, 4), "sgd": (2, 2, 0), "sgd-momentum": (2, 2, 2), "adamw-8bit": (2, 2, 2)},
-}
-RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Korthikanti et al.'s policies. Their "selective" recomputes the attention core (softmax,
+# dropout, the attention matrix); labkit's "selective" (``labkit.checkpointing``) is op-level.
+RECOMPUTE = ("none", "attention-core", "full")
 
 
 def _check_int(name, value, low=1):
@@ -27,29 +23,38 @@ def _check_int(name, value, low=1):
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
 
 
-def model_state_bytes(n_params, precision="bf16-mixed", optimizer="adamw", zero_stage=0, dp=1) -> int:
-    """Per-device bytes of params + grads + optimizer states (ZeRO, section 3 and Table 1);
-    bytes per parameter from ``STATE_BYTES``; stage 1/2/3 shards optimizer/+grads/+params over dp."""
+def model_state_bytes(n_params, precision="bf16-master", optimizer="adamw", zero_stage=0, dp=1) -> int:
+    """Per-device bytes of params + grads + optimizer states (ZeRO, section 3 and Table 1), with
+    the course's precision names (``labkit.recipe``): the paper's "mixed precision" is
+    ``bf16-master`` / ``fp16-master``, 2 + 2 + 12 bytes with Adam; ``bf16-mixed`` (autocast)
+    is 4 + 4 + 8. Stage 1/2/3 shards optimizer/+grads/+params over dp."""
     if isinstance(n_params, float) and n_params.is_integer():
         n_params = int(n_params)                    # 7.5e9, as the paper writes it
     _check_int("n_params", n_params, low=0)
     _check_int("dp", dp)
-    check_choice("precision", precision, tuple(STATE_BYTES))
-    check_choice("optimizer", optimizer, tuple(STATE_BYTES[precision]))
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)} "
+                         f"(the ZeRO paper's mixed precision is 'bf16-master')")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if type(zero_stage) is not int or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {zero_stage!r}")
-    sizes = (n_params * b for b in STATE_BYTES[precision][optimizer])  # params, grads, optimizer
-    sharded = (zero_stage >= 3, zero_stage >= 2, zero_stage >= 1)
-    return sum(-(-n // dp) if cut else n for n, cut in zip(sizes, sharded))  # ceil: never below a share
+    b = state_bytes(precision, optimizer)
+    return sum(zero.per_rank(n_params * per_param, state, zero_stage, dp)
+               for state, per_param in (("params", b.weights), ("grads", b.grads),
+                                        ("optimizer", b.optimizer)))
 
 
 def megatron_activation_bytes(seq, batch, hidden, heads, layers=1, tp=1, sp=False, recompute="none") -> int:
     """fp16 activation bytes of ``layers`` layers (Korthikanti et al., 2022, Table 2): per layer
-    sbh(10 + 24/t + 5as/(ht)), 34/t with sp, 5as/(ht) dropped by selective, 2sbh (/t with sp) full."""
+    sbh(10 + 24/t + 5as/(ht)), 34/t with sp; recomputing the attention core (their "selective",
+    ``recompute="attention-core"``) drops 5as/(ht); "full" keeps 2sbh (/t with sp)."""
     for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
                         ("layers", layers), ("tp", tp)):
         _check_int(name, value)
-    check_choice("recompute", recompute, RECOMPUTE)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r} for Korthikanti et al.'s formula; use "
+                         f"one of {', '.join(RECOMPUTE)} (their 'selective' is 'attention-core')")
     if heads % tp:
         raise ValueError(f"tp={tp} does not divide heads={heads}; choose tp among the divisors of {heads}")
     s, b, h, a, t = seq, batch, hidden, heads, Fraction(tp)

@@ -7,19 +7,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.transforms import blended_transform_factory
 
-from .track import CATEGORIES, Timeline
-from .units import Breakdown, fmt_bytes, fmt_count
+from .track import Timeline
+from .units import CATEGORIES, Breakdown, fmt_bytes, fmt_count
 
 # One colour per category in every labkit plot (Okabe & Ito's colour-blind-safe palette).
 CATEGORY_COLORS = {
-    "parameters": "#0072B2",    # blue
-    "gradients": "#E69F00",     # orange
+    "params": "#0072B2",        # blue
+    "grads": "#E69F00",         # orange
     "optimizer": "#009E73",     # bluish green
     "activations": "#D55E00",   # vermillion
+    "weight_cache": "#CC79A7",  # reddish purple
     "other": "#999999",         # grey
 }
-# Breakdown's field for each tracker category.
-FIELDS = dict(zip(CATEGORIES, ("params", "grads", "optimizer", "activations", "other")))
 PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FBEFE3", "optimizer": "#E6F5EF"}
 MAX_POINTS = 2000
 
@@ -51,8 +50,8 @@ def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
     fig, ax = _new_figure(8, 1.6 + 0.55 * len(labels))
     left = np.zeros(len(labels))
     for category in CATEGORIES:
-        values = np.array([getattr(items[k], FIELDS[category]) for k in labels]) / scale
-        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category], label=category,
+        values = np.array([getattr(items[k], category) for k in labels]) / scale
+        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category], label=CATEGORIES[category],
                 height=0.6)
         left += values
     for y, label in enumerate(labels):
@@ -85,7 +84,7 @@ def timeline_figure(m, title: str | None = None):
     x = _downsample(total)
     fig, ax = _new_figure(9, 4.8)
     ax.stackplot(x, *[np.array(timeline.by_category[c])[x] / scale for c in CATEGORIES],
-                 colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=CATEGORIES)
+                 colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=list(CATEGORIES.values()))
     top = blended_transform_factory(ax.transData, ax.transAxes)
     for phase, start, end in timeline.phase_spans():
         if phase in PHASE_COLORS:
@@ -120,7 +119,7 @@ def predicted_vs_measured_figure(rows: list[tuple[str, int, int]], title: str | 
     name, scale = _unit(max(predicted.max(), measured.max()))
     fig, (ax, err) = _new_figure(11, 1.8 + 0.4 * max(len(rows), 6), ncols=2)
 
-    ax.scatter(measured / scale, predicted / scale, color=CATEGORY_COLORS["parameters"], zorder=3)
+    ax.scatter(measured / scale, predicted / scale, color=CATEGORY_COLORS["params"], zorder=3)
     # points are numbered as the rows on the right; offsets alternate so equal points stay legible
     offsets = [((7, -4), "left"), ((-7, -4), "right"), ((0, 6), "center"), ((0, -15), "center")]
     for i, (x, y) in enumerate(zip(measured / scale, predicted / scale)):
@@ -157,10 +156,10 @@ def state_bytes_figure(rows: dict[str, tuple[float, float, float]], title: str |
     labels = list(rows)
     fig, ax = _new_figure(8, 1.4 + 0.45 * len(labels))
     left = np.zeros(len(labels))
-    for i, category in enumerate(("parameters", "gradients", "optimizer")):
+    for i, category in enumerate(("params", "grads", "optimizer")):
         values = np.array([rows[k][i] for k in labels], dtype=float)
-        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category], label=category,
-                height=0.6)
+        ax.barh(labels, values, left=left, color=CATEGORY_COLORS[category],
+                label=CATEGORIES[category], height=0.6)
         left += values
     for y, total in enumerate(left):
         ax.text(total, y, f"  {total:g}", va="center")
@@ -210,10 +209,10 @@ def exponent_figure(values, dtype, loss_scale: float | None = None, title: str |
                label=f"{info.name} subnormal (few bits left)")
     ax.axvspan(np.log2(info.min_normal), np.log2(info.max), color="#E6F5EF",
                label=f"{info.name} normal range")
-    series = [("gradients", values, CATEGORY_COLORS["gradients"])]
+    series = [("gradients", values, CATEGORY_COLORS["grads"])]
     if loss_scale:
         series.append((f"x {loss_scale:g} (loss scaling)", values * loss_scale,
-                       CATEGORY_COLORS["parameters"]))
+                       CATEGORY_COLORS["params"]))
     for label, tensor, color in series:
         hist = exponent_histogram(tensor)
         ax.bar(list(hist), list(hist.values()), width=0.9, color=color, alpha=0.8, label=label)

@@ -13,26 +13,16 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .units import Breakdown
+from .units import CATEGORIES
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
-"""What a byte is, at the moment it is counted:
-
-- parameters: the model's weights (and any copy registered as such);
-- gradients: ``.grad`` of a parameter, from the moment autograd accumulates it;
-- optimizer: tensors in ``optimizer.state`` (AdamW's moments, SGD's momentum);
-- activations: tensors made in the forward phase and still alive - what autograd saved
-  for the backward pass, the loss, the logits;
-- other: everything else - gradients of activations in flight during backward, the
-  optimizer's temporaries, activations recomputed by checkpointing, buffers (RoPE tables).
-"""
 
 # Tensors made in each phase start in this category (gradients and states are re-tagged).
 _PHASE_CATEGORY = {"forward": "activations"}
+# a cast of a weight (what autocast does before each matmul) is the weight cache, whatever the phase
+_CASTS = {torch.ops.aten._to_copy.default}
 
 
 @dataclass
@@ -57,6 +47,12 @@ class Timeline:
                 spans.append((self.phase[start], start, i))
                 start = i
         return spans
+
+
+def _free_if_alive(tracker_ref, key):
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._free(key)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -93,7 +89,9 @@ class MemoryTracker(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         self._live[key] = [nbytes, category]
-        weakref.finalize(storage, self._free, key)
+        # a weak reference: the tracker (and the model and optimizer it names) must not live
+        # as long as the storages it counted, or every measured model would stay in memory
+        weakref.finalize(storage, _free_if_alive, weakref.ref(self), key)
         self._bytes[category] += nbytes
         self.current += nbytes
         if self.current > self.peak:
@@ -116,10 +114,14 @@ class MemoryTracker(TorchDispatchMode):
             for category, series in self.timeline.by_category.items():
                 series.append(self._bytes[category])
 
+    def _category_of(self, tensor) -> str | None:
+        entry = self._live.get(tensor.untyped_storage()._cdata) if isinstance(tensor, torch.Tensor) else None
+        return entry[1] if entry else None
+
     def tag(self, tensor: torch.Tensor, category: str):
         """Count ``tensor``'s storage under ``category`` (moving it there if already counted)."""
         if category not in CATEGORIES:
-            raise ValueError(f"unknown category {category!r}; use one of {CATEGORIES}")
+            raise ValueError(f"unknown category {category!r}; use one of {', '.join(CATEGORIES)}")
         storage = tensor.untyped_storage()
         entry = self._live.get(storage._cdata)
         if entry is None:
@@ -133,9 +135,9 @@ class MemoryTracker(TorchDispatchMode):
         """Tag the model's weights, buffers and gradients and the optimizer's state."""
         if self.model is not None:
             for p in self.model.parameters():
-                self.tag(p, "parameters")
+                self.tag(p, "params")
                 if p.grad is not None:
-                    self.tag(p.grad, "gradients")
+                    self.tag(p.grad, "grads")
             for b in self.model.buffers():
                 self.tag(b, "other")
         if self.optimizer is not None:
@@ -175,7 +177,7 @@ class MemoryTracker(TorchDispatchMode):
             for p in self.model.parameters():
                 if p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda p: self.tag(p.grad, "gradients")))
+                        lambda p: self.tag(p.grad, "grads")))
         self.reset_peak()
         return super().__enter__()
 
@@ -188,80 +190,12 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         category = _PHASE_CATEGORY.get(self._phase, "other")
+        if func in _CASTS and self._category_of(args[0]) == "params":
+            category = "weight_cache"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t.untyped_storage(), category)
         return out
-
-
-# ---- one measured training step ----------------------------------------------------------
-@dataclass
-class Measurement(Breakdown):
-    """A ``Breakdown`` measured by the tracker, with its timeline and the device it ran on."""
-
-    timeline: Timeline = field(default_factory=Timeline)
-    device: str = "cpu"
-    fake: bool = False
-    cuda_peak: int | None = None     # torch.cuda.max_memory_allocated for the same step
-    loss: float | None = None
-
-
-def init_optimizer_state(model, optimizer):
-    """Allocate the optimizer's state with one step on zero gradients (no forward pass needed)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", recompute: str = "none", fake: bool = True,
-                 device=None, optimizer_impl: str | None = None, warmup: bool = True,
-                 seed: int = 0) -> Measurement:
-    """Run one training step of ``labkit.model`` under the tracker; bytes at its peak.
-
-    ``warmup`` creates the optimizer state first, so that the measured step is a steady-state
-    one (the first step's peak is lower: its state is born inside ``optimizer.step()``). ``fake=True`` measures full-size models on fake tensors:
-    shapes and bytes are real, no memory is used, and MoE routing is assumed balanced.
-    """
-    from .config import preset
-    from .checkpointing import apply_recompute
-    from .model import build_model
-    from .train import make_optimizer, param_dtype, train_step
-
-    cfg = preset(cfg) if isinstance(cfg, str) else cfg
-    if batch <= 0 or seq <= 0:
-        raise ValueError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
-    if seq > cfg.max_seq:
-        raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
-                         f"use cfg.replace(max_seq={seq})")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() and not fake else "cpu"))
-    torch.manual_seed(seed)
-    mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with mode:
-        model = apply_recompute(build_model(cfg, param_dtype(precision), device), recompute)
-        opt = make_optimizer(model.parameters(), optimizer, optimizer_impl, device=device,
-                             master_weights=precision == "bf16-master")
-        scaler = (torch.amp.GradScaler(device.type) if precision == "fp16-mixed" and not fake
-                  else None)
-        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]                     # (B, T) each
-        if warmup:
-            init_optimizer_state(model, opt)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        with MemoryTracker(model, opt) as mt:
-            result = train_step(model, opt, inputs, targets, precision, scaler, tracker=mt)
-    forward_end = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
-    saved = mt.timeline.by_category["activations"][forward_end[-1]] if forward_end else 0
-    peak = mt.peak_by_category
-    return Measurement(
-        params=peak["parameters"], grads=peak["gradients"], optimizer=peak["optimizer"],
-        activations=peak["activations"], other=peak["other"], peak_phase=mt.peak_phase,
-        saved_activations=saved, timeline=mt.timeline, device=device.type, fake=fake,
-        cuda_peak=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-        loss=result.loss)
 
 
 def activations_per_module(model, tokens, targets, modules) -> dict[str, int]:

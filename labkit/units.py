@@ -33,36 +33,61 @@ def fmt_bytes(n: float, digits: int = 2) -> str:
         n /= 1024
 
 
+CATEGORIES = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "activations",
+    "weight_cache": "autocast weight cache",
+    "other": "temporaries/other",
+}
+"""What a byte is: one key per category, used by the tracker, ``Breakdown``, the estimate, the
+plots and the command line alike, and the label every table and plot prints for it.
+
+- params: the model's weights; grads: ``.grad`` of a parameter; optimizer: tensors in the
+  optimizer's state (moments, fp32 master weights, step counters);
+- activations: tensors made in the forward pass and still alive - what autograd saved for
+  the backward pass, the token batch, the loss, the logits;
+- weight_cache: autocast's low-precision copies of the weights, which autograd keeps for the
+  backward pass like activations, but which grow with the model, not with batch x sequence;
+- other: gradients of activations in flight during backward, the optimizer's temporaries,
+  activations recomputed by checkpointing, buffers (RoPE tables).
+"""
+
+
 @dataclass
 class Breakdown:
     """Bytes per device at the peak of one training step, by category (sum == total).
 
     ``saved_activations`` is the activation memory at the end of the forward pass (its
     largest value), which is not always what is alive at the peak: when the peak falls in
-    the optimizer step, the activations are already gone.
+    the optimizer step, the activations are already gone. Autocast's weight copies are not
+    in it: they are ``saved_weight_cache`` at that moment, and ``weight_cache`` at the peak.
     """
 
     params: int = 0
     grads: int = 0
     optimizer: int = 0
     activations: int = 0
+    weight_cache: int = 0
     other: int = 0
     peak_phase: str = ""
     saved_activations: int = 0
+    saved_weight_cache: int = 0
     details: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
+        return sum(getattr(self, key) for key in CATEGORIES)
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
     def as_dict(self) -> dict:
-        keys = ("params", "grads", "optimizer", "activations", "other", "total",
-                "peak_phase", "saved_activations")
-        return {k: getattr(self, k) for k in keys}
+        return {**{k: getattr(self, k) for k in CATEGORIES}, "total": self.total,
+                "peak_phase": self.peak_phase, "saved_activations": self.saved_activations,
+                "saved_weight_cache": self.saved_weight_cache}
 
 
 def fmt_count(n: float) -> str:
@@ -75,11 +100,11 @@ def fmt_count(n: float) -> str:
 
 def reconciliation(predicted: Breakdown, measured: Breakdown) -> str:
     """A predicted-vs-measured table by category, with each difference in bytes and percent."""
-    rows = [("weights", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
-            ("activations", "activations"), ("other", "other"), ("total (peak)", "total"),
-            ("saved at end of forward", "saved_activations")]
+    rows = [*CATEGORIES.items(), ("total", "total (peak)"),
+            ("saved_activations", "saved at end of forward"),
+            ("saved_weight_cache", "... and weight copies")]
     lines = [f"{'':<25}{'predicted':>13}{'measured':>13}{'difference':>13}"]
-    for label, field in rows:
+    for field, label in rows:
         p, m = getattr(predicted, field), getattr(measured, field)
         pct = f" ({100 * (p - m) / m:+.2f}%)" if m else ""
         lines.append(f"{label:<25}{fmt_bytes(p):>13}{fmt_bytes(m):>13}{fmt_bytes(p - m):>13}{pct}")

@@ -5,17 +5,19 @@
 """
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass
 
 import ipywidgets as w
-from IPython.display import display
 
 from .config import ModelConfig, preset, presets
-from .estimate import Estimate, count_params, estimate
+from .layers import count_params
+from .predict import Estimate, estimate
 from .plot import breakdown_figure, timeline_figure
-from .track import Measurement, measure_step
+from .train import Measurement, measure_step
 from .train import OPTIMIZERS, PRECISIONS
-from .units import fmt_bytes, fmt_count
+from .units import CATEGORIES, fmt_bytes, fmt_count
 
 SHAPE_FIELDS = ("hidden", "layers", "heads", "vocab_size")
 
@@ -34,10 +36,10 @@ class PanelResult:
             return f"⚠ {self.error}"
         pc = count_params(self.config)
         e = self.estimate
+        parts = ", ".join(f"{label} {fmt_bytes(getattr(e, key))}"
+                          for key, label in CATEGORIES.items() if getattr(e, key))
         text = (f"{self.config.name}: {fmt_count(pc.total)} parameters — predicted peak "
-                f"{fmt_bytes(e.total)} (during {e.peak_phase}): weights {fmt_bytes(e.params)}, "
-                f"gradients {fmt_bytes(e.grads)}, optimizer {fmt_bytes(e.optimizer)}, "
-                f"activations {fmt_bytes(e.activations)}, other {fmt_bytes(e.other)}")
+                f"{fmt_bytes(e.total)} (during {e.peak_phase}): {parts}")
         if self.measurement is not None:
             m = self.measurement
             text += (f"\nmeasured peak {fmt_bytes(m.total)} (during {m.peak_phase}); "
@@ -45,14 +47,30 @@ class PanelResult:
         return text
 
 
+def _render(output: w.Output, *items) -> None:
+    """Replace what ``output`` shows with ``items`` (text lines or figures).
+
+    The outputs are set as widget state, never captured with ``with output:``: capturing
+    redirects the running cell's messages through the widget (its ``msg_id``) and sends
+    ``clear_output`` to the cell, the protocol behind notebooks that stall headless
+    (papermill #723, nbclient #312) with the kernel idle.
+    """
+    shown = []
+    for item in items:
+        if isinstance(item, str):
+            shown.append({"output_type": "stream", "name": "stdout", "text": item + "\n"})
+        else:                                 # a matplotlib figure, as the inline backend shows it
+            png = io.BytesIO()
+            item.savefig(png, format="png", bbox_inches="tight")
+            shown.append({"output_type": "display_data", "metadata": {}, "data": {
+                "image/png": base64.b64encode(png.getvalue()).decode(), "text/plain": repr(item)}})
+    output.outputs = tuple(shown)
+
+
 def model_config(name: str, **shape) -> ModelConfig:
     """The preset ``name`` with its shape fields (hidden, layers, heads, vocab_size) changed."""
     base = preset(name)
     changes = {k: v for k, v in shape.items() if v is not None and getattr(base, k) != v}
-    if "hidden" in changes or "heads" in changes:
-        changes.setdefault("head_dim", 0)          # re-derive hidden // heads
-    if "heads" in changes and base.kv_heads == base.heads:
-        changes["kv_heads"] = 0                    # multi-head stays multi-head
     return base.replace(name=name if not changes else f"{name} (modified)", **changes)
 
 
@@ -133,16 +151,14 @@ class MemoryPanel:
     def _show(self, result: PanelResult):
         self.result = result
         self.status.value = "<br>".join(result.summary().splitlines())
-        self.output.clear_output(wait=True)
         if result.error:
+            _render(self.output)
             return
-        with self.output:
-            items = {"predicted": result.estimate}
-            if result.measurement is not None:
-                items["measured (fake tensors)"] = result.measurement
-            display(breakdown_figure(items))
-            if result.measurement is not None:
-                display(timeline_figure(result.measurement))
+        items = {"predicted": result.estimate}
+        if result.measurement is not None:
+            items["measured (fake tensors)"] = result.measurement
+        _render(self.output, breakdown_figure(items),
+                *([timeline_figure(result.measurement)] if result.measurement is not None else []))
 
     def update(self) -> PanelResult:
         self._show(predict(self.model.value, **self.values()))
@@ -204,21 +220,19 @@ class RecomputePanel:
         result = recompute_report(self.model, policy=self.policy.value,
                                   precision=self.precision, **values)
         self.result = result
-        self.output.clear_output(wait=True)
-        with self.output:
-            if result.error:
-                print(f"⚠ {result.error}")
-                return result
-            keep = estimate(result.config, batch=values["batch"], seq=values["seq"],
-                            precision=self.precision)
-            cost = recompute_cost(result.config, self.policy.value, seq=min(values["seq"], 1024),
-                                  batch=1)
-            print(f"saved activations {fmt_bytes(result.estimate.saved_activations)} "
-                  f"(keeping everything: {fmt_bytes(keep.saved_activations)}); peak "
-                  f"{fmt_bytes(result.estimate.total)} (vs {fmt_bytes(keep.total)}); "
-                  f"recompute adds {100 * cost.extra:.1f}% FLOPs")
-            display(breakdown_figure({"keep everything": keep,
-                                      self.policy.value: result.estimate}))
+        if result.error:
+            _render(self.output, f"⚠ {result.error}")
+            return result
+        keep = estimate(result.config, batch=values["batch"], seq=values["seq"],
+                        precision=self.precision)
+        cost = recompute_cost(result.config, self.policy.value, seq=min(values["seq"], 1024),
+                              batch=1)
+        _render(self.output,
+                f"saved activations {fmt_bytes(result.estimate.saved_activations)} "
+                f"(keeping everything: {fmt_bytes(keep.saved_activations)}); peak "
+                f"{fmt_bytes(result.estimate.total)} (vs {fmt_bytes(keep.total)}); "
+                f"recompute adds {100 * cost.extra:.1f}% FLOPs",
+                breakdown_figure({"keep everything": keep, self.policy.value: result.estimate}))
         return result
 
 

@@ -11,7 +11,7 @@ def test_estimate_prints_a_breakdown(capsys):
     assert main(["estimate", "--model", "deepseek-v2-lite", "--seq", "4096", "--precision",
                  "bf16-mixed", "--zero-stage", "2", "--dp", "8"]) == 0
     out = capsys.readouterr().out
-    for label in ("parameters", "gradients", "optimizer state", "activations", "total (peak)"):
+    for label in (*lk.CATEGORIES.values(), "total (peak)"):
         assert label in out
     assert "GiB" in out and "ZeRO-2, dp 8" in out
 
@@ -30,9 +30,18 @@ def test_presets_lists_every_preset_with_its_size(capsys):
     assert "6,738,415,616" in out
 
 
-def test_measure_runs_a_step_on_fake_tensors(capsys):
+def test_measure_runs_a_step_on_fake_tensors_with_cuda_defaults(capsys):
     assert main(["measure", "--model", "tiny", "--seq", "128", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["total"] > 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["total"] == lk.measure_step("tiny", seq=128, fake=True, device="cuda").total
+    assert printed["optimizer implementation"] == "foreach"
+
+
+def test_estimate_explains_the_tensors_at_the_peak_and_the_weight_cache(capsys):
+    assert main(["estimate", "--model", "llama-2-7b", "--batch", "4", "--seq", "4096", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "autocast weight cache" in out and "bf16 weight copies (autocast)" in out
+    assert "q, k, v and attention output" in out
 
 
 def test_bad_input_prints_the_fix_without_a_traceback():

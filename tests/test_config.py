@@ -48,3 +48,33 @@ def test_impossible_configs_raise_a_value_error_naming_the_fix(fields, message):
 def test_unknown_field_in_preset_changes_is_refused():
     with pytest.raises(ValueError, match="unknown ModelConfig field"):
         lk.preset("tiny", hiden=64)
+
+
+def test_replace_derives_head_dim_and_kv_heads_again():
+    small = lk.preset("small")                       # hidden 256, 8 heads, 4 kv heads (GQA)
+    assert small.replace(hidden=512).head_dim == 64
+    assert small.replace(heads=16).kv_heads == 4     # an explicit GQA width is kept
+    llama = lk.preset("llama-2-7b")                  # multi-head: kv_heads == heads
+    assert llama.replace(heads=16).kv_heads == 16    # ... stays multi-head
+    assert llama.replace(heads=16).head_dim == 256
+    assert llama.replace(layers=8).dense_layers == 8  # a dense model stays dense
+    assert lk.preset("tiny-moe").replace(layers=6).dense_layers == lk.preset("tiny-moe").dense_layers
+    assert llama.replace(head_dim=64, heads=32).head_dim == 64   # an explicit value wins
+
+
+def test_presets_load_from_a_plain_non_editable_install(tmp_path):
+    """``pip install .`` then the tests in the checkout: labkit is imported from the source
+    folder, where the presets' package (mapped from data/models) does not exist."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    # the editable install's finder would map labkit.preset_data: run without it
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if 'editable' not in repr(f).lower()]; sys.path.insert(0, sys.argv[1]); "
+            "import labkit; assert labkit.__file__.startswith(sys.argv[1]); "
+            "print(labkit.preset('small').hidden)")
+    done = subprocess.run([sys.executable, "-c", code, str(repo)], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "256"

@@ -3,8 +3,10 @@ from fractions import Fraction
 
 import pytest
 
+import labkit as lk
+from labkit.recipe import PRECISIONS
+
 from labkit.papers import (
-    STATE_BYTES,
     megatron_activation_bytes,
     megatron_params,
     model_state_bytes,
@@ -33,7 +35,7 @@ def within_printed_rounding(value, published: str) -> bool:
 @pytest.mark.parametrize("stage", sorted(ZERO_TABLE_1))
 def test_zero_table_1_memory_per_device(stage):
     for dp, published in zip(ZERO_DP, ZERO_TABLE_1[stage]):
-        got = Fraction(model_state_bytes(7_500_000_000, "fp16-mixed", "adamw", stage, dp), 10**9)
+        got = Fraction(model_state_bytes(7_500_000_000, "fp16-master", "adamw", stage, dp), 10**9)
         assert within_printed_rounding(got, published), (stage, dp, float(got), published)
 
 
@@ -45,23 +47,37 @@ def test_zero_baseline_is_16_bytes_per_parameter_with_k_12():
 # bytes per parameter of each format, and what a ZeRO rank holds
 
 @pytest.mark.parametrize("precision, optimizer, per_param", [
-    ("bf16-mixed", "adamw", 16),
-    ("fp16-mixed", "adamw", 16),
+    ("bf16-master", "adamw", 2 + 2 + 12),     # the ZeRO paper's mixed precision, K = 12
+    ("fp16-master", "adamw", 2 + 2 + 12),
+    ("bf16-mixed", "adamw", 4 + 4 + 8),       # autocast: fp32 weights, gradients and moments
+    ("fp16-mixed", "adamw", 4 + 4 + 8),
     ("fp32", "adamw", 16),
     ("bf16", "adamw", 8),
     ("fp32", "sgd", 8),
-    ("bf16-mixed", "sgd", 8),
-    ("bf16-mixed", "sgd-momentum", 12),
-    ("bf16-mixed", "adamw-8bit", 10),
+    ("bf16-master", "sgd", 2 + 2 + 4),
+    ("bf16-master", "sgd-momentum", 2 + 2 + 8),
+    ("bf16-master", "adamw-8bit", 2 + 2 + 4 + 2),
+    ("fp32", "adamw-8bit", 4 + 4 + 2),
 ])
 def test_bytes_per_parameter(precision, optimizer, per_param):
     assert model_state_bytes(1000, precision, optimizer) == per_param * 1000
 
 
-def test_every_format_sums_its_table_row():
-    for precision, row in STATE_BYTES.items():
-        for optimizer, parts in row.items():
-            assert model_state_bytes(1, precision, optimizer) == sum(parts)
+def test_one_name_one_meaning_master_weights_and_autocast_differ_under_zero_1():
+    # 8 ranks: the master recipe shards its 12 optimizer bytes, autocast its 8
+    assert model_state_bytes(8, "bf16-master", "adamw", zero_stage=1, dp=8) == 2 * 8 + 2 * 8 + 12
+    assert model_state_bytes(8, "bf16-mixed", "adamw", zero_stage=1, dp=8) == 4 * 8 + 4 * 8 + 8
+
+
+def test_the_estimate_and_the_paper_agree_on_the_model_states_of_every_precision():
+    n = lk.count_params("llama-2-7b").total
+    for precision in PRECISIONS:
+        for stage in (0, 1, 2, 3):
+            states = lk.estimate("llama-2-7b", precision=precision, zero_stage=stage,
+                                 dp=8).details["model states"]
+            counters = 4 * 291                   # AdamW's step count, one per parameter tensor
+            assert sum(states.values()) - counters == model_state_bytes(
+                n, precision, "adamw", stage, 8), (precision, stage)
 
 
 def test_zero3_rank_holds_a_quarter_of_the_states():
@@ -93,8 +109,8 @@ TABLE_2 = {  # (tp, sp, recompute) -> per-layer bytes, written as the table's ex
     "no parallelism": ((1, False, "none"), s*b*h*(34 + 5*a*s/h)),
     "tensor parallel": ((t, False, "none"), s*b*h*(10 + 24/t + 5*a*s/(h*t))),
     "tensor + sequence parallel": ((t, True, "none"), s*b*h*(34/t + 5*a*s/(h*t))),
-    "tensor parallel + selective recompute": ((t, False, "selective"), s*b*h*(10 + 24/t)),
-    "tensor + sequence parallel + selective recompute": ((t, True, "selective"), s*b*h*34/t),
+    "tensor parallel + selective recompute": ((t, False, "attention-core"), s*b*h*(10 + 24/t)),
+    "tensor + sequence parallel + selective recompute": ((t, True, "attention-core"), s*b*h*34/t),
     "full recompute": ((1, False, "full"), s*b*h*2),
     "full recompute + sequence parallel": ((t, True, "full"), s*b*h*2/t),
 }
@@ -108,30 +124,36 @@ def test_korthikanti_table_2_rows_for_gpt3(row):
 
 
 def test_for_gpt3_the_attention_term_5as_over_h_outweighs_the_34():
-    assert 5 * a * s / h == 80 > 34
+    per_token = Fraction(megatron_activation_bytes(s, b, h, a), s * b * h)
+    assert per_token == 34 + 80 and 5 * a * s / h == 80 > 34
 
 
-def test_sequence_parallel_plus_selective_recompute_needs_34_over_t_sbh():
-    got = megatron_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="selective")
+def test_korthikantis_selective_is_called_attention_core():
+    with pytest.raises(ValueError, match="their 'selective' is 'attention-core'"):
+        megatron_activation_bytes(s, b, h, a, recompute="selective")
+
+
+def test_sequence_parallel_plus_attention_core_recompute_needs_34_over_t_sbh():
+    got = megatron_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="attention-core")
     assert got == s * b * h * 34 // t == 106_954_752
 
 
-def test_selective_recompute_drops_only_the_5as_over_h_term():
+def test_attention_core_recompute_drops_only_the_5as_over_h_term():
     for sp in (False, True):
         kept = megatron_activation_bytes(s, b, h, a, tp=t, sp=sp, recompute="none")
-        selective = megatron_activation_bytes(s, b, h, a, tp=t, sp=sp, recompute="selective")
+        selective = megatron_activation_bytes(s, b, h, a, tp=t, sp=sp, recompute="attention-core")
         assert kept - selective == 5 * a * s * s * b // t
 
 
-def test_sequence_parallel_and_selective_recompute_cut_tensor_parallel_memory_5x():
+def test_sequence_parallel_and_attention_core_recompute_cut_tensor_parallel_memory_5x():
     baseline = megatron_activation_bytes(s, b, h, a, tp=t)
-    both = megatron_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="selective")
+    both = megatron_activation_bytes(s, b, h, a, tp=t, sp=True, recompute="attention-core")
     assert baseline / both > 5  # 23 / 4.25 = 5.4 for GPT-3
 
 
 def test_odd_shapes_round_the_exact_value():
     # 34/3 * 1*1*1 = 11.33... -> 11, computed with fractions, not floats
-    assert megatron_activation_bytes(1, 1, 1, 3, tp=3, sp=True, recompute="selective") == 11
+    assert megatron_activation_bytes(1, 1, 1, 3, tp=3, sp=True, recompute="attention-core") == 11
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,13 +207,13 @@ def test_idle_fraction_is_ratio_over_one_plus_ratio():
     (lambda: model_state_bytes(-1), r"n_params must be a non-negative integer, got -1"),
     (lambda: model_state_bytes(7.5e9 + 0.5), r"n_params must be a non-negative integer, got 7500000000.5"),
     (lambda: model_state_bytes(100, zero_stage=4), r"zero_stage must be one of 0, 1, 2, 3, got 4"),
-    (lambda: model_state_bytes(100, precision="fp8"), r"unknown precision 'fp8'; use one of bf16-mixed, "),
+    (lambda: model_state_bytes(100, precision="fp8"), r"unknown precision 'fp8'; use one of fp32, bf16, bf16-master, .*'bf16-master'\)"),
     (lambda: model_state_bytes(100, optimizer="lion"), r"unknown optimizer 'lion'; use one of adamw, "),
     (lambda: megatron_activation_bytes(2048, 1, 4096, 32, tp=3),
      r"tp=3 does not divide heads=32; choose tp among the divisors of 32"),
     (lambda: megatron_activation_bytes(0, 1, 4096, 32), r"seq must be a positive integer, got 0"),
     (lambda: megatron_activation_bytes(2048, 1, 4096, 32, recompute="some"),
-     r"unknown recompute 'some'; use one of none, selective, full"),
+     r"unknown recompute 'some' for Korthikanti et al.'s formula; use one of none, attention-core, full"),
     (lambda: pipeline_bubble(0, 8), r"p must be a positive integer, got 0"),
     (lambda: pipeline_bubble(4, 0), r"m must be a positive integer, got 0"),
     (lambda: pipeline_bubble(4, 8, v=0), r"v must be a positive integer, got 0"),

@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import labkit as lk
-from labkit.track import init_optimizer_state
+from labkit.train import init_optimizer_state
 from labkit.train import make_optimizer, train_step
 
 
@@ -36,7 +36,7 @@ def test_tags_weights_gradients_and_optimizer_state():
         with mt.phase("optimizer"):
             opt.step()
         now = mt.by_category
-    assert now["parameters"] == 400 and now["gradients"] == 400 and now["optimizer"] == 400
+    assert now["params"] == 400 and now["grads"] == 400 and now["optimizer"] == 400
 
 
 def test_timeline_is_labelled_by_phase():
@@ -85,3 +85,33 @@ def test_on_cuda_the_tracker_matches_max_memory_allocated():
     m = lk.measure_step("small", seq=1024, precision="bf16-mixed", fake=False, device="cuda")
     # the caching allocator rounds each block up to 512 bytes: slightly more, never less
     assert m.total <= m.cuda_peak <= m.total * 1.02
+
+
+def test_the_measured_model_is_freed_after_the_tracker_is_dropped():
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("tiny"))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 33))
+    with lk.MemoryTracker(model, opt) as mt:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+    peak, alive = mt.peak, weakref.ref(model)
+    del model, opt, mt
+    gc.collect()
+    assert peak > 0 and alive() is None
+
+
+def test_measure_step_leaves_no_model_behind():
+    import gc
+    from labkit.model import Transformer
+
+    def models():
+        gc.collect()
+        return sum(isinstance(o, Transformer) for o in gc.get_objects())
+
+    before = models()
+    for _ in range(3):
+        lk.measure_step("tiny", seq=64, precision="fp32", fake=False)
+    assert models() == before

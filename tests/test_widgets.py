@@ -62,3 +62,15 @@ def test_recompute_panel_updates_with_its_controls():
     full = panel.result.estimate.saved_activations
     panel.policy.value = "none"
     assert panel.result.estimate.saved_activations > full
+
+
+def test_panels_set_their_output_as_state_without_capturing_the_cell():
+    panel = widgets.RecomputePanel(model="tiny", seq=256)
+    outputs = panel.output.outputs
+    assert outputs[0]["output_type"] == "stream" and "saved activations" in outputs[0]["text"]
+    assert "image/png" in outputs[1]["data"]
+    assert panel.output.msg_id == ""              # never switched to the cell's message
+    memory = widgets.MemoryPanel(model="small", seq=512)
+    assert [o["output_type"] for o in memory.output.outputs] == ["display_data"]
+    memory.shape["heads"].value = 7                # an error clears the plot
+    assert memory.output.outputs == ()

@@ -1,0 +1,308 @@
+"""The structure of ``labkit.model``'s layers, written once, as data: the parameter tensors of
+each part and the tensors each sub-layer saves for its backward pass.
+
+``count_params`` and ``labkit.estimate`` read only this module (it imports no model).
+Korthikanti et al. (2022) count sbh(34 + 5as/h) bytes per GPT-3 layer in fp16; ours differ in
+RMSNorm (fp32 statistics), SwiGLU (4 ffn-wide tensors instead of 2), no dropout masks, and
+SDPA's fused kernel, which keeps no (T, T) matrix: no 5as/h term.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig, preset
+from .recipe import compute_bytes, state_bytes
+
+
+# ---- parameters -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Weight:
+    """One parameter tensor: a ``fan_in`` -> ``fan_out`` matmul weight, or a vector (fan_in 1).
+
+    ``split`` says how tensor parallelism cuts it: "column" (its outputs), "row" (its inputs),
+    "vocab" (embedding and LM head rows) or "replicated". Routed experts are one stacked
+    tensor of ``copies`` experts, of which a token passes through ``used``.
+    """
+
+    name: str
+    fan_in: int
+    fan_out: int
+    split: str = "column"
+    matmul: bool = True
+    copies: int = 1
+    used: int = 1
+
+    @property
+    def numel(self) -> int:
+        return self.fan_in * self.fan_out * self.copies
+
+    def local(self, tp: int = 1, ep: int = 1) -> int:
+        """Elements one tensor-parallel (and expert-parallel) rank holds."""
+        return self.numel // (1 if self.split == "replicated" else tp) // (ep if self.copies > 1 else 1)
+
+    def out_width(self, tp: int = 1) -> int:
+        """Outputs per token on one tensor-parallel rank, over the copies a token uses."""
+        return self.used * (self.fan_out // tp if self.split == "column" else self.fan_out)
+
+
+def _vector(name: str, width: int) -> Weight:
+    return Weight(name, 1, width, split="replicated", matmul=False)
+
+
+def _swiglu(prefix: str, hidden: int, width: int, copies: int = 1, used: int = 1) -> list[Weight]:
+    return [Weight(f"{prefix}.w_gate", hidden, width, "column", copies=copies, used=used),
+            Weight(f"{prefix}.w_up", hidden, width, "column", copies=copies, used=used),
+            Weight(f"{prefix}.w_down", width, hidden, "row", copies=copies, used=used)]
+
+
+def attention_weights(c: ModelConfig) -> list[Weight]:
+    """GQA's four projections (+ Qwen2's q, k, v biases), or MLA's low-rank ones and norms."""
+    H = c.heads
+    if c.attention == "gqa":
+        ws = [Weight("attn.wq", c.hidden, H * c.head_dim), Weight("attn.wk", c.hidden, c.kv_heads * c.head_dim),
+              Weight("attn.wv", c.hidden, c.kv_heads * c.head_dim)]
+        if c.qkv_bias:
+            ws += [Weight(w.name + ".bias", 1, w.fan_out, "column", matmul=False) for w in ws]
+        return ws + [Weight("attn.wo", H * c.head_dim, c.hidden, "row")]
+    if c.q_lora_rank:    # the down-projections and the latent's norms are replicated over tp
+        ws = [Weight("attn.wq_a", c.hidden, c.q_lora_rank, "replicated"),
+              _vector("attn.q_norm", c.q_lora_rank),
+              Weight("attn.wq_b", c.q_lora_rank, H * c.qk_head_dim)]
+    else:
+        ws = [Weight("attn.wq", c.hidden, H * c.qk_head_dim)]
+    return ws + [Weight("attn.wkv_a", c.hidden, c.kv_lora_rank + c.qk_rope_dim, "replicated"),
+                 _vector("attn.kv_norm", c.kv_lora_rank),
+                 Weight("attn.wkv_b", c.kv_lora_rank, H * (c.qk_nope_dim + c.v_head_dim)),
+                 Weight("attn.wo", H * c.v_head_dim, c.hidden, "row")]
+
+
+def mlp_weights(c: ModelConfig, moe: bool) -> list[Weight]:
+    """A dense SwiGLU, or the MoE block: router, stacked routed experts, shared experts."""
+    if not moe:
+        return _swiglu("mlp", c.hidden, c.ffn)
+    ws = [Weight("mlp.router", c.hidden, c.routed_experts, "replicated")]
+    if c.router_bias:
+        ws.append(_vector("mlp.router_bias", c.routed_experts))
+    ws += _swiglu("mlp.experts", c.hidden, c.moe_ffn, copies=c.routed_experts, used=c.top_k)
+    if c.shared_experts:
+        ws += _swiglu("mlp.shared", c.hidden, c.shared_experts * c.moe_ffn)
+    return ws
+
+
+def block_weights(c: ModelConfig, moe: bool) -> list[Weight]:
+    """Every parameter tensor of a block (an MoE block after the first ``dense_layers``)."""
+    return ([_vector("attn_norm", c.hidden)] + attention_weights(c)
+            + [_vector("mlp_norm", c.hidden)] + mlp_weights(c, moe))
+
+
+def embedding_weights(c: ModelConfig) -> list[Weight]:
+    return [Weight("embed", c.vocab_size, c.hidden, "vocab", matmul=False)]
+
+
+def head_weights(c: ModelConfig) -> list[Weight]:
+    """The final norm and the LM head (none when tied to the embedding)."""
+    head = [] if c.tie_embeddings else [Weight("lm_head", c.hidden, c.vocab_size, "vocab")]
+    return [_vector("norm", c.hidden)] + head
+
+
+@dataclass
+class ParamCount:
+    """Parameter counts. ``active``: used per token (all but the unchosen routed experts),
+    embedding and LM head included - DeepSeek's published "activated" figures count them."""
+
+    total: int
+    active: int
+    by_component: dict[str, int]
+
+
+def _component(weight: Weight) -> str:
+    name = weight.name
+    if name.startswith("attn."):
+        return "attention"
+    for prefix, component in (("mlp.router", "router"), ("mlp.experts", "routed experts"),
+                              ("mlp.shared", "shared experts"), ("mlp.", "dense mlp"),
+                              ("embed", "embedding"), ("lm_head", "lm head")):
+        if name.startswith(prefix):
+            return component
+    return "norms"
+
+
+def count_params(cfg: ModelConfig | str) -> ParamCount:
+    """Exact parameter count of the model ``labkit.model`` builds, by component."""
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    weights = (embedding_weights(c) + head_weights(c)
+               + [w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)])
+    parts = dict.fromkeys(("embedding", "attention", "dense mlp", "router", "shared experts",
+                           "routed experts", "norms", "lm head"), 0)
+    for w in weights:
+        parts[_component(w)] += w.numel
+    parts = {k: v for k, v in parts.items() if v or k in ("embedding", "attention")}
+    total = sum(parts.values())
+    idle = sum(w.numel - w.numel // w.copies * w.used for w in weights if w.copies > 1)
+    return ParamCount(total, total - idle, parts)
+
+
+# ---- what autograd saves, per sub-layer -------------------------------------------------------
+@dataclass(frozen=True)
+class Term:
+    """A named kind of tensor and its bytes: per token (x B*T), per position (x T), per layer."""
+
+    name: str
+    dtype: str
+    per_token: float = 0
+    per_position: float = 0
+    per_layer: float = 0
+    category: str = "activations"
+
+    def bytes(self, batch: int, seq: int) -> int:
+        return round(self.per_token * batch * seq + self.per_position * seq + self.per_layer)
+
+
+class Saved(list):
+    """The terms one layer keeps for backward; ``bytes(batch, seq)`` adds them up."""
+
+    def bytes(self, batch: int, seq: int, category: str | None = None) -> int:
+        return sum(t.bytes(batch, seq) for t in self if category in (None, t.category))
+
+    @property
+    def per_token(self) -> float:
+        return sum(t.per_token for t in self)
+
+    @property
+    def per_layer(self) -> float:
+        return sum(t.per_layer for t in self)
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    """Bytes of each kind of tensor under a precision."""
+
+    compute: int      # matmul outputs, attention (bf16 under autocast)
+    stream: int       # the residual stream (the weights' dtype)
+    mixed: bool       # autocast: each linear saves its own low-precision copy of its input
+
+    @classmethod
+    def of(cls, precision: str) -> "_Dtypes":
+        return cls(compute_bytes(precision), state_bytes(precision).weights,
+                   precision.endswith("-mixed"))
+
+    @property
+    def name(self) -> str:
+        return "fp32" if self.compute == 4 else "bf16"
+
+    @property
+    def stream_name(self) -> str:
+        return "fp32" if self.stream == 4 else "bf16"
+
+    def linear_inputs(self, consumers: int, width: float) -> float:
+        """Saved inputs of ``consumers`` linears reading one tensor of ``width`` per token."""
+        return consumers * width * 2 if self.mixed else width * self.compute
+
+
+def _rmsnorm(width: float) -> float:
+    # F.rms_norm computes in fp32: keeps x (or its fp32 copy), x * rstd, and rstd
+    return 8 * width + 4
+
+
+def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
+    """The attention sub-layer after its norm: projections' inputs, q, k, v, output, log-sum-exp.
+
+    Heads are split over ``tp`` ranks; inputs replicated on each rank are split over ``sp``.
+    """
+    H, cdt = c.heads // tp, d.name
+    rope = Term("RoPE cos/sin cast to the compute dtype", cdt,
+                per_position=0 if d.compute == 4 else 4 * c.rope_dim * d.compute)
+    if c.attention == "gqa":
+        Hkv = max(1, c.kv_heads // tp)
+        return Saved([
+            Term("input of wq, wk, wv", cdt, d.linear_inputs(3, c.hidden) / sp),
+            Term("q, k, v and attention output", cdt, (2 * H + 2 * Hkv) * c.head_dim * d.compute),
+            Term("attention log-sum-exp", "fp32", 4 * H), rope])
+    qk, r = c.qk_head_dim, c.kv_lora_rank
+    low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
+    if c.q_lora_rank:
+        low_rank += _rmsnorm(c.q_lora_rank) + d.linear_inputs(1, c.q_lora_rank)
+    # in fp32 the norm keeps its input: a view of the whole (latent + rope key) projection
+    low_rank += _rmsnorm(r) + (4 * c.qk_rope_dim if d.compute == 4 else 0)
+    low_rank += d.linear_inputs(1, r)                                        # into wkv_b
+    return Saved([
+        Term("low-rank q and kv path (replicated over tp)", cdt, low_rank / sp),
+        Term("q, k, padded v and attention output", cdt, 4 * H * qk * d.compute),
+        Term("attention log-sum-exp", "fp32", 4 * H),
+        Term("un-padded attention output into wo", cdt, H * c.v_head_dim * d.compute), rope])
+
+
+def _swiglu_saved(width: int, d: _Dtypes) -> float:
+    return 4 * width * d.compute                                             # gate, silu, up, product
+
+
+def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved:
+    """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block)."""
+    cdt = d.name
+    if not moe:
+        return Saved([Term("input of w_gate, w_up", cdt, d.linear_inputs(2, c.hidden) / sp),
+                      Term("SwiGLU gate, silu, up, product", cdt, _swiglu_saved(c.ffn // tp, d))])
+    k, E, shared = c.top_k, c.routed_experts, c.shared_experts
+    sorted_tokens = 2 * d.linear_inputs(1, k * c.hidden) if d.mixed else k * c.hidden * d.compute
+    return Saved([
+        Term("input of router and shared experts", cdt, d.linear_inputs(1 + 2 * (shared > 0), c.hidden) / sp),
+        Term("router softmax", "fp32", 4 * E),
+        Term("expert ids, sort order, token index", "int64", 3 * 8 * k),
+        Term("gate weights, sorted", d.stream_name, d.stream * k),
+        Term("tokens sorted by expert", cdt, sorted_tokens),
+        Term("routed experts' SwiGLUs", cdt, k * _swiglu_saved(c.moe_ffn // tp, d)),
+        Term("experts' outputs and their gate-weighted copy", f"{cdt} + {d.stream_name}",
+             k * c.hidden * (d.compute + d.stream)),
+        Term("shared experts' SwiGLU", cdt, _swiglu_saved(shared * c.moe_ffn // tp, d))])
+
+
+def _matmul_outputs(c: ModelConfig, d: _Dtypes, moe: bool, tp: int) -> Saved:
+    """What the ``selective`` policy keeps besides the block's input: every matmul's output
+    and fused attention's output (padded to the query width under MLA) and log-sum-exp."""
+    H = c.heads // tp
+    matmuls = sum(w.out_width(tp) for w in attention_weights(c) + mlp_weights(c, moe) if w.matmul)
+    attention_out = H * c.qk_head_dim
+    return Saved([Term("matmul and attention outputs", d.name,
+                       (matmuls + attention_out) * d.compute),
+                  Term("attention log-sum-exp", "fp32", 4 * H)])
+
+
+def weight_copies(c: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
+    """Bytes of autocast's bf16 copies of a block's matmul weights on one rank."""
+    return 2 * sum(w.local(tp, ep) for w in block_weights(c, moe) if w.matmul)
+
+
+def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
+                recompute: str = "none", sp: bool = False, ep: int = 1) -> Saved:
+    """What one transformer block keeps for its backward pass, per tensor-parallel rank.
+
+    ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
+    input plus the matmul and attention outputs. With sequence parallelism (``sp``) the
+    tensors every rank would hold whole (norms, the residual stream, the inputs of
+    column-parallel projections) are split over the ranks too. Under autocast the bf16
+    weight copies are a term of their own (category "weight_cache").
+    """
+    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    block_input = Saved([Term("block input (residual stream)", d.stream_name,
+                              c.hidden * d.stream / split)])
+    if recompute == "full":
+        return block_input
+    if recompute == "selective":
+        return Saved(block_input + _matmul_outputs(c, d, moe, tp))
+    copies = weight_copies(c, moe, tp, ep) if d.mixed else 0
+    return Saved([Term("RMSNorm inputs and outputs", "fp32", 2 * _rmsnorm(c.hidden) / split)]
+                 + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split)
+                 + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
+                          category="weight_cache")] if copies else []))
+
+
+def head_saved(c: ModelConfig, precision: str, tp: int = 1) -> Saved:
+    """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary."""
+    d = _Dtypes.of(precision)
+    terms = [Term("final RMSNorm", "fp32", _rmsnorm(c.hidden)),
+             Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden)),
+             Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size / tp)]
+    if d.mixed:
+        terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",
+                          per_layer=2 * c.vocab_size * c.hidden // tp, category="weight_cache"))
+    return Saved(terms)

@@ -1,0 +1,294 @@
+"""Predict the memory of one training step, per device, as named tensors.
+
+``estimate`` finds the peak of a steady-state step as the largest of a few moments (the loss,
+the start of backward, the worst layer of the backward pass, the embedding's backward, the
+optimizer step). Each moment is a list of named tensors: the model states (by the recipe's
+bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
+autocast's weight copies, the transient gradients and the optimizer's temporaries. Each
+mechanism's byte rule sits beside it: ``recipe`` (precisions), ``layers`` (the model),
+``checkpointing`` (recompute policies), ``parallel.zero`` and ``parallel.pipeline``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .checkpointing import parse_policy, plan
+from .config import ModelConfig, preset
+from .layers import (ParamCount, Saved, Weight, block_weights, count_params,  # noqa: F401
+                     embedding_weights, head_saved, head_weights, layer_saved)
+from .parallel import pipeline, zero
+from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, state_bytes
+from .units import CATEGORIES, Breakdown, check_choice, dtype_bytes, fmt_bytes
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Bytes of one kind of tensor alive at a moment, with what it is."""
+
+    name: str
+    category: str
+    dtype: str
+    nbytes: int
+
+
+@dataclass
+class Estimate(Breakdown):
+    """Predicted bytes per device at the step's peak. ``tensors``: what is alive then, by name;
+    ``moments``: every candidate moment's total (the peak is the largest)."""
+
+    moments: dict = field(default_factory=dict)
+    tensors: list = field(default_factory=list)
+
+    def explain(self) -> str:
+        """The tensors alive at the peak, largest first, one per line."""
+        rows = sorted(self.tensors, key=lambda t: -t.nbytes)
+        width = max(len(t.name) for t in rows)
+        return "\n".join(f"{t.name:<{width}}  {CATEGORIES[t.category]:<22} {t.dtype:<11}"
+                         f"{fmt_bytes(t.nbytes):>12}" for t in rows if t.nbytes)
+
+
+def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
+             precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
+             zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
+             optimizer_impl: str | None = None, device: str = "cuda", every: int = 2,
+             recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
+    """Predicted peak bytes per device of one steady-state training step, by category.
+
+    Give the step as keywords or as ``recipe=lk.Recipe(...)`` and ``layout=lk.Layout(...)``
+    (which then win). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
+    "cpu"); a real GPU adds its CUDA context, allocator rounding and library workspaces.
+    With ``pp`` > 1 the device reported is the busiest stage.
+    """
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every)
+    layout = layout or Layout(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_choice("device", device, DEVICES)
+    layout.check(c, seq)
+    stages = pipeline.stage_layers(c.layers, layout.pp)
+    return max((_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
+                for s, layers in enumerate(stages)), key=lambda e: e.total)
+
+
+class _Step:
+    """One pipeline stage's step: its model states, its saved tensors, its moments."""
+
+    def __init__(self, c, batch, seq, recipe, layout, device, stage, layers):
+        self.c, self.recipe, self.L = c, recipe, layout
+        self.B, self.T = batch, seq // layout.cp                 # tokens on this rank
+        self.N = self.B * self.T
+        self.layers = list(layers)
+        self.first, self.last = stage == 0, stage == layout.pp - 1
+        self.in_flight = pipeline.in_flight(stage, layout.pp, layout.micro_batch_count,
+                                            layout.schedule)
+        self.impl = recipe.impl(device)
+        self.bytes = state_bytes(recipe.precision, recipe.optimizer)
+        self.mixed = recipe.precision.endswith("-mixed")
+        self.wdt = "fp32" if self.bytes.weights == 4 else "bf16"          # weights, grads, stream
+        self.cdt = "fp32" if recipe.precision == "fp32" else "bf16"       # what matmuls produce
+        self.master = recipe.precision.endswith("-master")
+        tp, ep = layout.tp, layout.ep
+        self.moe = [i >= c.dense_layers for i in self.layers]
+        self.block_params = [sum(w.local(tp, ep) for w in block_weights(c, m)) for m in self.moe]
+        self.weights: list[Weight] = ((embedding_weights(c) if self.first else [])   # model order
+                                      + [w for m in self.moe for w in block_weights(c, m)]
+                                      + (head_weights(c) if self.last else []))
+        self.n_local = sum(w.local(tp, ep) for w in self.weights)
+
+    # ---- model states ------------------------------------------------------------------------
+    def states(self) -> list[Tensor]:
+        c, L, b, n = self.c, self.L, self.bytes, self.n_local
+        wdt = self.wdt
+        numbers = STATE_NUMBERS[self.recipe.optimizer]
+        moments = zero.per_rank(n * (b.optimizer - (4 if self.master else 0)), "optimizer",
+                                L.zero_stage, L.dp)
+        out = [Tensor("weights", "params", wdt, zero.per_rank(n * b.weights, "params", L.zero_stage, L.dp)),
+               Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
+                      "optimizer", "int8" if self.recipe.optimizer == "adamw-8bit" else
+                      ("fp32" if self.master else wdt), moments),
+               Tensor("RoPE cos and sin tables", "other", "fp32", 2 * c.max_seq * c.rope_dim * 4)]
+        if self.master:
+            out.append(Tensor("fp32 master weights", "optimizer", "fp32",
+                              zero.per_rank(n * 4, "optimizer", L.zero_stage, L.dp)))
+        if self.recipe.optimizer.startswith("adamw"):
+            out.append(Tensor("AdamW step counters", "optimizer", "fp32", 4 * len(self.weights)))
+        return out
+
+    def grads(self) -> int:
+        return zero.per_rank(self.n_local * self.bytes.grads, "grads", self.L.zero_stage, self.L.dp)
+
+    # ---- activations ---------------------------------------------------------------------------
+    def saved_per_layer(self) -> tuple[list[Saved], list[Saved], dict[int, int]]:
+        """(what each layer keeps under the policy, what it keeps without one, unit starts)."""
+        c, p, L = self.c, self.recipe.precision, self.L
+        name, _ = parse_policy(self.recipe.recompute, self.recipe.every)
+        units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
+        kept = {}            # what each layer keeps: everything, its input, or (inside a unit) nothing
+        for u in units:
+            kept[u.first] = "selective" if name == "selective" else ("full" if u.recompute else "none")
+            kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
+        full = [layer_saved(c, p, m, L.tp, "none", L.sp, L.ep) for m in self.moe]
+        saved = [Saved() if kept[j] == "nothing" else
+                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep) for j, m in enumerate(self.moe)]
+        self.kept = kept
+        return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}
+
+    def tensors_of(self, layers: list[Saved], times: int = 1, label: str = "") -> list[Tensor]:
+        """The terms of several layers' ``Saved``, added up by name (x ``times`` micro-batches)."""
+        total, meta = defaultdict(int), {}
+        for saved in layers:
+            for term in saved:
+                total[term.name] += term.bytes(self.B, self.T) * times
+                meta[term.name] = term
+        suffix = f", {label}" if label else ""
+        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, v) for k, v in total.items()]
+
+    # ---- the moments -----------------------------------------------------------------------
+    def estimate(self) -> Estimate:
+        c, B, T, N, tp = self.c, self.B, self.T, self.N, self.L.tp
+        stream = self.bytes.weights
+        saved, full, unit_start = self.saved_per_layer()
+        n_layers, flight = len(self.layers), self.in_flight
+        label = f"{n_layers} layers" + (f" x {flight} micro-batches" if flight > 1 else "")
+        layer_terms = self.tensors_of(saved, flight, label)
+        always = self.states()
+        if self.first:       # alive the whole step: inputs and shifted targets, (B, T + 1) int64
+            always.append(Tensor("token batch", "activations", "int64", 8 * B * (T + 1)))
+        if self.last:
+            always.append(Tensor("loss", "activations", "fp32", 4))
+        head = self.tensors_of([head_saved(c, self.recipe.precision, tp)]) if self.last else []
+        logits = N * c.vocab_size // tp * 4                                # one fp32 (N, V)
+        grads = self.grads()
+        moments: dict[str, tuple[str, list[Tensor]]] = {}
+        if self.last:
+            # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
+            # layer saves none of them, so for it the cache is extra
+            cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
+                        for j, m in enumerate(self.moe) if self.kept[j] != "none") if self.mixed else 0
+            logit_copies = [Tensor("logits", "activations", "fp32", logits)]
+            if self.mixed:
+                logit_copies.append(Tensor("bf16 logits", "activations", "bf16", logits // 2))
+            moments["forward: loss"] = ("forward", always + layer_terms + head + logit_copies + [
+                Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)])
+            moments["backward: start"] = ("backward", always + layer_terms + head + [
+                Tensor("log-softmax gradient and logits gradient", "other", "fp32", 2 * logits)])
+        head_grads = sum(w.local(tp) for w in head_weights(c)) * stream if self.last else 0
+        worst = None
+        for i in reversed(range(n_layers)):          # backward visits the last layer first
+            a = unit_start[i]
+            rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
+                       - sum(s.bytes(B, T) for s in saved[a:i + 1]))
+            tensors = always + self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
+                self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches") if flight > 1 else []) + [
+                Tensor("gradients of the layers done", "grads", self.wdt,
+                       sum(self.block_params[i + 1:]) * stream + head_grads),
+                Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
+                       self._first_grad(self.moe[i])),
+                Tensor("activation gradients in flight", "other", self.cdt,
+                       self._layer_backward_transient(self.moe[i]) + N * c.hidden * stream),
+                Tensor("recomputed activations", "other", self.cdt, rebuilt)]
+            if worst is None or _total(tensors) > _total(worst[1]):
+                worst = (i, tensors)
+        if worst is not None:
+            moments[f"backward: layer {self.layers[worst[0]]}"] = ("backward", worst[1])
+        if self.first:
+            # backward ends in the embedding: every other gradient is done, its own is being formed
+            embedding_grad = c.vocab_size * c.hidden * stream // tp
+            moments["backward: embedding"] = ("backward", always + [
+                Tensor("every other gradient", "grads", self.wdt, grads - embedding_grad),
+                Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
+                Tensor("gradient of the residual stream", "other", self.wdt, N * c.hidden * stream)])
+        # with master weights the step swaps each bf16 gradient for an fp32 copy first
+        fp32_grads = (zero.per_rank(self.n_local * 4, "grads", self.L.zero_stage, self.L.dp)
+                      if self.master else 0)
+        moments["optimizer step"] = ("optimizer", always + [
+            Tensor("gradients", "grads", self.wdt, 0 if self.master else grads),
+            Tensor("fp32 copies of the gradients", "other", "fp32", fp32_grads),
+            Tensor(f"optimizer temporaries ({self.impl})", "other", "fp32" if self.master else self.wdt,
+                   self._optimizer_temporaries())])
+        return self._result(moments, saved=always + layer_terms + head)
+
+    def _result(self, moments, saved) -> Estimate:
+        peak = max(moments, key=lambda k: _total(moments[k][1]))
+        phase, tensors = moments[peak]
+        at_forward_end = _by_category(saved)
+        out = Estimate(peak_phase=phase, **_by_category(tensors),
+                       saved_activations=at_forward_end["activations"],
+                       saved_weight_cache=at_forward_end["weight_cache"])
+        out.tensors = [t for t in tensors if t.nbytes]
+        out.moments = {k: _total(v) for k, (_, v) in moments.items()}
+        states = _by_category(self.states())
+        out.details = {"peak moment": peak, "optimizer implementation": self.impl,
+                       "parameters on this device": self.n_local,
+                       "layers on this device": len(self.layers),
+                       "model states": {"params": states["params"], "grads": self.grads(),
+                                        "optimizer": states["optimizer"]}}
+        return out
+
+    # ---- transients ------------------------------------------------------------------------------
+    def _first_grad(self, moe: bool) -> int:
+        """The gradient autograd accumulates first in a block's backward: the MLP's down projection."""
+        c = self.c
+        width = (max(1, c.shared_experts) * c.moe_ffn if moe else c.ffn) // self.L.tp
+        return c.hidden * width * self.bytes.weights
+
+    def _layer_backward_transient(self, moe: bool) -> int:
+        """Gradients of activations alive together inside an MLP's backward.
+
+        SwiGLU: the gradients of silu(gate) and up exist while the product's gradient is held.
+        MoE: the tokens' gradient gathered back to expert order, the gate-weight product and
+        the experts' output gradient (in fp32 under autocast, then its bf16 copy).
+        """
+        c, N, stream = self.c, self.N, self.bytes.weights
+        compute = 4 if self.recipe.precision == "fp32" else 2
+        width = (c.shared_experts * c.moe_ffn if moe else c.ffn) // self.L.tp
+        swiglu = 2 * N * width * compute
+        if not moe:
+            return swiglu
+        routed = N * c.top_k * (c.hidden * (2 * stream + (2 if self.mixed else 0)) + 4)
+        return max(swiglu, routed)
+
+    def _optimizer_temporaries(self) -> int:
+        """Bytes the optimizer step allocates and frees: AdamW's sqrt(v) and bias correction.
+
+        foreach makes them for every parameter at once. The for-loop makes two for each
+        parameter in turn (sqrt(v), then / bc2) while the previous parameter's last one is
+        still alive: the worst pair of neighbours in the model's order, 2 n_i + n_(i-1).
+        """
+        if not self.recipe.optimizer.startswith("adamw") or self.impl == "fused":
+            return 0
+        number = 4 if self.master else self.bytes.weights
+        if self.impl == "foreach":
+            return zero.per_rank(self.n_local * number, "optimizer", self.L.zero_stage, self.L.dp)
+        sizes = [w.local(self.L.tp, self.L.ep) for w in self.weights]
+        return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
+
+
+def _total(tensors: list[Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+def _by_category(tensors: list[Tensor]) -> dict[str, int]:
+    out = dict.fromkeys(CATEGORIES, 0)
+    for t in tensors:
+        out[t.category] += t.nbytes
+    return out
+
+
+def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
+                   dtype: str = "bf16", tp: int = 1) -> int:
+    """Bytes of the inference KV cache: per token and layer 2 * kv_heads * head_dim numbers
+    (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope."""
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    Layout(tp=tp).check(c, seq)
+    if c.attention == "mla":
+        per_token = c.kv_lora_rank + c.qk_rope_dim                             # not split by tp
+    else:
+        per_token = 2 * max(1, c.kv_heads // tp) * c.head_dim
+    return int(batch * seq * c.layers * per_token * dtype_bytes(dtype))

@@ -1,0 +1,163 @@
+"""The course's vocabulary for a training step: what it stores (a ``Recipe``) and how it is
+spread over devices (a ``Layout``). One name, one meaning, in the library, the command line,
+the plots and the notebooks.
+
+Precisions (bytes per parameter of weights, gradients, each optimizer-state number, master):
+
+| precision                 | weights | grads | state | master | note                         |
+| ------------------------- | ------- | ----- | ----- | ------ | ---------------------------- |
+| fp32                      | 4       | 4     | 4     | -      |                              |
+| bf16                      | 2       | 2     | 2     | -      | "pure" bf16                  |
+| bf16-master, fp16-master  | 2       | 2     | 4     | 4      | the ZeRO paper's "mixed precision": 2 + 2 + 12 with AdamW |
+| bf16-mixed, fp16-mixed    | 4       | 4     | 4     | -      | autocast (PyTorch Lightning's names): + 2-byte weight copies, their own category |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .parallel.pipeline import SCHEDULES
+from .units import check_choice
+
+PRECISIONS = ("fp32", "bf16", "bf16-master", "fp16-master", "bf16-mixed", "fp16-mixed")
+OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+DEVICES = ("cuda", "cpu")
+TRAINABLE = ("all",)             # which parameters train; LoRA adapters come with lab 06
+# optimizer-state numbers kept per parameter, and the bytes of one when not the precision's
+STATE_NUMBERS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1, "adamw-8bit": 2}
+EIGHT_BIT = {"adamw-8bit"}
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state under a precision and optimizer."""
+
+    weights: int
+    grads: int
+    optimizer: int               # moments (and masters, for the -master precisions)
+    weight_cache: int            # autocast's low-precision copy of each matmul weight
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes(precision: str, optimizer: str = "adamw") -> StateBytes:
+    """Bytes per parameter of weights, gradients and optimizer state (the table above)."""
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    sixteen_bit_weights = precision in ("bf16", "bf16-master", "fp16-master")
+    stored = 2 if sixteen_bit_weights else 4
+    master = 4 if precision.endswith("-master") else 0
+    number = 1 if optimizer in EIGHT_BIT else (4 if master else stored)
+    return StateBytes(weights=stored, grads=stored,
+                      optimizer=STATE_NUMBERS[optimizer] * number + master,
+                      weight_cache=2 if precision.endswith("-mixed") else 0)
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of one number the matmuls produce: 4 in fp32, 2 otherwise."""
+    check_choice("precision", precision, PRECISIONS)
+    return 4 if precision == "fp32" else 2
+
+
+def default_optimizer_impl(device: str) -> str:
+    """What ``torch.optim.AdamW()`` runs when left to choose: foreach on CUDA, a for-loop on CPU."""
+    device = str(device).split(":")[0]
+    check_choice("device", device, DEVICES)
+    return "foreach" if device == "cuda" else "for-loop"
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one training step stores and recomputes, whatever the devices.
+
+    ``optimizer_impl``: AdamW's implementation; None takes the device's default.
+    ``recompute``: a ``labkit.checkpointing`` policy (``every`` is k of "every-k").
+    ``trainable``: which parameters train ("all"). ``weight_format``: how frozen weights are
+    stored (None: the precision's own).
+    """
+
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    optimizer_impl: str | None = None
+    recompute: str = "none"
+    every: int = 2
+    trainable: str = "all"
+    weight_format: str | None = None
+
+    def __post_init__(self):
+        from .checkpointing import parse_policy      # the policies live with the mechanism
+        state_bytes(self.precision, self.optimizer)
+        if self.optimizer_impl is not None:
+            check_choice("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
+        parse_policy(self.recompute, self.every)
+        check_choice("trainable", self.trainable, TRAINABLE)
+        if self.weight_format is not None:
+            raise ValueError(f"weight_format={self.weight_format!r}: stored formats other than "
+                             f"the precision's come with lab 06; leave it None")
+
+    def impl(self, device: str) -> str:
+        """AdamW's implementation on ``device``: the one chosen, or the device's default."""
+        return self.optimizer_impl or default_optimizer_impl(device)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one step is spread over devices; every degree is 1 on a single device.
+
+    ``dp`` data parallel with ZeRO ``zero_stage`` (0-3); ``tp`` tensor parallel, with ``sp``
+    sequence parallelism over the same group; ``pp`` pipeline stages running
+    ``micro_batches`` (None: ``pp``, the fewest that fill a 1F1B pipeline) under
+    ``schedule``; ``ep`` expert parallel (routed experts split over ``ep`` ranks); ``cp``
+    context parallel (the sequence split over ``cp`` ranks).
+    """
+
+    dp: int = 1
+    zero_stage: int = 0
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    micro_batches: int | None = None
+    schedule: str = "1f1b"
+    ep: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "ep", "cp"):
+            _positive(name, getattr(self, name))
+        if self.micro_batches is not None:
+            _positive("micro_batches", self.micro_batches)
+        if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
+                             "parallel group: it needs tp > 1")
+        check_choice("schedule", self.schedule, SCHEDULES)
+        if self.schedule == "interleaved":
+            raise ValueError("the estimate models the 'gpipe' and '1f1b' schedules; "
+                             "interleaved 1F1B comes with lab 05")
+
+    @property
+    def micro_batch_count(self) -> int:
+        return self.micro_batches or self.pp
+
+    def check(self, cfg, seq: int) -> None:
+        """ValueError naming the fix when this layout cannot split ``cfg`` at ``seq`` tokens."""
+        if cfg.heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide heads={cfg.heads}; choose tp among "
+                             f"the divisors of {cfg.heads}")
+        if self.pp > cfg.layers:
+            raise ValueError(f"pp={self.pp} is larger than layers={cfg.layers}; a pipeline stage "
+                             f"needs at least one layer")
+        if self.ep > 1 and (not cfg.is_moe or cfg.routed_experts % self.ep):
+            raise ValueError(f"ep={self.ep} must divide the routed experts "
+                             f"({cfg.routed_experts}); use ep=1 for a dense model")
+        if seq % (self.cp * (self.tp if self.sp else 1)):
+            raise ValueError(f"seq={seq} must be divisible by cp x (tp with sp) = "
+                             f"{self.cp * (self.tp if self.sp else 1)}")
