@@ -199,9 +199,10 @@ class _Dtypes:
         return consumers * width * 2 if self.mixed else width * self.compute
 
 
-def _rmsnorm(width: float) -> float:
-    # F.rms_norm computes in fp32: keeps x (or its fp32 copy), x * rstd, and rstd
-    return 8 * width + 4
+def _rmsnorm(width: float, input_bytes: int) -> float:
+    """``labkit.model.RMSNorm`` keeps x in fp32 (x itself, or its fp32 copy), rstd (fp32), and
+    the normalised x in x's dtype for the weight's product: 8w + 4 in fp32, 6w + 4 in bf16."""
+    return 4 * width + 4 + input_bytes * width
 
 
 def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
@@ -221,9 +222,9 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
-        low_rank += _rmsnorm(c.q_lora_rank) + d.linear_inputs(1, c.q_lora_rank)
+        low_rank += _rmsnorm(c.q_lora_rank, d.compute) + d.linear_inputs(1, c.q_lora_rank)
     # in fp32 the norm keeps its input: a view of the whole (latent + rope key) projection
-    low_rank += _rmsnorm(r) + (4 * c.qk_rope_dim if d.compute == 4 else 0)
+    low_rank += _rmsnorm(r, d.compute) + (4 * c.qk_rope_dim if d.compute == 4 else 0)
     low_rank += d.linear_inputs(1, r)                                        # into wkv_b
     return Saved([
         Term("low-rank q and kv path (replicated over tp)", cdt, low_rank / sp),
@@ -290,7 +291,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     if recompute == "selective":
         return Saved(block_input + _matmul_outputs(c, d, moe, tp))
     copies = weight_copies(c, moe, tp, ep) if d.mixed else 0
-    return Saved([Term("RMSNorm inputs and outputs", "fp32", 2 * _rmsnorm(c.hidden) / split)]
+    return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 else "fp32 + bf16",
+                       2 * _rmsnorm(c.hidden, d.stream) / split)]
                  + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else []))
@@ -299,7 +301,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
 def head_saved(c: ModelConfig, precision: str, tp: int = 1) -> Saved:
     """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary."""
     d = _Dtypes.of(precision)
-    terms = [Term("final RMSNorm", "fp32", _rmsnorm(c.hidden)),
+    terms = [Term("final RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
+                  _rmsnorm(c.hidden, d.stream)),
              Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden)),
              Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size / tp)]
     if d.mixed:

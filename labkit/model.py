@@ -20,7 +20,9 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich, 2019)."""
+    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA's and DeepSeek's reference code
+    writes it: normalise in fp32, cast back to x's dtype, then scale by the weight. In bf16
+    it keeps the normalised x in bf16 (F.rms_norm would keep it in fp32)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -28,7 +30,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Rotary(nn.Module):
