@@ -29,7 +29,7 @@ def test_estimate_within_3_percent_of_llama_2_7b_on_fake_tensors(precision, reco
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision, recompute, seq", GRID)
-@pytest.mark.parametrize("name", ["mistral-7b", "deepseek-v2-lite"])
+@pytest.mark.parametrize("name", ["mistral-7b", "deepseek-v2-lite", "deepseek-v3"])
 def test_estimate_within_3_percent_of_larger_models_on_fake_tensors(name, precision, recompute, seq):
     _within(name, precision, recompute, seq, fake=True)
 
