@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import labkit as lk
-from labkit.train import init_optimizer_state
+from labkit.measure import init_optimizer_state
 from labkit.train import make_optimizer, train_step
 
 

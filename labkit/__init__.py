@@ -8,5 +8,6 @@ from .recipe import Layout, Recipe
 from .papers import (megatron_activation_bytes, megatron_params, model_state_bytes,
                      pipeline_bubble, pipeline_bubble_ratio)
 from .track import MemoryTracker, activations_per_module
-from .train import Measurement, device, measure_step
+from .measure import Measurement, measure_step
+from .train import device
 from .units import CATEGORIES, Breakdown, fmt_bytes, fmt_count, reconciliation

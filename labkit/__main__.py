@@ -16,7 +16,7 @@ from .config import preset, presets
 from .checkpointing import RECOMPUTE_POLICIES
 from .predict import count_params, estimate
 from .recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout
-from .train import measure_step
+from .measure import measure_step
 from .units import CATEGORIES, fmt_bytes
 
 

@@ -22,7 +22,7 @@ import torch
 from .config import preset
 from .model import build_model
 from .track import MemoryTracker
-from .train import init_optimizer_state
+from .measure import init_optimizer_state
 from .train import make_optimizer
 
 IGNORE = -100          # F.cross_entropy's ignore_index: positions that predict nothing

@@ -271,8 +271,8 @@ much memory do those copies take?""",
          "not multiplied) is a matmul weight; each copy is 2 bytes per element.",
     solution="""matmul weights: {matmul:,} of the {total:,} parameters (all but the embedding
 table and the norm gains). x 2 bytes = {bytes:,} bytes = {answer:.2f} GiB, alive from the
-forward pass until each layer's backward: activations that pure-bf16 or master-weight training
-does not have.""",
+forward pass until each layer's backward: the autocast weight cache, which pure-bf16 and
+master-weight training do not have (lk.estimate(..., precision="bf16-mixed").saved_weight_cache).""",
 )
 def _autocast_copies():
     pc = count_params("llama-2-7b")

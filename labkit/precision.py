@@ -306,7 +306,7 @@ def activation_gradients(cfg, loss_factor: float = 1.0, seed: int = 0, seq: int 
 
 # ----------------------------------------------------------------------------- FP8 scaling
 
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_DTYPES = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}   # the table's names
 GRANULARITIES = ("tensor", "tile", "block")
 
 
@@ -358,7 +358,7 @@ def _group_amax(x, granularity: str, tile: int) -> torch.Tensor:
     return x.abs().reshape(M // tile, tile, N // tile, tile).amax(dim=(1, 3))  # (M/tile, N/tile)
 
 
-def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor",
+def quantize_fp8(x: torch.Tensor, fmt: str = "fp8-e4m3", granularity: str = "tensor",
                  tile: int = 128) -> FP8Tensor:
     """Scale each group so its largest |x| lands on the format's max, then round to FP8.
 
@@ -390,7 +390,7 @@ class FP8Error:
     underflow: float      # fraction of nonzero values that came back as zero
 
 
-def fp8_error(x: torch.Tensor, fmt: str = "e4m3", granularity: str = "tensor",
+def fp8_error(x: torch.Tensor, fmt: str = "fp8-e4m3", granularity: str = "tensor",
               tile: int = 128) -> FP8Error:
     """Error metrics of ``quantize_fp8(x, ...).dequantize()`` against x."""
     x = x.detach().float()

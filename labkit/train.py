@@ -1,14 +1,15 @@
 """One training step with the options every lab toggles: precision, optimizer, recompute.
 
-Precisions (what is stored, what is computed):
+Precisions (what is stored, what is computed; their bytes: ``labkit.recipe``):
 
 - ``fp32``: fp32 weights, gradients, optimizer state and activations.
 - ``bf16``: everything in bf16 ("pure bf16"; the optimizer state too).
 - ``bf16-master``: bf16 weights, gradients and activations; the optimizer keeps fp32 master
   weights and fp32 moments (the mixed precision of Micikevicius et al. and the ZeRO paper).
+  ``fp16-master`` has the same bytes and is estimated only.
 - ``bf16-mixed``: fp32 weights, gradients and state; matmuls in bf16 under
   ``torch.autocast`` (PyTorch AMP). Autocast keeps bf16 copies of the weights for the
-  backward pass, so they count as activations.
+  backward pass: the "autocast weight cache" category.
 - ``fp16-mixed``: as bf16-mixed in fp16, with a loss scaler (``torch.amp.GradScaler``).
 """
 from __future__ import annotations
@@ -17,10 +18,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 
-from .track import MemoryTracker, Timeline
-from .units import Breakdown, check_choice
+from .units import check_choice
 
 from .recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,  # noqa: F401
                      default_optimizer_impl)
@@ -137,205 +137,6 @@ def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scale
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return StepResult(None if isinstance(loss, FakeTensor) else loss.item())
-
-
-# ---- one measured training step ----------------------------------------------------------
-@dataclass
-class Measurement(Breakdown):
-    """A ``Breakdown`` measured by the tracker, with its timeline and whose step it was.
-
-    ``device``: whose defaults the step used ("cuda": foreach AdamW); with ``fake`` the
-    tensors were CPU fake tensors whatever the device.
-    """
-
-    timeline: Timeline = field(default_factory=Timeline)
-    device: str = "cpu"
-    fake: bool = False
-    optimizer_impl: str = ""
-    cuda_peak: int | None = None     # torch.cuda.max_memory_allocated for the same step
-    loss: float | None = None
-
-
-def init_optimizer_state(model, optimizer):
-    """Allocate the optimizer's state with one step on zero gradients (no forward pass needed)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _causal_lm_loss(model, tokens):
-    """A Hugging Face causal LM's loss: it shifts the labels by one position itself."""
-    return model(input_ids=tokens, labels=tokens).loss
-
-
-def _fake_mode_of(module):
-    """The FakeTensorMode the module's parameters were made under, or None for real ones."""
-    params = list(module.parameters())
-    fake = [p for p in params if isinstance(p, FakeTensor)]
-    if fake and len(fake) < len(params):
-        raise ValueError("the module mixes fake and real parameters; build all of it under "
-                         "one FakeTensorMode (or pass a function that builds it)")
-    return fake[0].fake_mode if fake else None
-
-
-def _check_weights(model, precision: str) -> None:
-    """The weights must be stored as ``precision`` stores them: a module is measured as it is
-    (``module.to(dtype)`` cannot swap fake parameters)."""
-    sizes = {}
-    for p in model.parameters():
-        if p.is_floating_point():
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    most = max(sizes, key=sizes.get, default=None)      # a few may differ (fp32 routers)
-    want = param_dtype(precision)
-    if most is not None and most != want:
-        raise ValueError(f"precision={precision!r} stores weights in {want}, but the module's "
-                         f"are {most}; build it with torch.set_default_dtype({want}) or pass a "
-                         f"function that builds it (measure_step then sets the dtype)")
-
-
-def _vocab_size(model) -> int:
-    """How many token ids the model embeds: from labkit's config or ``model.config``."""
-    size = getattr(getattr(model, "cfg", None) or getattr(model, "config", None),
-                   "vocab_size", None)
-    if not isinstance(size, int) or size <= 0:
-        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}: "
-                         f"measure_step draws tokens below model.config.vocab_size; "
-                         f"give the module a config with vocab_size")
-    return size
-
-
-def _warm_up(params, optimizer):
-    """``init_optimizer_state`` for the trainable parameters only (frozen ones get no state)."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", recompute: str = "none", fake: bool | None = None,
-                 device: str | None = None, optimizer_impl: str | None = None,
-                 warmup: bool = True, seed: int = 0, loss_fn=None) -> Measurement:
-    """Run one training step under the tracker; bytes at its peak.
-
-    ``cfg``: what is trained -
-    - a ``ModelConfig`` or preset name: ``labkit.model`` built from it (``fake`` by default);
-    - an ``nn.Module`` as it is: real tensors, or fake ones made under a ``FakeTensorMode``
-      (the step reuses that mode); ``fake`` follows its parameters;
-    - a function of no arguments that returns a module (``lambda: AutoModelForCausalLM.
-      from_config(hf_cfg)``): called inside the step's FakeTensorMode (``fake`` by default)
-      with the default dtype set to ``precision``'s weight dtype, as ``build_model`` does.
-    The loss: labkit's ``Transformer`` is called ``model(inputs, targets)``; any other module
-    as a Hugging Face causal LM, ``model(input_ids=tokens, labels=tokens).loss`` (it shifts
-    the labels itself); or ``loss_fn(model, tokens)`` with tokens (batch, seq), if given.
-    Random tokens are drawn below the vocabulary size of labkit's config or ``model.config``.
-    ``recompute`` applies to labkit's model only (another module brings its own, e.g.
-    ``gradient_checkpointing_enable()``); a given labkit model keeps its own settings under
-    "none". Only parameters with ``requires_grad`` are trained; a given module is put in
-    training mode and takes the step (its weights change).
-
-    ``device``: whose step it is, "cuda" or "cpu". A real step (``fake=False``) runs there
-    (default: ``device()``; a given real module: where its parameters are). A fake step runs
-    on CPU fake tensors - shapes and bytes real, no memory used, labkit's MoE routing
-    balanced - with that device's defaults (default "cuda": AdamW foreach), because fake
-    CUDA tensors cannot run on a CPU-only build; what a real GPU adds (CUDA context,
-    allocator rounding, library workspaces) is not in it.
-    ``warmup`` creates the optimizer state first, so the measured step is a steady-state one
-    (the first step's peak is lower: its state is born inside ``optimizer.step()``).
-    """
-    from .checkpointing import apply_recompute, parse_policy
-    from .config import ModelConfig, preset
-    from .model import Transformer, build_model
-
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, seq)):
-        raise ValueError(f"batch and seq must be positive integers, got batch={batch!r}, "
-                         f"seq={seq!r}")
-    weight_dtype = param_dtype(precision)
-    parse_policy(recompute)
-    cfg = preset(cfg) if isinstance(cfg, str) else cfg
-    if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
-        raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
-                         f"use cfg.replace(max_seq={seq})")
-    if not isinstance(cfg, (ModelConfig, torch.nn.Module)) and not callable(cfg):
-        raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
-                        f"function that builds one, got {type(cfg).__name__}")
-    given = cfg if isinstance(cfg, torch.nn.Module) else None
-    if given is None:
-        fake = True if fake is None else fake
-        mode = FakeTensorMode() if fake else None
-    else:                                   # the module's tensors decide: fake or real, where
-        mode = _fake_mode_of(given)
-        if fake is not None and fake != (mode is not None):
-            raise ValueError(f"fake={fake} but the module's parameters are "
-                             f"{'fake' if mode else 'real'} tensors; build the module under "
-                             f"FakeTensorMode (or pass a function that builds it) to measure "
-                             f"it on fake tensors, or leave fake unset")
-        fake, here = mode is not None, next(given.parameters()).device
-        if not fake and device is not None and torch.device(device).type != here.type:
-            raise ValueError(f"the module's parameters are on {here}, not {device}; move it "
-                             f"with module.to({device!r}) or pass device={here.type!r}")
-        device = device or (None if fake else here.type)
-    whose = torch.device(device or ("cuda" if fake else default_device())).type
-    check_choice("device", whose, DEVICES)
-    impl = optimizer_impl or default_optimizer_impl(whose)
-    runs_on = here if given is not None else torch.device("cpu" if fake else whose)
-    torch.manual_seed(seed)
-    with mode or contextlib.nullcontext():
-        if isinstance(cfg, ModelConfig):
-            model = build_model(cfg, weight_dtype, runs_on)
-        elif given is None:                 # a function that builds the module
-            previous = torch.get_default_dtype()
-            torch.set_default_dtype(weight_dtype)
-            try:
-                with torch.device(runs_on):
-                    model = cfg()
-            finally:
-                torch.set_default_dtype(previous)
-            if not isinstance(model, torch.nn.Module):
-                raise TypeError(f"the function passed to measure_step returned "
-                                f"{type(model).__name__}, not an nn.Module")
-        else:
-            model = given
-        _check_weights(model, precision)
-        if recompute != "none" or isinstance(cfg, ModelConfig):
-            if not isinstance(model, Transformer):
-                raise ValueError(f"recompute={recompute!r} applies to labkit's model only; for "
-                                 f"another module turn on its own checkpointing (Hugging "
-                                 f"Face: model.gradient_checkpointing_enable()) and pass "
-                                 f"recompute='none'")
-            apply_recompute(model, recompute)
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, optimizer, impl, device=runs_on,
-                             master_weights=precision == "bf16-master")
-        scaler = (torch.amp.GradScaler(runs_on.type) if precision == "fp16-mixed" and not fake
-                  else None)
-        vocab = _vocab_size(model)
-        if isinstance(model, Transformer) and loss_fn is None:
-            tokens = torch.randint(0, vocab, (batch, seq + 1), device=runs_on)
-            inputs, targets, step = tokens[:, :-1], tokens[:, 1:], model    # (B, T) each
-        else:
-            inputs, targets = torch.randint(0, vocab, (batch, seq), device=runs_on), None
-            loss_of = loss_fn or _causal_lm_loss
-            step = lambda tokens, targets: loss_of(model, tokens)           # noqa: E731
-        if warmup:
-            _warm_up(params, opt)
-        if runs_on.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        with MemoryTracker(model, opt) as mt:
-            result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
-    forward_end = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
-    at_end = {c: series[forward_end[-1]] if forward_end else 0
-              for c, series in mt.timeline.by_category.items()}
-    peak = mt.peak_by_category
-    return Measurement(
-        **peak, peak_phase=mt.peak_phase,
-        saved_activations=at_end["activations"], saved_weight_cache=at_end["weight_cache"],
-        timeline=mt.timeline, device=whose, fake=fake,
-        optimizer_impl=impl, loss=result.loss,
-        cuda_peak=torch.cuda.max_memory_allocated() if runs_on.type == "cuda" else None)
 
 
 def bigram_corpus(vocab_size: int, n_tokens: int, seed: int = 0, branching: int = 4) -> torch.Tensor:

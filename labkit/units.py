@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# number formats by one name each (labkit.precision's format table uses the same names)
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-e4m3": 1, "fp8-e5m2": 1,
+               "int8": 1, "int4": 0.5}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

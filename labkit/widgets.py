@@ -15,8 +15,8 @@ from .config import ModelConfig, preset, presets
 from .layers import count_params
 from .predict import Estimate, estimate
 from .plot import breakdown_figure, timeline_figure
-from .train import Measurement, measure_step
-from .train import OPTIMIZERS, PRECISIONS
+from .measure import Measurement, measure_step
+from .recipe import OPTIMIZERS, PRECISIONS
 from .units import CATEGORIES, fmt_bytes, fmt_count
 
 SHAPE_FIELDS = ("hidden", "layers", "heads", "vocab_size")

@@ -106,3 +106,8 @@ def test_a_later_lab_registers_its_own(monkeypatch):
     assert ex.check("99-kv-bytes", lk.kv_cache_bytes("tiny", seq=128))
     with pytest.raises(ValueError, match="already registered"):
         ex.register("99-kv-bytes", question="", unit="", hint="", solution="")(_)
+
+
+def test_the_autocast_copies_exercise_agrees_with_the_estimates_weight_cache():
+    cache = lk.estimate("llama-2-7b", precision="bf16-mixed").saved_weight_cache
+    assert ex.get("02-autocast-weight-copies").answer() == cache / GiB

@@ -188,7 +188,7 @@ def _normal(shape=(256, 1024), seed=1):
 @pytest.mark.parametrize("granularity", ["tensor", "tile", "block"])
 def test_fp8_round_trip_error_is_small_on_normal_data(granularity):
     x = _normal()
-    e4m3, e5m2 = fp8_error(x, "e4m3", granularity), fp8_error(x, "e5m2", granularity)
+    e4m3, e5m2 = fp8_error(x, "fp8-e4m3", granularity), fp8_error(x, "fp8-e5m2", granularity)
     assert e4m3.rel_fro < 0.03 and e5m2.rel_fro < 0.06        # measured 0.026, 0.052
     assert e4m3.underflow < 1e-5                              # measured: at most 1 value in 262,144
 
@@ -222,10 +222,10 @@ def test_beyond_e4m3_dynamic_range_one_scale_per_tensor_flushes_ordinary_values(
 
 
 def test_e4m3_is_more_precise_and_e5m2_reaches_further():
-    assert fp8_error(_normal(), "e4m3").rel_fro < 0.6 * fp8_error(_normal(), "e5m2").rel_fro
+    assert fp8_error(_normal(), "fp8-e4m3").rel_fro < 0.6 * fp8_error(_normal(), "fp8-e5m2").rel_fro
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(256, 1024, generator=g) * 10 ** (-8 * torch.rand(256, 1024, generator=g))
-    assert fp8_error(wide, "e4m3").underflow > 0.3 > 0.01 > fp8_error(wide, "e5m2").underflow
+    assert fp8_error(wide, "fp8-e4m3").underflow > 0.3 > 0.01 > fp8_error(wide, "fp8-e5m2").underflow
 
 
 @pytest.mark.parametrize("granularity, scale_shape, nbytes", [

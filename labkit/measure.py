@@ -1,0 +1,221 @@
+"""Measure one training step of any model: its bytes at the peak, by category, and over time.
+
+``measure_step`` runs ``labkit.train.train_step`` under ``labkit.MemoryTracker`` - on real
+tensors, or on fake tensors (``FakeTensorMode``: real shapes and bytes, no memory) for models
+of any size. It takes labkit's own model (a ``ModelConfig`` or preset name), any
+``nn.Module`` (a Hugging Face causal LM, say), or a function that builds one.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from .recipe import DEVICES, default_optimizer_impl
+from .track import MemoryTracker, Timeline
+from .train import default_device, make_optimizer, param_dtype, train_step
+from .units import Breakdown, check_choice
+
+
+@dataclass
+class Measurement(Breakdown):
+    """A ``Breakdown`` measured by the tracker, with its timeline and whose step it was.
+
+    ``device``: whose defaults the step used ("cuda": foreach AdamW); with ``fake`` the
+    tensors were CPU fake tensors whatever the device.
+    """
+
+    timeline: Timeline = field(default_factory=Timeline)
+    device: str = "cpu"
+    fake: bool = False
+    optimizer_impl: str = ""
+    cuda_peak: int | None = None     # torch.cuda.max_memory_allocated for the same step
+    loss: float | None = None
+
+
+def init_optimizer_state(model_or_params, optimizer):
+    """Allocate the optimizer's state with one step on zero gradients (no forward pass needed).
+    Given a module, its parameters; frozen ones (``requires_grad=False``) get no state."""
+    params = (model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module)
+              else model_or_params)
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ---- what is measured, where, and whose defaults ---------------------------------------------
+@dataclass
+class _Setup:
+    build: object                  # a ModelConfig, a module as given, or a function
+    mode: FakeTensorMode | None    # fake tensors, or None for real ones
+    whose: str                     # "cuda" or "cpu": whose defaults
+    runs_on: torch.device          # where the tensors live
+
+
+def _fake_mode_of(module):
+    """The FakeTensorMode the module's parameters were made under, or None for real ones."""
+    params = list(module.parameters())
+    fake = [p for p in params if isinstance(p, FakeTensor)]
+    if fake and len(fake) < len(params):
+        raise ValueError("the module mixes fake and real parameters; build all of it under "
+                         "one FakeTensorMode (or pass a function that builds it)")
+    return fake[0].fake_mode if fake else None
+
+
+def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
+    """Fake or real, whose defaults, where: from the arguments, or a given module's tensors."""
+    if not isinstance(cfg, torch.nn.Module):
+        fake = True if fake is None else fake
+        whose = torch.device(device or ("cuda" if fake else default_device())).type
+        check_choice("device", whose, DEVICES)
+        return _Setup(cfg, FakeTensorMode() if fake else None, whose,
+                      torch.device("cpu" if fake else whose))
+    mode = _fake_mode_of(cfg)
+    if fake is not None and fake != (mode is not None):
+        raise ValueError(f"fake={fake} but the module's parameters are "
+                         f"{'fake' if mode else 'real'} tensors; build the module under "
+                         f"FakeTensorMode (or pass a function that builds it) to measure it on "
+                         f"fake tensors, or leave fake unset")
+    here = next(cfg.parameters()).device
+    if mode is None and device is not None and torch.device(device).type != here.type:
+        raise ValueError(f"the module's parameters are on {here}, not {device}; move it with "
+                         f"module.to({device!r}) or pass device={here.type!r}")
+    whose = torch.device(device or ("cuda" if mode else here.type)).type
+    check_choice("device", whose, DEVICES)
+    return _Setup(cfg, mode, whose, here)
+
+
+def _build(setup: _Setup, precision: str, recompute: str):
+    """The module to train: labkit's model built from its config (with ``recompute``), the
+    given module, or what the given function builds in the precision's weight dtype."""
+    from .checkpointing import apply_recompute
+    from .config import ModelConfig
+    from .model import Transformer, build_model
+
+    dtype = param_dtype(precision)
+    if isinstance(setup.build, ModelConfig):
+        model = build_model(setup.build, dtype, setup.runs_on)
+    elif isinstance(setup.build, torch.nn.Module):
+        model = setup.build
+    else:                         # build_model's way: set the default dtype, do not convert
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(setup.runs_on):
+                model = setup.build()
+        finally:
+            torch.set_default_dtype(previous)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"the function passed to measure_step returned "
+                            f"{type(model).__name__}, not an nn.Module")
+    _check_weights(model, precision)
+    if recompute != "none" or isinstance(setup.build, ModelConfig):
+        if not isinstance(model, Transformer):
+            raise ValueError(f"recompute={recompute!r} applies to labkit's model only; for another "
+                             f"module turn on its own checkpointing (Hugging Face: "
+                             f"model.gradient_checkpointing_enable()) and pass recompute='none'")
+        apply_recompute(model, recompute)
+    return model.train()
+
+
+def _check_weights(model, precision: str) -> None:
+    """The weights must be stored as ``precision`` stores them: a module is measured as it is
+    (``module.to(dtype)`` cannot swap fake parameters)."""
+    sizes = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    most = max(sizes, key=sizes.get, default=None)      # a few may differ (fp32 routers)
+    want = param_dtype(precision)
+    if most is not None and most != want:
+        raise ValueError(f"precision={precision!r} stores weights in {want}, but the module's "
+                         f"are {most}; build it with torch.set_default_dtype({want}) or pass a "
+                         f"function that builds it (measure_step then sets the dtype)")
+
+
+def _batch(model, batch: int, seq: int, loss_fn, device):
+    """(inputs, targets, the callable ``train_step`` runs) for random tokens below the model's
+    vocabulary: labkit's model takes shifted targets; a Hugging Face causal LM (or
+    ``loss_fn(model, tokens)``) takes the tokens and shifts the labels itself."""
+    from .model import Transformer
+
+    config = getattr(model, "cfg", None) or getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}: "
+                         f"measure_step draws tokens below model.config.vocab_size; give the "
+                         f"module a config with vocab_size")
+    if isinstance(model, Transformer) and loss_fn is None:
+        tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+        return tokens[:, :-1], tokens[:, 1:], model                         # (B, T) each
+    loss_of = loss_fn or (lambda m, tokens: m(input_ids=tokens, labels=tokens).loss)
+    tokens = torch.randint(0, vocab, (batch, seq), device=device)           # (B, T)
+    return tokens, None, lambda tokens, targets: loss_of(model, tokens)
+
+
+# ---- the measurement ---------------------------------------------------------------------------
+def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed",
+                 optimizer: str = "adamw", recompute: str = "none", fake: bool | None = None,
+                 device: str | None = None, optimizer_impl: str | None = None,
+                 warmup: bool = True, seed: int = 0, loss_fn=None) -> Measurement:
+    """Run one training step under the tracker; bytes at its peak.
+
+    ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
+    ``nn.Module`` as it is (real, or fake made under a ``FakeTensorMode``, whose mode the step
+    reuses); or a function of no arguments that builds a module (``lambda: AutoModelForCausalLM.
+    from_config(hf_cfg)``), called in the step's FakeTensorMode with the precision's weight
+    dtype as the default. ``recompute`` applies to labkit's model; another module brings its
+    own. Only parameters with ``requires_grad`` train; a given module takes the step.
+
+    ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
+    ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
+    and bytes real, no memory used, labkit's MoE routing balanced - with that device's
+    defaults (default "cuda": AdamW foreach), because fake CUDA tensors cannot run on a
+    CPU-only build; what a real GPU adds (CUDA context, allocator rounding, library
+    workspaces) is not in it. ``warmup`` creates the optimizer state first: a steady-state step.
+    """
+    from .checkpointing import parse_policy
+    from .config import ModelConfig, preset
+
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, seq)):
+        raise ValueError(f"batch and seq must be positive integers, got batch={batch!r}, "
+                         f"seq={seq!r}")
+    param_dtype(precision)
+    parse_policy(recompute)
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
+        raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
+                         f"use cfg.replace(max_seq={seq})")
+    if not isinstance(cfg, (ModelConfig, torch.nn.Module)) and not callable(cfg):
+        raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
+                        f"function that builds one, got {type(cfg).__name__}")
+    setup = _setup(cfg, fake, device)
+    impl = optimizer_impl or default_optimizer_impl(setup.whose)
+    torch.manual_seed(seed)
+    with setup.mode or contextlib.nullcontext():
+        model = _build(setup, precision, recompute)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = make_optimizer(params, optimizer, impl, device=setup.runs_on,
+                             master_weights=precision == "bf16-master")
+        scaler = (torch.amp.GradScaler(setup.runs_on.type)
+                  if precision == "fp16-mixed" and setup.mode is None else None)
+        inputs, targets, step = _batch(model, batch, seq, loss_fn, setup.runs_on)
+        if warmup:
+            init_optimizer_state(params, opt)
+        if setup.runs_on.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with MemoryTracker(model, opt) as mt:
+            result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
+    forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
+    at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}
+    return Measurement(
+        **mt.peak_by_category, peak_phase=mt.peak_phase,
+        saved_activations=at_end["activations"], saved_weight_cache=at_end["weight_cache"],
+        timeline=mt.timeline, device=setup.whose, fake=setup.mode is not None,
+        optimizer_impl=impl, loss=result.loss,
+        cuda_peak=torch.cuda.max_memory_allocated() if setup.runs_on.type == "cuda" else None)
