@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit as lk
-from labkit.model import LatentAttention, MoE, SwiGLU, attention_core, grouped_mm
+from labkit.model import LatentAttention, MoE, Rotary, SwiGLU, attention_core, grouped_mm
 
 
 @pytest.mark.parametrize("name", lk.presets())
@@ -71,11 +71,17 @@ def test_mla_pads_values_to_the_query_width_without_changing_the_result():
 
 
 def test_mla_keys_and_values_come_from_the_latent_and_one_shared_rope_key():
+    # the attention output depends on x only through wq(x) and wkv_a(x) (kv_lora + rope numbers
+    # per token: what the KV cache holds): replace wkv_a's output and the output follows
+    torch.manual_seed(0)
     cfg = lk.preset("tiny-moe")
-    attn = LatentAttention(cfg)
-    # what the KV cache would hold: the wkv_a output, kv_lora + rope numbers per token
-    assert attn.wkv_a.out_features == cfg.kv_lora_rank + cfg.qk_rope_dim
-    assert attn.wkv_b.in_features == cfg.kv_lora_rank
+    attn, rope = LatentAttention(cfg), Rotary(cfg.rope_dim, 64, cfg.rope_theta)
+    x = torch.randn(1, 6, cfg.hidden)
+    latent = attn.wkv_a(x)                                          # (1, 6, kv_lora + rope)
+    assert latent.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_dim
+    attn.wkv_a.forward = lambda _: latent                           # same latent, any input
+    attn.wq.forward = lambda _, q=attn.wq(x): q
+    torch.testing.assert_close(attn(torch.zeros_like(x), rope), attn(x, rope))
 
 
 def _moe(**overrides):

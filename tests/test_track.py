@@ -39,11 +39,18 @@ def test_tags_weights_gradients_and_optimizer_state():
     assert now["params"] == 400 and now["grads"] == 400 and now["optimizer"] == 400
 
 
-def test_timeline_is_labelled_by_phase():
+def test_timeline_is_labelled_by_phase_and_follows_the_step():
     m = lk.measure_step("tiny", seq=64, precision="fp32", fake=False)
-    phases = [p for p, _, _ in m.timeline.phase_spans() if p != "setup"]
-    assert phases == ["forward", "backward", "optimizer"]
-    assert max(m.timeline.total) == m.total
+    spans = {p: (a, b) for p, a, b in m.timeline.phase_spans() if p != "setup"}
+    assert list(spans) == ["forward", "backward", "optimizer"]
+    acts, grads = m.timeline.by_category["activations"], m.timeline.by_category["grads"]
+    n = lk.count_params("tiny").total
+    f0, f1 = spans["forward"]
+    assert max(acts[f0:f1]) == max(acts) > acts[f0]      # the forward pass piles them up
+    assert grads[f1 - 1] == 0                            # no gradient before backward
+    b0, b1 = spans["backward"]
+    assert grads[b1 - 1] == 4 * n                        # every fp32 gradient at its end
+    assert acts[b1 - 1] == 8 * 65 + 4                    # only the token batch and the loss left
 
 
 @pytest.mark.parametrize("name, fake", [("small", False), ("tiny-moe", False), ("llama-2-7b", True)])
