@@ -148,68 +148,85 @@ class _Step:
 
     # ---- the moments -----------------------------------------------------------------------
     def estimate(self) -> Estimate:
-        c, B, T, N, tp = self.c, self.B, self.T, self.N, self.L.tp
-        stream = self.bytes.weights
+        """The largest of the step's moments, each a list of the tensors alive then."""
         saved, full, unit_start = self.saved_per_layer()
-        n_layers, flight = len(self.layers), self.in_flight
-        label = f"{n_layers} layers" + (f" x {flight} micro-batches" if flight > 1 else "")
-        layer_terms = self.tensors_of(saved, flight, label)
+        flight = self.in_flight
+        label = f"{len(self.layers)} layers" + (f" x {flight} micro-batches" if flight > 1 else "")
+        kept = self.tensors_of(saved, flight, label)
         always = self.states()
         if self.first:       # alive the whole step: inputs and shifted targets, (B, T + 1) int64
-            always.append(Tensor("token batch", "activations", "int64", 8 * B * (T + 1)))
+            always.append(Tensor("token batch", "activations", "int64", 8 * self.B * (self.T + 1)))
         if self.last:
             always.append(Tensor("loss", "activations", "fp32", 4))
-        head = self.tensors_of([head_saved(c, self.recipe.precision, tp)]) if self.last else []
-        logits = N * c.vocab_size // tp * 4                                # one fp32 (N, V)
-        grads = self.grads()
-        moments: dict[str, tuple[str, list[Tensor]]] = {}
-        if self.last:
-            # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
-            # layer saves none of them, so for it the cache is extra
-            cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
-                        for j, m in enumerate(self.moe) if self.kept[j] != "none") if self.mixed else 0
-            logit_copies = [Tensor("logits", "activations", "fp32", logits)]
-            if self.mixed:
-                logit_copies.append(Tensor("bf16 logits", "activations", "bf16", logits // 2))
-            moments["forward: loss"] = ("forward", always + layer_terms + head + logit_copies + [
-                Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)])
-            moments["backward: start"] = ("backward", always + layer_terms + head + [
-                Tensor("log-softmax gradient and logits gradient", "other", "fp32", 2 * logits)])
-        head_grads = sum(w.local(tp) for w in head_weights(c)) * stream if self.last else 0
+        head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp)])
+                if self.last else [])
+        moments = {**(self._loss_moments(always + kept + head) if self.last else {}),
+                   **self._worst_layer_moment(always, saved, full, unit_start),
+                   **(self._embedding_moment(always) if self.first else {}),
+                   **self._optimizer_moment(always)}
+        return self._result(moments, saved=always + kept + head)
+
+    def _loss_moments(self, alive: list[Tensor]) -> dict:
+        """The forward pass at the loss (logits and log-softmax side by side) and the start of
+        backward (the log-softmax's and the logits' gradients), both (N, V) fp32."""
+        c, tp = self.c, self.L.tp
+        logits = self.N * c.vocab_size // tp * 4
+        # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
+        # layer saves none of them, so for it the cache is extra
+        cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
+                    for j, m in enumerate(self.moe) if self.kept[j] != "none") if self.mixed else 0
+        at_loss = [Tensor("logits", "activations", "fp32", logits),
+                   Tensor("bf16 logits", "activations", "bf16", logits // 2 if self.mixed else 0),
+                   Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16",
+                          cache)]
+        start = [Tensor("log-softmax gradient and logits gradient", "other", "fp32", 2 * logits)]
+        return {"forward: loss": ("forward", alive + at_loss),
+                "backward: start": ("backward", alive + start)}
+
+    def _worst_layer_moment(self, always, saved, full, unit_start) -> dict:
+        """Inside each layer's backward (last layer first): what the layers below still keep,
+        the gradients done so far, the layer's transients and what recomputation rebuilt."""
+        c, B, T, stream, flight = self.c, self.B, self.T, self.bytes.weights, self.in_flight
+        head_grads = sum(w.local(self.L.tp) for w in head_weights(c)) * stream if self.last else 0
         worst = None
-        for i in reversed(range(n_layers)):          # backward visits the last layer first
+        for i in reversed(range(len(self.layers))):
             a = unit_start[i]
             rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
                        - sum(s.bytes(B, T) for s in saved[a:i + 1]))
             tensors = always + self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
-                self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches") if flight > 1 else []) + [
+                self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
+                if flight > 1 else []) + [
                 Tensor("gradients of the layers done", "grads", self.wdt,
                        sum(self.block_params[i + 1:]) * stream + head_grads),
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
-                       self._layer_backward_transient(self.moe[i]) + N * c.hidden * stream),
+                       self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream),
                 Tensor("recomputed activations", "other", self.cdt, rebuilt)]
             if worst is None or _total(tensors) > _total(worst[1]):
                 worst = (i, tensors)
-        if worst is not None:
-            moments[f"backward: layer {self.layers[worst[0]]}"] = ("backward", worst[1])
-        if self.first:
-            # backward ends in the embedding: every other gradient is done, its own is being formed
-            embedding_grad = c.vocab_size * c.hidden * stream // tp
-            moments["backward: embedding"] = ("backward", always + [
-                Tensor("every other gradient", "grads", self.wdt, grads - embedding_grad),
-                Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
-                Tensor("gradient of the residual stream", "other", self.wdt, N * c.hidden * stream)])
-        # with master weights the step swaps each bf16 gradient for an fp32 copy first
+        return {f"backward: layer {self.layers[worst[0]]}": ("backward", worst[1])}
+
+    def _embedding_moment(self, always) -> dict:
+        """Backward ends in the embedding: every other gradient is done, its own is forming."""
+        c, stream = self.c, self.bytes.weights
+        embedding_grad = c.vocab_size * c.hidden * stream // self.L.tp
+        return {"backward: embedding": ("backward", always + [
+            Tensor("every other gradient", "grads", self.wdt, self.grads() - embedding_grad),
+            Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
+            Tensor("gradient of the residual stream", "other", self.wdt,
+                   self.N * c.hidden * stream)])}
+
+    def _optimizer_moment(self, always) -> dict:
+        """The optimizer step: every gradient and state, and the step's temporaries. With
+        master weights the step first swaps each bf16 gradient for an fp32 copy."""
         fp32_grads = (zero.per_rank(self.n_local * 4, "grads", self.L.zero_stage, self.L.dp)
                       if self.master else 0)
-        moments["optimizer step"] = ("optimizer", always + [
-            Tensor("gradients", "grads", self.wdt, 0 if self.master else grads),
+        return {"optimizer step": ("optimizer", always + [
+            Tensor("gradients", "grads", self.wdt, 0 if self.master else self.grads()),
             Tensor("fp32 copies of the gradients", "other", "fp32", fp32_grads),
-            Tensor(f"optimizer temporaries ({self.impl})", "other", "fp32" if self.master else self.wdt,
-                   self._optimizer_temporaries())])
-        return self._result(moments, saved=always + layer_terms + head)
+            Tensor(f"optimizer temporaries ({self.impl})", "other",
+                   "fp32" if self.master else self.wdt, self._optimizer_temporaries())])}
 
     def _result(self, moments, saved) -> Estimate:
         peak = max(moments, key=lambda k: _total(moments[k][1]))
