@@ -99,6 +99,16 @@ class Batching:
         """Fraction of all positions that are padding."""
         return self.padding / (self.tokens + self.padding)
 
+    @property
+    def largest_batch(self) -> int:
+        """Positions (B x T) of the largest batch: what sets the activation peak."""
+        return max(b.tokens.numel() for b in self.batches)
+
+    @property
+    def largest_mask_bytes(self) -> int:
+        """The largest one step's dense mask, one byte per element (x4 as an fp32 mask)."""
+        return max(b.mask_bytes for b in self.batches)
+
 
 def summarise(name: str, batches: list[Batch]) -> Batching:
     """Totals over ``batches``."""

@@ -286,11 +286,16 @@ def compare_with_gradscaler(steps: int = 12, overflow_at=(2, 3, 7), growth_inter
     return ours, theirs, torch.equal(w_ours, w_theirs)
 
 
-def activation_gradients(cfg, loss_factor: float = 1.0, seed: int = 0, seq: int = 64) -> torch.Tensor:
-    """The fp32 gradient flowing into the last block of ``cfg``'s model for one batch,
-    with the loss multiplied by ``loss_factor``: what fp16 would have to represent."""
+def activation_gradients(cfg, loss_factor: float = 1.0, seed: int = 0, seq: int = 64,
+                         at: str = "logits") -> torch.Tensor:
+    """An fp32 gradient of one batch of ``cfg``'s model, the loss multiplied by ``loss_factor``:
+    what fp16 would have to represent there. ``at="logits"``: the loss's gradient with respect
+    to the logits, the first tensor autocast casts to fp16 in the backward pass (the LM head
+    runs in fp16); ``at="last block"``: the gradient flowing out of the last block."""
     from .model import build_model
     from .train import bigram_corpus
+    if at not in ("logits", "last block"):
+        raise ValueError(f"unknown at={at!r}; use 'logits' or 'last block'")
     torch.manual_seed(seed)
     model = build_model(cfg)
     tokens = bigram_corpus(cfg.vocab_size, 8 * (seq + 1), seed).view(8, seq + 1)
@@ -299,7 +304,7 @@ def activation_gradients(cfg, loss_factor: float = 1.0, seed: int = 0, seq: int 
     def keep(module, grad_input, grad_output):
         captured.append(grad_output[0].detach())
 
-    model.blocks[-1].register_full_backward_hook(keep)
+    (model.lm_head if at == "logits" else model.blocks[-1]).register_full_backward_hook(keep)
     (model(tokens[:, :-1], tokens[:, 1:]) * loss_factor).backward()
     return captured[0].flatten()
 

@@ -153,3 +153,13 @@ def test_activations_scale_with_the_micro_batch_not_the_batch():
     four_by_one = measure_accumulation("tiny", micro_batch=4, steps=1, seq=64)
     assert four_by_one.activations > 3 * one_by_four.activations
     assert four_by_one.peak > one_by_four.peak
+
+
+def test_buckets_lower_the_average_not_the_largest_batch_and_masks_are_counted_per_step():
+    docs = make_documents(document_lengths(400, max_len=512, median=64, seed=0), vocab_size=64)
+    padded, buckets = pad_batches(docs, 8, pad_to=512), bucket_batches(docs, 8)
+    assert buckets.padding < padded.padding / 10
+    assert buckets.largest_batch == padded.largest_batch == 8 * 512   # the longest documents
+    packed = pack_batches(docs, 512, rows_per_batch=4)
+    assert packed.largest_mask_bytes == 4 * 512 * 512                 # one step's (4, 1, T, T)
+    assert packed.mask_bytes == len(packed.batches) * 4 * 512 * 512

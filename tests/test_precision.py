@@ -289,9 +289,13 @@ def test_a_too_high_start_scale_backs_off_to_the_same_level():
     assert high[4:] == low[4:]
 
 
-def test_shrunk_loss_puts_activation_gradients_below_the_fp16_normal_range():
+def test_shrunk_loss_flushes_the_logits_gradient_to_zero_in_fp16_and_scaling_restores_it():
     import labkit as lk
     from labkit.precision import activation_gradients, fraction_representable
-    g = activation_gradients(lk.preset("tiny"), loss_factor=1e-3)
-    assert fraction_representable(g, torch.float16).normal < 0.05
-    assert fraction_representable(g * 2.0 ** 16, torch.float16).normal > 0.99
+    logits = activation_gradients(lk.preset("tiny"), loss_factor=1e-3, at="logits")
+    assert fraction_representable(logits, torch.float16).underflow > 0.95   # measured 99.6%
+    assert fraction_representable(logits * 2.0 ** 16, torch.float16).normal > 0.99
+    block = activation_gradients(lk.preset("tiny"), loss_factor=1e-3, at="last block")
+    assert fraction_representable(block, torch.float16).normal < 0.05        # subnormal, mostly
+    with pytest.raises(ValueError, match="use 'logits' or 'last block'"):
+        activation_gradients(lk.preset("tiny"), at="embedding")
