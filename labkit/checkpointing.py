@@ -6,9 +6,9 @@ there (Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost"). The 
 - ``none``: keep every activation.
 - ``selective``: every block recomputes, but keeps the outputs of its matmuls and of
   attention; only the cheap elementwise ops and norms run again (the op-level policy of
-  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, as in torchtitan;
-  Korthikanti et al., 2022, recompute the attention core instead, which SDPA's fused
-  kernel already avoids storing).
+  ``torch.utils.checkpoint.create_selective_checkpoint_contexts``, as in torchtitan, which
+  also recomputes every second matmul; Korthikanti et al., 2022, recompute the attention core
+  instead, which SDPA's fused kernel already avoids storing).
 - ``every-k``: one block in every k recomputes (blocks k-1, 2k-1, ...), the others keep
   everything - torchtitan's ``selective_ac_option=k``. ``every-1`` is ``full``. The name
   may carry k (``"every-3"``); plain ``"every-k"`` takes k from ``every``.

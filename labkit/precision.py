@@ -396,10 +396,14 @@ class FP8Error:
 
 
 def fp8_error(x: torch.Tensor, fmt: str = "fp8-e4m3", granularity: str = "tensor",
-              tile: int = 128) -> FP8Error:
-    """Error metrics of ``quantize_fp8(x, ...).dequantize()`` against x."""
+              tile: int = 128, where: torch.Tensor | None = None) -> FP8Error:
+    """Error metrics of ``quantize_fp8(x, ...).dequantize()`` against x; with a boolean mask
+    ``where`` (broadcast to x), over those elements only - the whole tensor is quantised."""
     x = x.detach().float()
     q = quantize_fp8(x, fmt, granularity, tile).dequantize()
+    if where is not None:
+        where = where.expand_as(x)
+        x, q = x[where], q[where]
     err, nonzero = (x - q).abs(), x != 0
     return FP8Error(rel_fro=((x - q).norm() / x.norm()).item(), max_abs=err.max().item(),
                     mean_rel=(err[nonzero] / x.abs()[nonzero]).mean().item(),

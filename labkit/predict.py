@@ -118,7 +118,12 @@ class _Step:
         return out
 
     def grads(self) -> int:
-        return zero.per_rank(self.n_local * self.bytes.grads, "grads", self.L.zero_stage, self.L.dp)
+        return self._done(self.n_local * self.bytes.grads)
+
+    def _done(self, grad_bytes: int) -> int:
+        """What a rank keeps of finished gradients: with ZeRO-2/3 each bucket is reduce-
+        scattered as soon as it is complete, and only the rank's shard stays."""
+        return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.dp)
 
     # ---- activations ---------------------------------------------------------------------------
     def saved_per_layer(self) -> tuple[list[Saved], list[Saved], dict[int, int]]:
@@ -197,7 +202,7 @@ class _Step:
                 self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
                 if flight > 1 else []) + [
                 Tensor("gradients of the layers done", "grads", self.wdt,
-                       sum(self.block_params[i + 1:]) * stream + head_grads),
+                       self._done(sum(self.block_params[i + 1:]) * stream + head_grads)),
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
@@ -212,7 +217,8 @@ class _Step:
         c, stream = self.c, self.bytes.weights
         embedding_grad = c.vocab_size * c.hidden * stream // self.L.tp
         return {"backward: embedding": ("backward", always + [
-            Tensor("every other gradient", "grads", self.wdt, self.grads() - embedding_grad),
+            Tensor("every other gradient", "grads", self.wdt,
+                   self._done(self.n_local * self.bytes.grads - embedding_grad)),
             Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
             Tensor("gradient of the residual stream", "other", self.wdt,
                    self.N * c.hidden * stream)])}

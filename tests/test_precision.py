@@ -299,3 +299,13 @@ def test_shrunk_loss_flushes_the_logits_gradient_to_zero_in_fp16_and_scaling_res
     assert fraction_representable(block, torch.float16).normal < 0.05        # subnormal, mostly
     with pytest.raises(ValueError, match="use 'logits' or 'last block'"):
         activation_gradients(lk.preset("tiny"), at="embedding")
+
+
+def test_per_tensor_fp8_keeps_ordinary_channels_until_outliers_reach_thousands():
+    def typical_error(scale, granularity):
+        x = outlier_activations((512, 1024), n_outliers=8, scale=scale, seed=0)
+        ordinary = x.std(0) < 5                        # the channels without an outlier
+        return fp8_error(x, granularity=granularity, where=ordinary).mean_rel
+    # e4m3's own rounding (3 mantissa bits) sets the error while the values stay normal
+    assert abs(typical_error(300.0, "tensor") - typical_error(300.0, "tile")) < 0.005
+    assert typical_error(30000.0, "tensor") > 3 * typical_error(30000.0, "tile")
