@@ -24,6 +24,7 @@ from .model import build_model
 from .track import MemoryTracker
 from .measure import init_optimizer_state
 from .train import make_optimizer
+from .units import check_positive
 
 IGNORE = -100          # F.cross_entropy's ignore_index: positions that predict nothing
 
@@ -141,14 +142,9 @@ def _rows(rows: list[list[torch.Tensor]], T: int, packed: bool) -> Batch:
     return Batch(tokens, targets, sum(start), positions, doc_ids)
 
 
-def _check_size(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _padded(docs: list[torch.Tensor], batch_size: int, pad_to: int | None) -> list[Batch]:
     """One document per row, ``batch_size`` rows per batch, padded to ``pad_to`` or the longest."""
-    _check_size("batch_size", batch_size)
+    check_positive("batch_size", batch_size)
     groups = [docs[i:i + batch_size] for i in range(0, len(docs), batch_size)]
     return [_rows([[d] for d in g], pad_to or max(map(len, g)), packed=False) for g in groups]
 
@@ -179,8 +175,8 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack_batches(docs: list[torch.Tensor], seq: int, rows_per_batch: int = 1) -> Batching:
     """Whole documents packed into rows of ``seq`` tokens, ``rows_per_batch`` rows a batch."""
-    _check_size("seq", seq)
-    _check_size("rows_per_batch", rows_per_batch)
+    check_positive("seq", seq)
+    check_positive("rows_per_batch", rows_per_batch)
     rows = [[docs[i] for i in row] for row in first_fit_decreasing([len(d) for d in docs], seq)]
     batches = [_rows(rows[i:i + rows_per_batch], seq, packed=True)
                for i in range(0, len(rows), rows_per_batch)]
@@ -259,8 +255,8 @@ def measure_accumulation(cfg, micro_batch: int, steps: int, seq: int = 128,
     All micro-batches' token ids stay resident (8 bytes per position): the only activation
     bytes that grow with ``steps``.
     """
-    _check_size("micro_batch", micro_batch)
-    _check_size("steps", steps)
+    check_positive("micro_batch", micro_batch)
+    check_positive("steps", steps)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     torch.manual_seed(seed)
     model = build_model(cfg)

@@ -184,7 +184,7 @@ class _Dtypes:
     @classmethod
     def of(cls, precision: str) -> "_Dtypes":
         return cls(compute_bytes(precision), state_bytes(precision).weights,
-                   precision.endswith("-mixed"))
+                   state_bytes(precision).weight_cache > 0)
 
     @property
     def name(self) -> str:

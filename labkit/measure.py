@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .recipe import DEVICES, default_optimizer_impl
 from .track import MemoryTracker, Timeline
-from .train import default_device, make_optimizer, param_dtype, train_step
-from .units import Breakdown, check_choice
+from .train import device as default_device, make_optimizer, param_dtype, train_step
+from .units import Breakdown, check_choice, check_positive
 
 
 @dataclass
@@ -181,9 +181,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     from .checkpointing import parse_policy
     from .config import ModelConfig, preset
 
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (batch, seq)):
-        raise ValueError(f"batch and seq must be positive integers, got batch={batch!r}, "
-                         f"seq={seq!r}")
+    check_positive("batch", batch)
+    check_positive("seq", seq)
     param_dtype(precision)
     parse_policy(recompute)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg

@@ -19,7 +19,7 @@ from .layers import (ParamCount, Saved, Weight, block_weights, count_params,  # 
                      embedding_weights, head_saved, head_weights, layer_saved)
 from .parallel import pipeline, zero
 from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, state_bytes
-from .units import CATEGORIES, Breakdown, check_choice, dtype_bytes, fmt_bytes
+from .units import CATEGORIES, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,8 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     c = preset(cfg) if isinstance(cfg, str) else cfg
     recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every)
     layout = layout or Layout(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
-    for name, value in (("batch", batch), ("seq", seq)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive("batch", batch)
+    check_positive("seq", seq)
     check_choice("device", device, DEVICES)
     layout.check(c, seq)
     stages = pipeline.stage_layers(c.layers, layout.pp)
@@ -86,7 +85,7 @@ class _Step:
                                             layout.schedule)
         self.impl = recipe.impl(device)
         self.bytes = state_bytes(recipe.precision, recipe.optimizer)
-        self.mixed = recipe.precision.endswith("-mixed")
+        self.mixed = self.bytes.weight_cache > 0                          # autocast
         self.wdt = "fp32" if self.bytes.weights == 4 else "bf16"          # weights, grads, stream
         self.cdt = "fp32" if recipe.precision == "fp32" else "bf16"       # what matmuls produce
         self.master = recipe.precision.endswith("-master")
@@ -306,9 +305,8 @@ def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
     """Bytes of the inference KV cache: per token and layer 2 * kv_heads * head_dim numbers
     (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope."""
     c = preset(cfg) if isinstance(cfg, str) else cfg
-    for name, value in (("batch", batch), ("seq", seq)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_positive("batch", batch)
+    check_positive("seq", seq)
     Layout(tp=tp).check(c, seq)
     if c.attention == "mla":
         per_token = c.kv_lora_rank + c.qk_rope_dim                             # not split by tp

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .parallel.pipeline import SCHEDULES
-from .units import check_choice
+from .units import check_choice, check_positive
 
 PRECISIONS = ("fp32", "bf16", "bf16-master", "fp16-master", "bf16-mixed", "fp16-mixed")
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
@@ -66,11 +66,6 @@ def default_optimizer_impl(device: str) -> str:
     device = str(device).split(":")[0]
     check_choice("device", device, DEVICES)
     return "foreach" if device == "cuda" else "for-loop"
-
-
-def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -130,9 +125,9 @@ class Layout:
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.micro_batches is not None:
-            _positive("micro_batches", self.micro_batches)
+            check_positive("micro_batches", self.micro_batches)
         if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.sp and self.tp == 1:

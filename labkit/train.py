@@ -31,8 +31,6 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-default_device = device          # measure_step has a parameter called device
-
 
 def param_dtype(precision: str) -> torch.dtype:
     """The dtype the weights are stored in."""

@@ -17,6 +17,12 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
 
 
+def check_positive(name: str, value) -> None:
+    """ValueError when ``value`` is not a positive integer (bools are not sizes)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def dtype_bytes(dtype) -> float:
     """Bytes per element of a format name ("bf16") or a torch dtype."""
     if isinstance(dtype, torch.dtype):

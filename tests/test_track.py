@@ -79,8 +79,10 @@ def test_fake_tensors_measure_a_7b_step_without_allocating_it():
 
 
 def test_measure_step_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="batch and seq must be positive"):
+    with pytest.raises(ValueError, match="seq must be a positive integer, got 0"):
         lk.measure_step("tiny", seq=0)
+    with pytest.raises(ValueError, match="batch must be a positive integer, got True"):
+        lk.measure_step("tiny", batch=True)
     with pytest.raises(ValueError, match="exceeds the model's max_seq"):
         lk.measure_step("tiny", seq=4096)
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
