@@ -3,10 +3,14 @@
 - ``pad_batches``: documents in dataset order, each batch padded to its longest document
   (or to a fixed length): every padding position costs memory and compute for nothing.
 - ``bucket_batches``: documents sorted by length first, so each batch pads little.
+- ``budget_batches``: sorted too, but each batch takes as many documents as fit in a budget
+  of padded positions (a "token budget", as fairseq's ``max_tokens``): many short documents
+  or a few long ones, so every batch is about the size the memory was planned for.
 - ``pack_batches``: whole documents packed into rows of fixed length (first-fit decreasing
-  bin packing), with a block-diagonal causal mask and position ids that restart in each
-  document, so that no token attends across documents (Krell et al., 2021, "Efficient
-  Sequence Packing without Cross-contamination").
+  bin packing), with position ids that restart in each document and a block-diagonal causal
+  mask, or variable-length attention over the documents' offsets (no mask), so that no token
+  attends across documents (Krell et al., 2021, "Efficient Sequence Packing without
+  Cross-contamination").
 
 ``accumulate_gradients`` sums the gradients of k micro-batches into those of one large batch:
 the activations shrink with the micro-batch, the optimizer state does not change.
@@ -106,6 +110,16 @@ class Batching:
         return max(b.tokens.numel() for b in self.batches)
 
     @property
+    def steps(self) -> int:
+        return len(self.batches)
+
+    @property
+    def utilisation(self) -> float:
+        """Real tokens per step over the largest batch's positions: the share of the activation
+        memory a run must plan for (the largest batch) that real tokens use, on average."""
+        return self.tokens / (self.steps * self.largest_batch)
+
+    @property
     def largest_mask_bytes(self) -> int:
         """The largest one step's dense mask, one byte per element (x4 as an fp32 mask)."""
         return max(b.mask_bytes for b in self.batches)
@@ -160,6 +174,43 @@ def bucket_batches(docs: list[torch.Tensor], batch_size: int) -> Batching:
     return summarise("length buckets", _padded(sorted(docs, key=len), batch_size, None))
 
 
+def budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Document indices per batch: shortest first, each batch as many documents as fit in
+    ``max_tokens`` positions once padded to its longest (its last, as they are sorted)."""
+    check_positive("max_tokens", max_tokens)
+    if max(lengths) > max_tokens:
+        raise ValueError(f"a document of {max(lengths)} tokens does not fit in a budget of "
+                         f"{max_tokens} positions; raise max_tokens or split long documents")
+    groups: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if (len(groups[-1]) + 1) * lengths[i] > max_tokens:       # padded to this, the longest
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def budget_batches(docs: list[torch.Tensor], max_tokens: int) -> Batching:
+    """Documents sorted by length, each batch filled up to ``max_tokens`` padded positions."""
+    groups = budget_groups([len(d) for d in docs], max_tokens)
+    return summarise("token budget", [_rows([[docs[i]] for i in g], len(docs[g[-1]]), packed=False)
+                                      for g in groups])
+
+
+def compare_batching(lengths: list[int], max_tokens: int, seed: int = 0) -> list[Batching]:
+    """Every batcher planned for the same peak of ``max_tokens`` positions a step: fixed
+    batches of max_tokens // longest documents (padded to the longest document, to each
+    batch's longest, in length buckets), a token budget, and packing into rows as long as the
+    longest document."""
+    docs, seq = make_documents(lengths, seed=seed), max(lengths)
+    if max_tokens < seq:
+        raise ValueError(f"max_tokens={max_tokens} is below the longest document ({seq}); "
+                         f"plan at least one longest document per step")
+    batch = max_tokens // seq
+    return [pad_batches(docs, batch, pad_to=seq), pad_batches(docs, batch),
+            bucket_batches(docs, batch), budget_batches(docs, max_tokens),
+            pack_batches(docs, seq, rows_per_batch=batch)]
+
+
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Document indices per row: longest first, each into the first row with room for it."""
     rows, room = [], []
@@ -199,18 +250,67 @@ class PackedLossCheck:
         return total / sum(self.predictions)
 
 
+ATTENTION = ("mask", "varlen", "causal")
+
+
+def packing_inputs(batch: Batch, attention: str = "mask") -> dict:
+    """The model's keyword arguments for packed rows: documents isolated by a dense ``"mask"``,
+    by ``"varlen"`` attention over their offsets, or not at all (``"causal"``: they leak)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    if batch.doc_ids is None:
+        raise ValueError("this batch is not packed: make it with pack_batches")
+    if attention == "causal":
+        return {}
+    return dict(position_ids=batch.position_ids, doc_ids=batch.doc_ids,
+                varlen=attention == "varlen")
+
+
+@dataclass
+class PackedStepMemory:
+    """Bytes of one forward + backward pass over packed rows."""
+
+    attention: str
+    kept: int       # activations alive at the end of the forward pass
+    peak: int       # the most bytes alive at once, weights included
+
+
+def packed_step_memory(model, batch: Batch, attention: str = "mask") -> PackedStepMemory:
+    """Forward and backward of ``model`` on one packed batch under the tracker."""
+    packing = packing_inputs(batch, attention)
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker(model) as mt:
+        with mt.phase("forward"):
+            loss = model(batch.tokens, batch.targets, **packing)
+        kept = mt.by_category["activations"]
+        with mt.phase("backward"):
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    return PackedStepMemory(attention, kept, mt.peak)
+
+
+def packed_gradients(model, batch: Batch, attention: str = "mask") -> list[torch.Tensor]:
+    """The loss and every parameter's gradient after one packed batch: to compare the paths."""
+    model.zero_grad(set_to_none=True)
+    loss = model(batch.tokens, batch.targets, **packing_inputs(batch, attention))
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
 @torch.no_grad()
 def packed_loss_equals_per_document_loss(model, docs: list[torch.Tensor], seq: int,
-                                         isolate: bool = True) -> PackedLossCheck:
+                                         isolate: bool = True,
+                                         varlen: bool = False) -> PackedLossCheck:
     """Run ``docs`` packed into rows of ``seq`` and one by one; both losses, side by side.
 
     With ``isolate=False`` the rows use plain causal attention and running positions:
-    tokens then see the previous documents, and the losses differ.
+    tokens then see the previous documents, and the losses differ. ``varlen=True`` isolates
+    them by attention over their offsets instead of a dense mask.
     """
     batch = _rows([[docs[i] for i in row] for row in
                    first_fit_decreasing([len(d) for d in docs], seq)], seq, packed=True)
-    packing = dict(position_ids=batch.position_ids, doc_ids=batch.doc_ids) if isolate else {}
-    packed = model(batch.tokens, batch.targets, **packing).item()
+    attention = ("varlen" if varlen else "mask") if isolate else "causal"
+    packed = model(batch.tokens, batch.targets, **packing_inputs(batch, attention)).item()
     alone = [model(d[None, :-1], d[None, 1:]).item() for d in docs]          # (1, L - 1) each
     return PackedLossCheck(packed, alone, [len(d) - 1 for d in docs])
 

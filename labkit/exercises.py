@@ -11,6 +11,7 @@ returns fill the ``{placeholders}`` of the solution text.
 """
 from __future__ import annotations
 
+import functools
 import html
 import math
 import numbers
@@ -246,6 +247,95 @@ def _mla_ratio():
             "r": c.kv_lora_rank, "rope": c.qk_rope_dim}
 
 
+
+@register(
+    "01-zero3-fewest-gpus",
+    question="""LLaMA-2-7B trains in bf16-mixed precision (autocast) with AdamW. With ZeRO-3
+over N data-parallel GPUs, what is the fewest N at which its model states (weights, gradients,
+optimizer state) fit in 24 GiB per GPU? Try it on the panel (ZeRO stage 3, move GPUs).""",
+    unit="GPUs", rtol=0,
+    hint="bf16-mixed AdamW keeps 4 + 4 + 8 bytes per parameter; ZeRO-3 splits all three over "
+         "N GPUs. Find the smallest N with lk.model_state_bytes(n, 'bf16-mixed', 'adamw', "
+         "zero_stage=3, dp=N) <= 24 * 2**30.",
+    solution="""{n:,} parameters x 16 bytes = {whole:.2f} GiB on one GPU; ZeRO-3 over N GPUs
+holds 1/N of it: {before:.2f} GiB on {fewer} GPUs, {states:.2f} GiB on {answer}.
+The states are not the whole step: at batch 1 x 2048 tokens with CUDA defaults the estimate
+per GPU is {peak:.2f} GiB during {phase} on {answer} GPUs - autocast's bf16 weight copies
+({cache:.2f} GiB, made from the gathered weights and not sharded, as plain autocast over
+fp32 weights under FSDP1 or ZeRO-3 keeps them; FSDP's bf16 parameter policy gathers bf16 weights
+and makes none) and the activations come on top (lk.estimate(..., layout=lk.Layout(dp={answer},
+zero_stage=3))).""",
+)
+def _zero3_fewest_gpus():
+    from .predict import estimate
+    from .recipe import Layout
+    n, budget = count_params("llama-2-7b").total, 24 * GiB
+    dp = next(d for d in range(1, 1025)
+              if model_state_bytes(n, "bf16-mixed", "adamw", zero_stage=3, dp=d) <= budget)
+    e = estimate("llama-2-7b", seq=2048, precision="bf16-mixed",
+                 layout=Layout(dp=dp, zero_stage=3))
+    return {"answer": dp, "n": n, "whole": model_state_bytes(n, "bf16-mixed", "adamw") / GiB,
+            "fewer": dp - 1,
+            "before": model_state_bytes(n, "bf16-mixed", "adamw", zero_stage=3, dp=dp - 1) / GiB,
+            "states": model_state_bytes(n, "bf16-mixed", "adamw", zero_stage=3, dp=dp) / GiB,
+            "peak": e.total / GiB, "phase": e.peak_phase, "cache": e.saved_weight_cache / GiB}
+
+
+@register(
+    "01-predict-then-measure-sgd-momentum",
+    question="""Predict, then measure. The course model `small` trains in fp32 with SGD with
+momentum. How many bytes do its weights and its optimizer state (the momentum buffers) take?
+Predict from lk.count_params("small"), then run
+m = lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=False)
+and compare m.params + m.optimizer with your prediction.""",
+    unit="bytes", rtol=0,
+    hint="fp32 weights are 4 bytes each; SGD with momentum keeps one fp32 buffer per parameter "
+         "(and, unlike AdamW, no step counter).",
+    solution="""{n:,} parameters x (4 bytes of weight + 4 bytes of momentum) = {answer:,} bytes.
+lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum") at its peak:
+weights {params:,} + momentum {optimizer:,} = {measured:,} bytes - equal: {equal}.
+(The peak, {peak:,} bytes during {phase}, also holds activations or gradients.)""",
+)
+def _sgd_momentum_small():
+    from .measure import measure_step
+    n = count_params("small").total
+    m = measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=True)
+    predicted = n * (state_bytes("fp32", "sgd-momentum").weights
+                     + state_bytes("fp32", "sgd-momentum").optimizer)
+    return {"answer": predicted, "n": n, "params": m.params, "optimizer": m.optimizer,
+            "measured": m.params + m.optimizer, "equal": m.params + m.optimizer == predicted,
+            "peak": m.total, "phase": m.peak_phase}
+
+
+@register(
+    "01-peak-moves-to-backward",
+    question="""LLaMA-2-7B, bf16-mixed, AdamW, batch 1, CUDA defaults (foreach): at short
+sequences the optimizer step sets the peak. From which sequence length, in steps of 512
+tokens, does the start of the backward pass take over? Sweep lk.estimate(..., seq=s,
+device="cuda").peak_phase.""",
+    unit="tokens", rtol=0,
+    hint="Loop s over 512, 1024, 1536, ... and stop at the first estimate whose peak_phase is "
+         "'backward'; .moments shows both candidates.",
+    solution="""at {before} tokens: optimizer step {opt_before:.2f} GiB, start of backward
+{bwd_before:.2f} GiB; at {answer} tokens: optimizer step {opt:.2f} GiB, start of backward
+{bwd:.2f} GiB. The optimizer step is the same at every length (states + foreach
+temporaries); the backward moment grows with batch x sequence, so at batch 2 the crossover
+comes at about half the length.""",
+)
+def _peak_moves_to_backward():
+    from .predict import estimate
+    from .sweep import peak_leaves_optimizer
+
+    def at(seq):
+        return estimate("llama-2-7b", seq=seq, precision="bf16-mixed", device="cuda")
+    seq = peak_leaves_optimizer("llama-2-7b", multiple=512, precision="bf16-mixed")
+    assert at(seq).peak_phase == "backward"
+    before, after = at(seq - 512).moments, at(seq).moments
+    return {"answer": seq, "before": seq - 512,
+            "opt_before": before["optimizer step"] / GiB, "bwd_before": before["backward: start"] / GiB,
+            "opt": after["optimizer step"] / GiB, "bwd": after["backward: start"] / GiB}
+
+
 # ---- lab 02: mixed precision -----------------------------------------------------------------
 @register(
     "02-fp16-largest",
@@ -295,6 +385,53 @@ def _fp8_block_bytes():
     data, blocks = n * n, (n // block) ** 2
     return {"answer": data + 4 * blocks, "data": data, "blocks": blocks, "scales": 4 * blocks,
             "overhead": 100 * 4 * blocks / data, "bf16": 2 * data}
+
+
+@register(
+    "02-mixed-saves-a-quarter",
+    question="""LLaMA-2-7B on one GPU (lk.estimate with device="cuda"), batch 1: from how many
+tokens on does autocast (precision="bf16-mixed") bring the peak 25% below fp32's? Search over
+seq with the estimate.""",
+    unit="tokens", rtol=0.02,
+    hint="Compare lk.estimate(..., precision='bf16-mixed').total with precision='fp32' while "
+         "doubling seq, then halve the interval (the saving grows with the tokens once the "
+         "backward pass sets the peak). A step of 512 tokens is close enough.",
+    solution="""The smallest seq with 100 x peak <= 75 x fp32's peak (labkit.sweep.first, a
+bisection over lk.estimate) is {answer:,} tokens: peak {peak} against
+{fp32} in fp32, the peak at "{moment}". Below a few thousand tokens autocast saves nothing at
+all: the optimizer step, where its states are fp32's, sets the peak.""",
+)
+def _mixed_saves_a_quarter():
+    from .sweep import first, saving
+    from .units import fmt_bytes
+
+    def autocast(seq):
+        return saving("llama-2-7b", 1, seq, {"precision": "bf16-mixed"}, {"precision": "fp32"})
+    seq = first(lambda n: autocast(n).saves(25), 0, 2 ** 17)
+    s = autocast(seq)
+    return {"answer": seq, "peak": fmt_bytes(s.peak), "fp32": fmt_bytes(s.baseline_peak),
+            "moment": s.moment}
+
+
+@register(
+    "02-half-inference-saving",
+    question="""Predict, then measure: the course model `small` after model.half(), one forward
+pass under torch.no_grad() that returns the logits, batch 2 x 256 tokens. What percentage of
+the fp32 peak does it save? Measure with labkit.precision.inference_peak (half=True / False).""",
+    unit="percent",
+    hint="Which tensors of the forward pass are not in the weights' dtype after model.half()? "
+         "Without the loss, hardly any: the logits are fp16 too.",
+    solution="""fp32 peak {fp32} (weights {w32}), fp16 peak {fp16} (weights {w16}): {answer:.2f}%
+saved. Everything the pass keeps at its peak, weights and logits, halves; a loss over fp32 logits
+would not (section 7, claim 5).""",
+)
+def _half_inference_saving():
+    from .precision import inference_peak
+    from .units import fmt_bytes
+    fp32, half = (inference_peak("small", 2, 256, half=h) for h in (False, True))
+    return {"answer": 100 * (1 - half.peak / fp32.peak), "fp32": fmt_bytes(fp32.peak),
+            "fp16": fmt_bytes(half.peak), "w32": fmt_bytes(fp32.weights),
+            "w16": fmt_bytes(half.weights)}
 
 
 # ---- lab 03: activations ---------------------------------------------------------------------
@@ -348,3 +485,98 @@ def _accumulation_optimizer():
     n = count_params("small").total
     total = estimate("small", precision="fp32").optimizer
     return {"answer": total / 2**20, "n": n, "tensors": (total - 8 * n) // 4, "bytes": total}
+
+
+@register(
+    "03-peak-leaves-optimizer-with-selective",
+    question="""LLaMA-2-7B trains one sequence per step in bf16-mixed with AdamW on one GPU, CUDA
+defaults. Without recomputation the optimizer step stops being the peak at a few thousand
+tokens (exercise 01-peak-moves-to-backward). With selective recomputation
+(recompute="selective"), from which sequence length on is the peak no longer the optimizer
+step? Explore lk.estimate(...).peak_phase and .moments.""",
+    unit="tokens", rtol=0.02,
+    hint="Bisect between 4096 and 32768 tokens on est.peak_phase != 'optimizer'; "
+         "est.details['peak moment'] names the moment that takes over.",
+    solution="""From {answer:,} tokens the moment "{moment}" ({at} GiB) passes the optimizer step
+({optimizer} GiB), {ratio:.1f}x the {none:,} tokens without recomputation. Selective
+recomputation drops the layers' norms and elementwise outputs, so the backward pass no longer
+takes over first: the forward pass at the loss does, where the (tokens x 32000) fp32 logits
+and their log-softmax sit beside everything the layers keep.""",
+)
+def _peak_leaves_optimizer_with_selective():
+    from .predict import estimate
+    from .sweep import peak_leaves_optimizer
+    seq, none = (peak_leaves_optimizer("llama-2-7b", precision="bf16-mixed", recompute=r)
+                 for r in ("selective", "none"))
+    est = estimate("llama-2-7b", batch=1, seq=seq, precision="bf16-mixed", device="cuda",
+                   recompute="selective")
+    moment = est.details["peak moment"]
+    return {"answer": seq, "none": none, "ratio": seq / none, "moment": moment,
+            "at": f"{est.moments[moment] / GiB:.3f}",
+            "optimizer": f"{est.moments['optimizer step'] / GiB:.3f}"}
+
+
+FIT = dict(batch=1, seq=4096, precision="bf16-master", zero_stage=3, dp=16, device="cuda")
+
+
+@functools.cache
+def _every_k_fit() -> dict:
+    from .checkpointing import recompute_cost
+    from .predict import estimate
+    total = {k: estimate("llama-2-7b", recompute=f"every-{k}", **FIT).total for k in range(1, 33)}
+    k = max(k for k, t in total.items() if t <= 24 * GiB)
+    cost = {p: 100 * recompute_cost("llama-2-7b", p, seq=4096).extra
+            for p in (f"every-{k}", "full")}
+    return {"answer": k, "next": k + 1, "fits": f"{total[k] / GiB:.1f}",
+            "over": f"{total[k + 1] / GiB:.1f}",
+            "none": f"{estimate('llama-2-7b', **FIT).total / GiB:.1f}",
+            "extra": f"{cost[f'every-{k}']:.1f}", "full_extra": f"{cost['full']:.1f}",
+            "full": f"{total[1] / GiB:.1f}"}
+
+
+@register(
+    "03-cheapest-recompute-fits-24gib",
+    question="""LLaMA-2-7B trains with bf16 weights and fp32 master weights (precision
+"bf16-master"), ZeRO-3 over 16 GPUs of 24 GiB, one sequence of 4096 tokens per GPU, CUDA
+defaults. Without recomputation it does not fit. The policy every-k recomputes one block in k:
+the larger k, the fewer extra FLOPs. What is the largest k with which it fits in 24 GiB?""",
+    unit="blocks", rtol=0,
+    hint="lk.estimate('llama-2-7b', batch=1, seq=4096, precision='bf16-master', zero_stage=3, "
+         "dp=16, recompute='every-3', device='cuda').total, for k = 1, 2, 3, ...",
+    solution="""k = {answer}: every-{answer} peaks at {fits} GiB, every-{next} at {over} GiB, no
+recomputation at {none} GiB. It costs +{extra}% FLOPs (checkpointing.recompute_cost) where full
+recomputation (k = 1, {full} GiB) costs +{full_extra}%: the model states and the blocks that
+keep everything share the 24 GiB, and each recomputed block frees one layer's activations.""",
+)
+def _cheapest_fit():
+    return _every_k_fit()
+
+
+@register(
+    "03-varlen-saving",
+    question="""Predict, then measure. One packed row of 512 tokens (several documents) runs
+through the course model `tiny` in fp32: once isolating the documents with the dense additive
+mask, once with variable-length attention (varlen=True). How much less activation memory does
+the varlen run keep at the end of the forward pass?""",
+    unit="KiB",
+    hint="The dense mask is one fp32 (B, 1, T, T) tensor shared by every layer; varlen attention "
+         "also keeps no log-sum-exp (B, heads, T) fp32 per layer: its backward recomputes.",
+    solution="""Measured {answer:,.0f} KiB (batching.packed_step_memory): the fp32 mask, 4 x 512 x
+512 = {mask:,} bytes, plus {layers} layers x the log-sum-exp of 4 heads x 512 tokens x 4 bytes
+= {lse:,} bytes. The step's peak falls by {peak:,} bytes.""",
+)
+@functools.cache
+def _varlen_saving():
+    import torch
+    from .batching import document_lengths, make_documents, pack_batches, packed_step_memory
+    from .model import build_model
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    docs = make_documents(document_lengths(6, max_len=120, median=80, seed=0))
+    batch = pack_batches(docs, 512).batches[0]
+    mem = {a: packed_step_memory(model, batch, a) for a in ("mask", "varlen")}
+    saved = mem["mask"].kept - mem["varlen"].kept
+    return {"answer": saved / 1024, "peak": mem["mask"].peak - mem["varlen"].peak,
+            "mask": 4 * 512 * 512, "layers": cfg.layers,
+            "lse": cfg.layers * 4 * cfg.heads * 512 * 4}

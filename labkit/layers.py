@@ -108,7 +108,8 @@ def head_weights(c: ModelConfig) -> list[Weight]:
 @dataclass
 class ParamCount:
     """Parameter counts. ``active``: used per token (all but the unchosen routed experts),
-    embedding and LM head included - DeepSeek's published "activated" figures count them."""
+    embedding and LM head included; published "activated" figures differ on whether they count
+    the input embedding (lab 01 compares them)."""
 
     total: int
     active: int
@@ -298,12 +299,15 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                           category="weight_cache")] if copies else []))
 
 
-def head_saved(c: ModelConfig, precision: str, tp: int = 1) -> Saved:
-    """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary."""
+def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None) -> Saved:
+    """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary - or, with
+    a chunked loss (``labkit.loss``), one fp32 log-sum-exp per token."""
     d = _Dtypes.of(precision)
     terms = [Term("final RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
                   _rmsnorm(c.hidden, d.stream)),
              Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden)),
+             Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
+                  per_layer=8) if loss_chunk else
              Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size / tp)]
     if d.mixed:
         terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",

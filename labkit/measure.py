@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .recipe import DEVICES, default_optimizer_impl
+from .recipe import DEVICES, check_loss_chunk, default_optimizer_impl
 from .track import MemoryTracker, Timeline
 from .train import device as default_device, make_optimizer, param_dtype, train_step
 from .units import Breakdown, check_choice, check_positive
@@ -89,9 +89,10 @@ def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
     return _Setup(cfg, mode, whose, here)
 
 
-def _build(setup: _Setup, precision: str, recompute: str):
-    """The module to train: labkit's model built from its config (with ``recompute``), the
-    given module, or what the given function builds in the precision's weight dtype."""
+def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None = None):
+    """The module to train: labkit's model built from its config (with ``recompute`` and
+    ``loss_chunk``), the given module, or what the given function builds in the precision's
+    weight dtype."""
     from .checkpointing import apply_recompute
     from .config import ModelConfig
     from .model import Transformer, build_model
@@ -119,6 +120,12 @@ def _build(setup: _Setup, precision: str, recompute: str):
                              f"module turn on its own checkpointing (Hugging Face: "
                              f"model.gradient_checkpointing_enable()) and pass recompute='none'")
         apply_recompute(model, recompute)
+    if loss_chunk is not None:
+        if not isinstance(model, Transformer):
+            raise ValueError(f"loss_chunk={loss_chunk} applies to labkit's model only; give "
+                             f"another module a chunked loss through loss_fn (labkit.loss."
+                             f"chunked_cross_entropy) and leave loss_chunk None")
+        model.loss_chunk = loss_chunk
     return model.train()
 
 
@@ -161,7 +168,8 @@ def _batch(model, batch: int, seq: int, loss_fn, device):
 def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed",
                  optimizer: str = "adamw", recompute: str = "none", fake: bool | None = None,
                  device: str | None = None, optimizer_impl: str | None = None,
-                 warmup: bool = True, seed: int = 0, loss_fn=None) -> Measurement:
+                 warmup: bool = True, seed: int = 0, loss_fn=None,
+                 loss_chunk: int | None = None) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -170,6 +178,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     from_config(hf_cfg)``), called in the step's FakeTensorMode with the precision's weight
     dtype as the default. ``recompute`` applies to labkit's model; another module brings its
     own. Only parameters with ``requires_grad`` train; a given module takes the step.
+    ``loss_chunk``: labkit's model computes its loss that many tokens at a time
+    (``labkit.loss``); None keeps the full logits.
 
     ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
     ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
@@ -185,6 +195,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     check_positive("seq", seq)
     param_dtype(precision)
     parse_policy(recompute)
+    check_loss_chunk(loss_chunk)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
         raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
@@ -196,7 +207,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     impl = optimizer_impl or default_optimizer_impl(setup.whose)
     torch.manual_seed(seed)
     with setup.mode or contextlib.nullcontext():
-        model = _build(setup, precision, recompute)
+        model = _build(setup, precision, recompute, loss_chunk)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer, impl, device=setup.runs_on,
                              master_weights=precision == "bf16-master")

@@ -17,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import register_flop_formula
 
 from .config import ModelConfig
+from .loss import chunked_cross_entropy
+from .train import autocast_copies
 
 
 class RMSNorm(nn.Module):
@@ -83,12 +85,72 @@ def document_mask(doc_ids, dtype):
     return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)                  # (B, 1, T, T)
 
 
+def cu_seqlens(doc_ids) -> tuple[int, ...]:
+    """(B, T) document ids -> where each document starts in the B*T tokens laid end to end, and
+    B*T: flash-attn's ``cu_seqlens``. A row's padding (id -1) is one more run, as in the mask."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)                          # (B, T)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return tuple(starts.flatten().nonzero().flatten().tolist()) + (B * T,)
+
+
+class Varlen(tuple):
+    """``cu_seqlens`` passed where a mask goes: attention runs document by document, no mask."""
+
+
+def _documents(offsets, T: int):
+    """(row, start, end) of each document in its row, from offsets into the B*T tokens."""
+    for start, end in zip(offsets[:-1], offsets[1:]):                 # never across rows
+        yield start // T, start % T, end - start // T * T
+
+
+def _causal(q, k, v):
+    """One document's causal attention: q (1, H, L, d), k and v (1, Hkv, L, d) -> (1, H, L, dv).
+    Four dimensions: with three, the CPU's SDPA falls back to the math path (an L x L matrix)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class VarlenAttention(torch.autograd.Function):
+    """Causal attention inside each document of packed rows with no (T, T) mask: one SDPA call
+    per document, written into one output. flash-attn's ``flash_attn_varlen_func`` (given
+    ``cu_seqlens``) and FlexAttention's document block mask do it in one kernel on a GPU.
+
+    Keeps q, k and v (the output is wo's input, kept anyway), as the varlen kernel does, but not
+    its log-sum-exp per row (B*H*T fp32): the backward runs each document's attention again.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets):
+        B, H, T, _ = q.shape
+        out = q.new_empty(B, T, H, v.shape[-1])                        # (B, T, H, dv): wo's layout
+        for r, a, b in _documents(offsets, T):
+            out[r:r + 1, a:b] = _causal(*(t[r:r + 1, :, a:b] for t in (q, k, v))).transpose(1, 2)
+        ctx.save_for_backward(q, k, v)
+        ctx.offsets = offsets
+        return out.transpose(1, 2)                                     # (B, H, T, dv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for r, a, b in _documents(ctx.offsets, q.shape[2]):
+            piece = [t[r:r + 1, :, a:b].detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                y = _causal(*piece)                                     # (1, H, L, dv)
+            for g, d in zip(torch.autograd.grad(y, piece, grad[r:r + 1, :, a:b]), grads):
+                d[r:r + 1, :, a:b] = g
+        return *grads, None
+
+
 def attention_core(q, k, v, mask=None):
     """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel: no (T, T) matrix is kept.
 
     q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
-    ``mask``: a ``document_mask`` for packed rows, in place of plain causality.
+    ``mask``: for packed rows, a dense ``document_mask`` or ``Varlen`` offsets (no mask).
     """
+    if isinstance(mask, Varlen):
+        return VarlenAttention.apply(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -234,10 +296,7 @@ def grouped_linear(x, w, counts):
     """``F.linear`` of each group's rows with its own weight: x (N, in), w (G, out, in) -> (N, out).
 
     Under autocast, bf16 copies of x and w, as autocast makes for ``F.linear``."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x, w = x.to(dtype), w.to(dtype)
+    x, w = autocast_copies(x, w)
     return grouped_mm(x, w, counts)
 
 
@@ -331,7 +390,9 @@ class Transformer(nn.Module):
 
     ``recompute[i]`` (set by ``labkit.checkpointing``): 0 / False keeps block i's activations;
     n >= 1 (True = 1) recomputes blocks i .. i+n-1 as one unit from block i's input in the
-    backward pass (the blocks it covers are then skipped in the list).
+    backward pass (the blocks it covers are then skipped in the list). ``loss_chunk``: None
+    computes the (B*T, vocab) logits at once; n runs the head and the loss n tokens at a time
+    (``labkit.loss``).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -346,6 +407,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.recompute = [False] * cfg.layers      # per block: keep activations or recompute
         self.checkpoint_options = {}                # extra torch.utils.checkpoint arguments
+        self.loss_chunk = None                      # tokens per chunk of the loss, or None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -362,19 +424,24 @@ class Transformer(nn.Module):
             x = block(x, rope, mask)
         return x
 
-    def forward(self, tokens, targets=None, position_ids=None, doc_ids=None):
+    def forward(self, tokens, targets=None, position_ids=None, doc_ids=None, varlen=False):
         """tokens, targets: (B, T) int64. Returns the mean next-token loss, or logits if no targets.
 
         Packed rows (``labkit.batching``) pass ``position_ids`` and ``doc_ids`` (B, T): each
-        token then attends only within its document, at its position in that document.
+        token then attends only within its document, at its position in that document, through
+        one dense (B, 1, T, T) mask, or with ``varlen=True`` document by document (no mask).
         """
+        if varlen and doc_ids is None:
+            raise ValueError("varlen=True attends within documents: pass doc_ids (B, T) too")
         if tokens.shape[1] > self.cfg.max_seq:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq="
                              f"{self.cfg.max_seq}; build the model with a larger max_seq")
         x = self.embed(tokens)                                                    # (B, T, hidden)
         rope = self.rope if position_ids is None else PackedRotary(self.rope, position_ids)
         mask = None
-        if doc_ids is not None:          # in the dtype attention computes in (bf16 under autocast)
+        if doc_ids is not None and varlen:
+            mask = Varlen(cu_seqlens(doc_ids))                                    # B*T offsets
+        elif doc_ids is not None:        # in the dtype attention computes in (bf16 under autocast)
             dtype = (torch.get_autocast_dtype(x.device.type)
                      if torch.is_autocast_enabled(x.device.type) else x.dtype)
             mask = document_mask(doc_ids, dtype)                                 # (B, 1, T, T)
@@ -388,6 +455,9 @@ class Transformer(nn.Module):
             else:
                 x = self.run_blocks(x, i, i + 1, rope, mask)
             i += max(span, 1)
+        if targets is not None and self.loss_chunk:    # no (B*T, vocab) logits: labkit.loss
+            return chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight,
+                                         targets.flatten(), self.loss_chunk)
         logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)
         if targets is None:
             return logits

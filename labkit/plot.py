@@ -224,3 +224,58 @@ def exponent_figure(values, dtype, loss_scale: float | None = None, title: str |
     ax.set_title(title or f"where the values fall in {info.name}")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
     return fig
+
+
+def savings_figure(panels: dict, percents=(40, 50), title: str | None = None,
+                   against: str = "fp32"):
+    """Peak saved against ``against`` (%) vs tokens per step, one panel per layout
+    ({title: [sweep.Saving]}), one line per change.
+
+    Filled markers: the changed step's peak is in the backward pass; hollow: at the optimizer
+    step. A dotted line marks where each change's peak first moves to the backward pass.
+    """
+    if not panels or not all(panels.values()):
+        raise ValueError("nothing to plot: pass {panel title: labkit.sweep.sweep(...)}")
+    fig, axes = _new_figure(5.2 * len(panels), 3.9, ncols=len(panels), sharey=True, squeeze=False)
+    colors = [CATEGORY_COLORS[c] for c in ("params", "optimizer", "activations", "weight_cache")]
+    for ax, (name, rows) in zip(axes[0], panels.items()):
+        for color, label in zip(colors, dict.fromkeys(r.label for r in rows)):
+            pts = sorted((r for r in rows if r.label == label), key=lambda r: r.tokens)
+            x, y = [r.tokens for r in pts], [100 * r.saved for r in pts]
+            ax.plot(x, y, "-", color=color, label=label, linewidth=1)
+            back = [r.moment.startswith("backward") for r in pts]
+            ax.scatter(x, y, s=22, color=color, zorder=3,
+                       facecolors=[color if b else "white" for b in back])
+            if any(back) and not all(back):
+                ax.axvline(x[back.index(True)], color=color, linestyle=":", linewidth=1.2)
+        for p in percents:
+            ax.axhline(p, color="black", linewidth=0.6, linestyle="--")
+            ax.text(min(r.tokens for r in rows), p, f" {p}%",
+                    va="bottom", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="tokens per step (batch x seq)", title=name)
+    axes[0][0].set_ylabel(f"peak saved against {against} (%)")
+    axes[0][0].legend(frameon=False, fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = None):
+    """Memory utilisation of each batcher against the spread of document lengths, one panel per
+    corpus ({panel title: {sigma: compare_batching(...)}}); utilisation is real tokens per
+    step over the largest batch's positions (``Batching.utilisation``)."""
+    if not sweep or not all(sweep.values()):
+        raise ValueError("nothing to plot: pass {title: {sigma: batching.compare_batching(...)}}")
+    fig, axes = _new_figure(5.2 * len(sweep), 3.6, ncols=len(sweep), sharey=True, squeeze=False)
+    for ax, (name, runs) in zip(axes[0], sweep.items()):
+        sigmas = sorted(runs)
+        for i, label in enumerate(b.name for b in runs[sigmas[0]]):
+            ax.plot(sigmas, [100 * next(b for b in runs[s] if b.name == label).utilisation
+                             for s in sigmas], "o-", label=label, color=f"C{i}")
+        ax.set(xlabel="spread of log-length (sigma)", title=name, ylim=(0, 105))
+    axes[0][0].set_ylabel("real tokens per step / largest batch (%)")
+    axes[0][0].legend(frameon=False, fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig

@@ -7,7 +7,11 @@
   so small fp16 gradients do not flush to zero, skip steps whose gradients overflow. The
   mechanism of ``torch.amp.GradScaler``, written out, and step-for-step identical to it.
 - FP8 quantisation with fine-grained scales (DeepSeek-V3 technical report, section 3.3):
-  one scale per 1 x 128 tile of activations, per 128 x 128 block of weights.
+  one scale per 1 x 128 tile of activations, per 128 x 128 block of weights; what caching
+  a layer's linear inputs in FP8 (as V3 does) would save.
+- TF32: fp32 numbers with their mantissa rounded to 10 bits, as tensor cores read them.
+- What ``model.half()`` saves at inference (measured). What each recipe saves in training,
+  over batch x sequence, is ``labkit.sweep``'s.
 """
 from __future__ import annotations
 
@@ -187,6 +191,10 @@ class DynamicLossScaler:
     def scale_value(self) -> float:
         return self._scale
 
+    def get_scale(self) -> float:
+        """The current scale, as ``GradScaler.get_scale()``."""
+        return self._scale
+
     @property
     def state(self) -> dict:
         """The keys and values of ``GradScaler.state_dict()``."""
@@ -256,6 +264,25 @@ def scale_history(init_scale: float, overflow_above: float, steps: int = 12,
         scaler.step(opt)
         scaler.update()
     return [h.scale for h in scaler.history]
+
+
+def scale_sequence(overflows, scaler: str = "labkit", init_scale: float = 2.0 ** 10,
+                   growth_interval: int = 3) -> list[float]:
+    """The scale in use at each step when the steps flagged True in ``overflows`` have an inf
+    gradient, by labkit's ``DynamicLossScaler`` ("labkit") or ``torch.amp.GradScaler`` ("torch")."""
+    makers = {"labkit": DynamicLossScaler, "torch": lambda *a, **k: torch.amp.GradScaler("cpu", *a, **k)}
+    if scaler not in makers:
+        raise ValueError(f"unknown scaler {scaler!r}; use 'labkit' or 'torch'")
+    w = torch.nn.Parameter(torch.ones(1))
+    opt, s, scales = torch.optim.SGD([w], lr=0.0), makers[scaler](init_scale,
+                                                                   growth_interval=growth_interval), []
+    for overflow in overflows:
+        scales.append(float(s.get_scale()))
+        s.scale(torch.ones(()))                      # GradScaler creates its scale tensor here
+        w.grad = torch.full((1,), math.inf if overflow else 1.0)
+        s.step(opt)
+        s.update()
+    return scales
 
 
 def compare_with_gradscaler(steps: int = 12, overflow_at=(2, 3, 7), growth_interval: int = 3,
@@ -424,3 +451,111 @@ def outlier_activations(shape=(256, 1024), n_outliers: int = 4, scale: float = 1
     channels = torch.randperm(shape[-1], generator=g)[:n_outliers]
     x[..., channels] *= torch.logspace(math.log10(scale / 10), math.log10(scale), n_outliers)
     return x
+
+
+@dataclass(frozen=True)
+class FP8Cache:
+    """What one dense layer keeps for backward (bf16 activations, ``batch x seq`` tokens), and
+    two what-ifs that cache linear-layer inputs in FP8 (1 byte + an fp32 scale per 1 x 128 tile).
+
+    ``inputs``/``inputs_fp8``: bytes of each linear's saved input ({"wq, wk, wv": ..., "wo": ...,
+    "w_gate, w_up": ..., "w_down": ...}); ``swiglu``: SwiGLU's gate, silu, up and product
+    (w_down's input among them); ``swiglu_inputs_fp8``: gate and up alone, in FP8.
+    """
+
+    layer: int
+    inputs: dict
+    inputs_fp8: dict
+    swiglu: int
+    swiglu_inputs_fp8: int
+
+    @property
+    def linear_inputs(self) -> int:
+        return sum(self.inputs.values())
+
+    @property
+    def all_linear_inputs_fp8(self) -> int:
+        """What-if 1: every linear's input cached in FP8, nothing else changed."""
+        return self.layer - self.linear_inputs + sum(self.inputs_fp8.values())
+
+    @property
+    def v3_like(self) -> int:
+        """What-if 2, DeepSeek-V3's choices: FP8 inputs of wq/wk/wv and w_gate/w_up, wo's input
+        kept in 16 bits (V3: its own E5M6), SwiGLU's inputs in FP8 and its output recomputed."""
+        fp8 = [k for k in self.inputs if k not in ("wo", "w_down")]
+        return (self.layer - sum(self.inputs[k] - self.inputs_fp8[k] for k in fp8)
+                - self.swiglu + self.swiglu_inputs_fp8)
+
+
+def fp8_cached_activations(cfg, batch: int = 1, seq: int = 4096,
+                           precision: str = "bf16-master", tile: int = 128) -> FP8Cache:
+    """Bytes of a dense GQA layer's saved tensors (``labkit.layers.layer_saved``) and of its
+    linear layers' inputs, in 16 bits and in FP8 with 1 x ``tile`` scales: a byte what-if."""
+    from .config import preset
+    from .layers import layer_saved
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    if c.attention != "gqa" or c.is_moe:
+        raise ValueError(f"{c.name}: the what-if is written for a dense GQA layer; use a model "
+                         "such as 'llama-2-7b' (or its dense preset)")
+    if precision not in ("bf16", "bf16-master"):
+        raise ValueError(f"precision={precision!r}: the what-if starts from bf16 activations "
+                         "without autocast's copies; use 'bf16' or 'bf16-master'")
+    N = batch * seq
+
+    def fp8(width):
+        return N * (width + 4 * math.ceil(width / tile))            # values + fp32 tile scales
+
+    widths = {"wq, wk, wv": c.hidden, "wo": c.heads * c.head_dim, "w_gate, w_up": c.hidden,
+              "w_down": c.ffn}
+    return FP8Cache(layer=layer_saved(c, precision).bytes(batch, seq),
+                    inputs={k: 2 * N * w for k, w in widths.items()},
+                    inputs_fp8={k: fp8(w) for k, w in widths.items()},
+                    swiglu=4 * 2 * N * c.ffn, swiglu_inputs_fp8=2 * fp8(c.ffn))
+
+
+# ----------------------------------------------------------------------------- TF32
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 ``x`` rounded to nearest-even at ``bits`` mantissa bits, still stored as fp32.
+
+    10 bits: TF32, how Ampere+ tensor cores read an fp32 matmul's inputs (fp32 range, fp16's
+    precision); 7 bits gives exactly bf16's values.
+    """
+    if not (isinstance(bits, int) and 0 <= bits <= 23):
+        raise ValueError(f"bits must be an integer in 0..23 (fp32 has 23), got {bits!r}")
+    drop = 23 - bits
+    i = x.detach().float().contiguous().view(torch.int32)          # the bit patterns
+    if drop == 0:
+        return i.clone().view(torch.float32)
+    half, odd = (1 << (drop - 1)) - 1, (i >> drop) & 1              # ties go to the even neighbour
+    return ((i + half + odd) & ~((1 << drop) - 1)).view(torch.float32)
+
+
+# ----------------------------------------------------------------------------- model.half()
+
+@dataclass(frozen=True)
+class InferencePeak:
+    """Measured bytes of one no-grad forward pass: the weights and the peak (weights included)."""
+
+    weights: int
+    peak: int
+
+
+def inference_peak(cfg, batch: int, seq: int, half: bool = False, loss: bool = False,
+                   seed: int = 0) -> InferencePeak:
+    """The tracker's peak of ``labkit.model``'s forward under ``torch.no_grad()``, fp32 or after
+    ``model.half()``; ``loss=True`` also computes the loss (in fp32, over an fp32 copy of the logits)."""
+    from .config import preset
+    from .model import build_model
+    from .track import MemoryTracker
+    from .units import check_positive
+    check_positive("batch", batch)
+    check_positive("seq", seq)
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    torch.manual_seed(seed)
+    model = build_model(c)
+    model = model.half() if half else model
+    tokens = torch.randint(0, c.vocab_size, (batch, seq + 1))               # (B, T + 1)
+    with torch.no_grad(), MemoryTracker(model, timeline=False) as mt:
+        model(tokens[:, :-1], tokens[:, 1:] if loss else None)
+    return InferencePeak(mt.peak_by_category["params"], mt.peak)

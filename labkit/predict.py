@@ -52,16 +52,19 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
              zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
              optimizer_impl: str | None = None, device: str = "cuda", every: int = 2,
-             recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
+             loss_chunk: int | None = None, recipe: Recipe | None = None,
+             layout: Layout | None = None) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
     Give the step as keywords or as ``recipe=lk.Recipe(...)`` and ``layout=lk.Layout(...)``
     (which then win). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
     "cpu"); a real GPU adds its CUDA context, allocator rounding and library workspaces.
-    With ``pp`` > 1 the device reported is the busiest stage.
+    With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
+    of a chunked loss (``labkit.loss``), None for the full logits.
     """
     c = preset(cfg) if isinstance(cfg, str) else cfg
-    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every)
+    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every,
+                              loss_chunk=loss_chunk)
     layout = layout or Layout(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
     check_positive("batch", batch)
     check_positive("seq", seq)
@@ -112,8 +115,9 @@ class _Step:
         if self.master:
             out.append(Tensor("fp32 master weights", "optimizer", "fp32",
                               zero.per_rank(n * 4, "optimizer", L.zero_stage, L.dp)))
-        if self.recipe.optimizer.startswith("adamw"):
-            out.append(Tensor("AdamW step counters", "optimizer", "fp32", 4 * len(self.weights)))
+        if self.recipe.optimizer.startswith("adamw"):   # on CUDA torch keeps them on the host
+            out.append(Tensor("AdamW step counters", "optimizer", "fp32",   # unless fused: the
+                              4 * len(self.weights)))                       # tracker sees them
         return out
 
     def grads(self) -> int:
@@ -162,30 +166,69 @@ class _Step:
             always.append(Tensor("token batch", "activations", "int64", 8 * self.B * (self.T + 1)))
         if self.last:
             always.append(Tensor("loss", "activations", "fp32", 4))
-        head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp)])
+        head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
+                                            self.recipe.loss_chunk)])
                 if self.last else [])
-        moments = {**(self._loss_moments(always + kept + head) if self.last else {}),
+        moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
+                   **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always)}
         return self._result(moments, saved=always + kept + head)
 
-    def _loss_moments(self, alive: list[Tensor]) -> dict:
+    def _loss_moments(self, kept: list[Tensor], head: list[Tensor]) -> dict:
         """The forward pass at the loss (logits and log-softmax side by side) and the start of
         backward (the log-softmax's and the logits' gradients), both (N, V) fp32."""
-        c, tp = self.c, self.L.tp
-        logits = self.N * c.vocab_size // tp * 4
+        c, tp, alive = self.c, self.L.tp, kept + head
         # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
         # layer saves none of them, so for it the cache is extra
         cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
                     for j, m in enumerate(self.moe) if self.kept[j] != "none") if self.mixed else 0
+        cache = Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)
+        if self.recipe.loss_chunk:
+            return self._chunked_loss_moments(kept, head, cache)
+        logits = self.N * c.vocab_size // tp * 4
         at_loss = [Tensor("logits", "activations", "fp32", logits),
                    Tensor("bf16 logits", "activations", "bf16", logits // 2 if self.mixed else 0),
-                   Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16",
-                          cache)]
+                   cache]
         start = [Tensor("log-softmax gradient and logits gradient", "other", "fp32", 2 * logits)]
         return {"forward: loss": ("forward", alive + at_loss),
                 "backward: start": ("backward", alive + start)}
+
+    def _chunked_loss_moments(self, kept: list[Tensor], head: list[Tensor], cache: Tensor) -> dict:
+        """A chunked loss (``labkit.loss``) holds one chunk's fp32 logits (and their bf16
+        original when the matmuls run in bf16) in the forward pass, and again in the backward
+        pass beside the LM head's gradients being formed. Under autocast those are bf16, and
+        their fp32 copies are made after the loss has freed what it saved."""
+        c, tp, cb, alive = self.c, self.L.tp, 4 if self.cdt == "fp32" else 2, kept + head
+        rows = min(self.recipe.loss_chunk, self.N)
+        chunk = rows * c.vocab_size // tp * (4 if cb == 4 else 6)    # (rows, V) fp32 (+ bf16)
+        dtype = "fp32" if cb == 4 else "fp32 + bf16"
+        head_numel = c.vocab_size * c.hidden // tp
+        forming = [Tensor("gradient of the LM head's input", "other", self.cdt, self.N * c.hidden * cb),
+                   Tensor("LM head gradient being formed", "other", self.cdt, head_numel * cb)]
+        moments = {
+            "forward: loss": ("forward", alive + [
+                Tensor(f"logits of one chunk of {rows} tokens", "activations", dtype, chunk), cache]),
+            "backward: loss chunks": ("backward", alive + forming + [
+                Tensor(f"logits gradient of one chunk of {rows} tokens", "other", dtype, chunk)])}
+        if self.mixed:
+            norm = [t for t in head if t.name == "final RMSNorm"]      # all the head still keeps
+            moments["backward: LM head gradient to fp32"] = ("backward", kept + norm + forming + [
+                Tensor("LM head gradient, fp32", "grads", "fp32", head_numel * 4)])
+        return moments
+
+    def _final_norm_moment(self, alive: list[Tensor]) -> dict:
+        """The final RMSNorm's backward, after the loss's: every layer's saved tensors, the
+        norm's fp32 input and five fp32 (N, hidden) temporaries of its backward (the gradients
+        through x^2, its mean and rsqrt), with the LM head's gradients done."""
+        c, split = self.c, (self.L.tp if self.L.sp else 1)
+        fp32_wide = self.N * c.hidden * 4 // split                               # (N, hidden) fp32
+        done = sum(w.local(self.L.tp) for w in head_weights(c)) * self.bytes.weights
+        return {"backward: final norm": ("backward", alive + [
+            Tensor("final RMSNorm's input", "activations", "fp32", fp32_wide),
+            Tensor("final RMSNorm's backward temporaries", "other", "fp32", 5 * fp32_wide),
+            Tensor("gradients of the LM head and final norm", "grads", self.wdt, self._done(done))])}
 
     def _worst_layer_moment(self, always, saved, full, unit_start) -> dict:
         """Inside each layer's backward (last layer first): what the layers below still keep,
@@ -224,11 +267,13 @@ class _Step:
 
     def _optimizer_moment(self, always) -> dict:
         """The optimizer step: every gradient and state, and the step's temporaries. With
-        master weights the step first swaps each bf16 gradient for an fp32 copy."""
-        fp32_grads = (zero.per_rank(self.n_local * 4, "grads", self.L.zero_stage, self.L.dp)
-                      if self.master else 0)
+        master weights each rank swaps the bf16 gradients it updates for fp32 copies: all of
+        them, or from ZeRO-1 on its shard (ZeRO-1 keeps the whole all-reduced bf16 gradients)."""
+        stage, dp = self.L.zero_stage, self.L.dp
+        fp32_grads = zero.per_rank(self.n_local * 4, "optimizer", stage, dp) if self.master else 0
+        bf16_kept = not self.master or (dp > 1 and stage == 1)
         return {"optimizer step": ("optimizer", always + [
-            Tensor("gradients", "grads", self.wdt, 0 if self.master else self.grads()),
+            Tensor("gradients", "grads", self.wdt, self.grads() if bf16_kept else 0),
             Tensor("fp32 copies of the gradients", "other", "fp32", fp32_grads),
             Tensor(f"optimizer temporaries ({self.impl})", "other",
                    "fp32" if self.master else self.wdt, self._optimizer_temporaries())])}

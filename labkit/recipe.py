@@ -61,6 +61,14 @@ def compute_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
+def check_loss_chunk(loss_chunk) -> None:
+    """ValueError unless ``loss_chunk`` is None (full logits) or a positive number of tokens."""
+    if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int)
+                                   or loss_chunk <= 0):
+        raise ValueError(f"loss_chunk must be a positive number of tokens, or None for the full "
+                         f"logits, got {loss_chunk!r}")
+
+
 def default_optimizer_impl(device: str) -> str:
     """What ``torch.optim.AdamW()`` runs when left to choose: foreach on CUDA, a for-loop on CPU."""
     device = str(device).split(":")[0]
@@ -75,7 +83,8 @@ class Recipe:
     ``optimizer_impl``: AdamW's implementation; None takes the device's default.
     ``recompute``: a ``labkit.checkpointing`` policy (``every`` is k of "every-k").
     ``trainable``: which parameters train ("all"). ``weight_format``: how frozen weights are
-    stored (None: the precision's own).
+    stored (None: the precision's own). ``loss_chunk``: None computes the (tokens, vocab)
+    logits at once; n runs the LM head and the loss n tokens at a time (``labkit.loss``).
     """
 
     precision: str = "bf16-mixed"
@@ -85,6 +94,7 @@ class Recipe:
     every: int = 2
     trainable: str = "all"
     weight_format: str | None = None
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         from .checkpointing import parse_policy      # the policies live with the mechanism
@@ -96,6 +106,7 @@ class Recipe:
         if self.weight_format is not None:
             raise ValueError(f"weight_format={self.weight_format!r}: stored formats other than "
                              f"the precision's come with lab 06; leave it None")
+        check_loss_chunk(self.loss_chunk)
 
     def impl(self, device: str) -> str:
         """AdamW's implementation on ``device``: the one chosen, or the device's default."""

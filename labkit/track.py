@@ -154,9 +154,10 @@ class MemoryTracker(TorchDispatchMode):
         try:
             yield self
         finally:
-            self._phase = previous
             if name == "optimizer":
-                self.tag_states()           # the first step creates the optimizer state
+                self.tag_states()           # the first step creates the optimizer state:
+                self._record()              # a point that shows it under its own category
+            self._phase = previous
 
     def reset_peak(self):
         """Start a new peak from the bytes live now (and a new timeline)."""

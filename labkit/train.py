@@ -46,6 +46,16 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
 
 
+def autocast_copies(*tensors):
+    """The tensors as autocast hands them to a matmul: copies in its dtype while it is on (the
+    copies autograd then saves), else themselves. For ops autocast does not know (custom ones)."""
+    where = tensors[0].device.type
+    if not torch.is_autocast_enabled(where):
+        return tensors
+    dtype = torch.get_autocast_dtype(where)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 class MasterWeights:
     """An optimizer over fp32 master copies of low-precision weights (Micikevicius et al., 2018).
 
@@ -105,16 +115,23 @@ def make_optimizer(params, optimizer: str = "adamw", impl: str | None = None, lr
 @dataclass
 class StepResult:
     loss: float | None          # None on fake tensors
+    grad_norm: float | None = None  # with clip_norm: the unscaled norm before clipping
 
 
 def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
-               tracker=None, loss_factor: float = 1.0, offload: bool = False) -> StepResult:
+               tracker=None, loss_factor: float = 1.0, offload: bool = False,
+               clip_norm: float | None = None) -> StepResult:
     """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``.
 
     ``loss_factor`` multiplies the loss before backward (lab 02 shrinks gradients with it);
     the loss reported is the model's own. ``offload`` keeps what autograd saves in pinned
     CPU memory (``torch.autograd.graph.save_on_cpu``): GPU memory for PCIe traffic.
+    ``clip_norm`` clips the gradients' global norm, after ``scaler.unscale_`` so that the
+    norm compared is the true one, not scale x it.
     """
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be a positive number, got {clip_norm!r}; use e.g. 1.0, "
+                         "or None for no clipping")
     phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
     dtype = autocast_dtype(precision)
     autocast = (torch.autocast(tokens.device.type, dtype=dtype) if dtype is not None
@@ -127,14 +144,20 @@ def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scale
         with phase("backward"):
             scaled = loss * loss_factor if loss_factor != 1.0 else loss
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    norm = None
     with phase("optimizer"):
+        if clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)          # clip the true gradients, not scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return StepResult(None if isinstance(loss, FakeTensor) else loss.item())
+    fake = isinstance(loss, FakeTensor)
+    return StepResult(None if fake else loss.item(), None if fake or norm is None else norm.item())
 
 
 def bigram_corpus(vocab_size: int, n_tokens: int, seed: int = 0, branching: int = 4) -> torch.Tensor:

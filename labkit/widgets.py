@@ -2,12 +2,14 @@
 
     lk.widgets.memory_panel()     # pick a model and a step, see the predicted breakdown;
                                   # a button measures the same step on fake tensors
+    lk.widgets.states_panel()     # lab 01: bytes per parameter of each state, sharded by ZeRO
 """
 from __future__ import annotations
 
 import base64
 import io
 from dataclasses import dataclass
+from fractions import Fraction
 
 import ipywidgets as w
 
@@ -16,7 +18,8 @@ from .layers import count_params
 from .predict import Estimate, estimate
 from .plot import breakdown_figure, timeline_figure
 from .measure import Measurement, measure_step
-from .recipe import OPTIMIZERS, PRECISIONS
+from .parallel import zero
+from .recipe import OPTIMIZERS, PRECISIONS, Layout, state_bytes
 from .units import CATEGORIES, fmt_bytes, fmt_count
 
 SHAPE_FIELDS = ("hidden", "layers", "heads", "vocab_size")
@@ -38,7 +41,8 @@ class PanelResult:
         e = self.estimate
         parts = ", ".join(f"{label} {fmt_bytes(getattr(e, key))}"
                           for key, label in CATEGORIES.items() if getattr(e, key))
-        text = (f"{self.config.name}: {fmt_count(pc.total)} parameters — predicted peak "
+        text = (f"{self.config.name}: {fmt_count(pc.total)} parameters — predicted peak per GPU "
+                f"(CUDA defaults: {e.details['optimizer implementation']} AdamW) "
                 f"{fmt_bytes(e.total)} (during {e.peak_phase}): {parts}")
         if self.measurement is not None:
             m = self.measurement
@@ -239,3 +243,116 @@ class RecomputePanel:
 def recompute_panel(**defaults) -> w.VBox:
     """The recompute panel of lab 03 (``RecomputePanel`` holds its state and callbacks)."""
     return RecomputePanel(**defaults).widget
+
+
+# ---- lab 01: model states, sharded by ZeRO -----------------------------------------------------
+# each state's field in ``recipe.StateBytes`` -> its name in ``parallel.zero`` and its label
+STATES = {"weights": ("params", "weights"), "grads": ("grads", "gradients"),
+          "optimizer": ("optimizer", "optimizer state")}
+
+
+@dataclass
+class StatesResult(PanelResult):
+    """The states panel's result: per state, (bytes per parameter, GPUs it is split over), and
+    the estimate per GPU beside the same step on one GPU without ZeRO."""
+
+    per_parameter: dict | None = None
+    unsharded: Estimate | None = None
+    layout: Layout | None = None
+    recipe: str = ""
+    batch: int = 1
+    seq: int = 2048
+
+    def per_gpu(self, state: str) -> Fraction:
+        """Bytes per parameter of ``state`` that one GPU holds."""
+        return Fraction(*self.per_parameter[state])
+
+    def summary(self) -> str:
+        if self.error:
+            return f"⚠ {self.error}"
+        L, e, one = self.layout, self.estimate, self.unsharded
+        terms = " + ".join(f"{label} {b}" + (f"/{n}" if n > 1 else "")
+                           for state, (_, label) in STATES.items()
+                           for b, n in [self.per_parameter[state]])
+        states = sum(self.per_gpu(s) for s in STATES)
+        cache = self.per_parameter["weight cache"][0]
+        return "\n".join([
+            f"{self.config.name}, {self.recipe}, ZeRO-{L.zero_stage} over {L.dp} GPU"
+            f"{'s' if L.dp > 1 else ''}. Bytes per parameter on one GPU:",
+            f"  {terms} = {float(states):g} (one GPU without ZeRO: "
+            f"{sum(b for b, _ in (self.per_parameter[s] for s in STATES))})"
+            + (f"; autocast's bf16 weight copies {cache} per matmul weight, not sharded"
+               if cache else ""),
+            f"model states per GPU: {fmt_bytes(_states(e))} "
+            f"(one GPU without ZeRO: {fmt_bytes(_states(one))})",
+            f"peak of one step per GPU, batch {self.batch} x {self.seq} tokens, CUDA defaults: "
+            f"{fmt_bytes(e.total)} during {e.peak_phase} (one GPU: {fmt_bytes(one.total)})"])
+
+
+def _states(e: Estimate) -> int:
+    return sum(e.details["model states"].values())
+
+
+def states_report(model: str, *, precision: str, optimizer: str, zero_stage: int, gpus: int,
+                  seq: int = 2048, batch: int = 1) -> StatesResult:
+    """Bytes per parameter of each state with ZeRO ``zero_stage`` over ``gpus`` data-parallel
+    GPUs (``recipe.state_bytes`` split as ``parallel.zero`` splits it), and the step's estimate
+    per GPU (CUDA defaults) beside one GPU without ZeRO; an impossible setting is explained."""
+    try:
+        cfg = preset(model)
+        layout = Layout(dp=gpus, zero_stage=zero_stage)
+        b = state_bytes(precision, optimizer)
+        split = {state: (getattr(b, state),
+                         gpus if zero_stage >= zero.SHARDED_FROM_STAGE[name] else 1)
+                 for state, (name, _) in STATES.items()}
+        split["weight cache"] = (b.weight_cache, 1)
+        step = dict(batch=batch, seq=seq, precision=precision, optimizer=optimizer, device="cuda")
+        return StatesResult(cfg, estimate(cfg, layout=layout, **step), per_parameter=split,
+                            unsharded=estimate(cfg, **step), layout=layout, batch=batch,
+                            seq=seq, recipe=f"{precision} {optimizer}")
+    except ValueError as error:
+        return StatesResult(error=str(error))
+
+
+class StatesPanel:
+    """Model, precision, optimizer, ZeRO stage and GPUs -> bytes per parameter of each state
+    and the per-GPU breakdown of one step."""
+
+    def __init__(self, model: str = "llama-2-7b", precision: str = "bf16-master",
+                 optimizer: str = "adamw", zero_stage: int = 0, gpus: int = 8, seq: int = 2048):
+        wide = {"style": {"description_width": "initial"}}
+        self.seq = seq
+        self.model = w.Dropdown(options=presets(), value=model, description="model")
+        self.precision = w.Dropdown(options=PRECISIONS, value=precision, description="precision")
+        self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
+        self.zero_stage = w.IntSlider(value=zero_stage, min=0, max=3, description="ZeRO stage",
+                                      **wide)
+        self.gpus = w.IntSlider(value=gpus, min=1, max=64, description="GPUs", **wide)
+        self.output = w.Output()
+        self.result: StatesResult | None = None
+        for control in (self.model, self.precision, self.optimizer, self.zero_stage, self.gpus):
+            control.observe(lambda _: self.update(), names="value")
+        self.widget = w.VBox([w.HBox([self.model, self.precision, self.optimizer]),
+                              w.HBox([self.zero_stage, self.gpus]), self.output])
+        self.update()
+
+    def update(self) -> StatesResult:
+        result = states_report(self.model.value, precision=self.precision.value,
+                               optimizer=self.optimizer.value, zero_stage=self.zero_stage.value,
+                               gpus=self.gpus.value, seq=self.seq)
+        self.result = result
+        if result.error:
+            _render(self.output, result.summary())
+            return result
+        L = result.layout
+        _render(self.output, result.summary(), breakdown_figure(
+            {"one GPU, no ZeRO": result.unsharded,
+             f"ZeRO-{L.zero_stage}, {L.dp} GPUs: each": result.estimate},
+            title=f"{result.config.name}: one step's peak per GPU, batch {result.batch} x "
+                  f"{result.seq} tokens"))
+        return result
+
+
+def states_panel(**defaults) -> w.VBox:
+    """The model-states panel of lab 01 (``StatesPanel`` holds its state and callbacks)."""
+    return StatesPanel(**defaults).widget

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 import labkit as lk
 from labkit.batching import (IGNORE, accumulate_gradients, bucket_batches, document_lengths,
                              first_fit_decreasing, make_documents, measure_accumulation,
-                             pack_batches, packed_loss_equals_per_document_loss, pad_batches)
+                             pack_batches, packed_loss_equals_per_document_loss, pad_batches,
+                             packed_gradients, packed_step_memory, packing_inputs)
 from labkit.model import document_mask
 
 HAND = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8]), torch.tensor([9, 10])]
@@ -163,3 +164,96 @@ def test_buckets_lower_the_average_not_the_largest_batch_and_masks_are_counted_p
     packed = pack_batches(docs, 512, rows_per_batch=4)
     assert packed.largest_mask_bytes == 4 * 512 * 512                 # one step's (4, 1, T, T)
     assert packed.mask_bytes == len(packed.batches) * 4 * 512 * 512
+
+
+# ---- token budgets: a dynamic batch size ------------------------------------------------------
+def test_a_token_budget_keeps_every_batch_within_budget_and_every_document_once():
+    from labkit.batching import budget_batches
+    lengths = document_lengths(500, max_len=512, median=64, seed=2)
+    docs = make_documents(lengths)
+    run = budget_batches(docs, max_tokens=2048)
+    assert all(b.tokens.numel() <= 2048 for b in run.batches)
+    seen = sorted(tuple(row[:int(n) + 1].tolist()) for b in run.batches
+                  for row, n in zip(b.tokens, (b.targets != IGNORE).sum(1)))
+    assert seen == sorted(tuple(d.tolist()) for d in docs)  # each document exactly once
+    assert run.tokens == sum(lengths)
+    sizes = [len(b.tokens) for b in run.batches]            # short documents come many a batch
+    assert sizes[0] > 50 and sizes[-1] <= 4
+    # a batch closes only when the next (longer) document would break the budget
+    for b, nxt in zip(run.batches, run.batches[1:]):
+        assert (len(b.tokens) + 1) * nxt.tokens.shape[1] > 2048
+
+
+def test_a_token_budget_fills_the_planned_peak_where_fixed_batches_do_not():
+    from labkit.batching import compare_batching
+    lengths = document_lengths(1000, max_len=1024, median=128, seed=0)
+    fixed, longest, buckets, budget, packed = compare_batching(lengths, max_tokens=8 * 1024)
+    assert fixed.largest_batch == budget.largest_batch == packed.largest_batch == 8 * 1024
+    assert budget.steps < buckets.steps / 3                  # many short documents a step
+    assert budget.utilisation > 0.85 > 0.3 > buckets.utilisation
+    assert buckets.utilisation == pytest.approx(sum(lengths) / (buckets.steps * 8 * 1024))
+
+
+def test_a_bad_budget_raises_and_names_the_fix():
+    from labkit.batching import budget_batches, compare_batching
+    docs = make_documents([10, 40, 20])
+    with pytest.raises(ValueError, match="not fit in a budget of 32 positions; raise max_tokens"):
+        budget_batches(docs, max_tokens=32)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+            budget_batches(docs, max_tokens=bad)
+    with pytest.raises(ValueError, match="below the longest document"):
+        compare_batching([10, 40, 20], max_tokens=32)
+
+
+# ---- variable-length attention: packed rows without a mask -------------------------------------
+def test_cu_seqlens_are_the_document_offsets_with_each_rows_padding_as_a_run():
+    from labkit.model import cu_seqlens
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 0, 0, 0, 0, 0]])
+    assert cu_seqlens(doc_ids) == (0, 2, 5, 6, 12)
+
+
+def _mla_config():
+    return lk.preset("deepseek-v2-lite").replace(
+        hidden=64, layers=2, heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
+        v_head_dim=16, dense_layers=2, ffn=128, vocab_size=256, max_seq=256)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "mla"])
+def test_varlen_attention_gives_the_masked_loss_and_gradients(name):
+    torch.manual_seed(0)
+    model = lk.build_model(_mla_config() if name == "mla" else lk.preset(name))
+    docs = make_documents(document_lengths(12, max_len=60, median=20, seed=1))
+    batch = pack_batches(docs, 64, rows_per_batch=3).batches[0]
+    runs = {a: packed_gradients(model, batch, a) for a in ("mask", "varlen", "causal")}
+    assert not torch.allclose(runs["mask"][0], runs["causal"][0], rtol=1e-4)   # leaks differ
+    for a, b in zip(runs["mask"], runs["varlen"]):      # other kernels, other summation order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    check = packed_loss_equals_per_document_loss(model, docs, seq=64, varlen=True)
+    assert check.packed == pytest.approx(check.document_mean, rel=1e-5, abs=1e-6)
+
+
+def test_varlen_attention_drops_the_mask_and_keeps_no_log_sum_exp():
+    cfg = lk.preset("tiny")
+    model = lk.build_model(cfg)
+    batch = pack_batches(make_documents([100, 60, 50, 40, 6]), seq=128, rows_per_batch=2).batches[0]
+    B, T = batch.tokens.shape
+    mem = {a: packed_step_memory(model, batch, a) for a in ("mask", "varlen", "causal")}
+    mask, lse = 4 * B * T * T, 4 * B * cfg.heads * T             # fp32 (B,1,T,T); (B,H,T) a layer
+    assert mem["mask"].kept - mem["varlen"].kept == mask + cfg.layers * lse
+    assert mem["mask"].peak - mem["varlen"].peak == mask + cfg.layers * lse
+    # against plain causal attention: the RoPE tables gathered at the positions and the
+    # position ids, less the log-sum-exp varlen recomputes
+    tables = 2 * B * T * cfg.head_dim * 4
+    assert mem["varlen"].kept - mem["causal"].kept == tables + 8 * B * T - cfg.layers * lse
+
+
+def test_varlen_needs_document_ids_and_packing_needs_a_known_attention():
+    model = lk.build_model(lk.preset("tiny"))
+    with pytest.raises(ValueError, match="pass doc_ids"):
+        model(torch.zeros(1, 8, dtype=torch.long), varlen=True)
+    batch = pack_batches(HAND, seq=8).batches[0]
+    with pytest.raises(ValueError, match="attention must be one of mask, varlen, causal"):
+        packing_inputs(batch, "flash")
+    with pytest.raises(ValueError, match="not packed"):
+        packing_inputs(pad_batches(HAND, 2).batches[0])

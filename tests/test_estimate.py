@@ -65,6 +65,16 @@ def test_pure_bf16_halves_the_model_states():
     assert (bf16["optimizer"] - counters) * 2 == fp32["optimizer"] - counters
 
 
+def test_zero1_with_master_weights_converts_only_its_shard_of_the_gradients():
+    n = lk.count_params("llama-2-7b").total
+    tensors = {t.name: t.nbytes
+               for t in lk.estimate("llama-2-7b", precision="bf16-master", zero_stage=1, dp=64).tensors}
+    assert tensors["gradients"] == 2 * n                   # ZeRO-1: whole all-reduced bf16 grads
+    assert tensors["fp32 copies of the gradients"] == -(-n // 64) * 4
+    one = {t.name: t.nbytes for t in lk.estimate("llama-2-7b", precision="bf16-master").tensors}
+    assert one["fp32 copies of the gradients"] == 4 * n and "gradients" not in one
+
+
 def test_zero_stage_3_over_4_ranks_holds_a_quarter_of_the_states():
     full = lk.estimate("llama-2-7b", precision="fp32", zero_stage=0, dp=4).details["model states"]
     zero3 = lk.estimate("llama-2-7b", precision="fp32", zero_stage=3, dp=4).details["model states"]

@@ -309,3 +309,87 @@ def test_per_tensor_fp8_keeps_ordinary_channels_until_outliers_reach_thousands()
     # e4m3's own rounding (3 mantissa bits) sets the error while the values stay normal
     assert abs(typical_error(300.0, "tensor") - typical_error(300.0, "tile")) < 0.005
     assert typical_error(30000.0, "tensor") > 3 * typical_error(30000.0, "tile")
+
+
+# ----------------------------------------------------------------------------- lab 02, issue 10
+
+def test_the_scale_update_rule_is_the_same_in_labkit_gradscaler_and_its_kernel():
+    from labkit.precision import scale_sequence
+    flags = [False, True, True, False, False, False, False, False, False, True, False]
+    ours = scale_sequence(flags, "labkit", init_scale=2.0 ** 12, growth_interval=2)
+    assert ours == scale_sequence(flags, "torch", init_scale=2.0 ** 12, growth_interval=2)
+    s, tracker, kernel = torch.tensor(2.0 ** 12), torch.zeros((), dtype=torch.int32), []
+    for f in flags:
+        kernel.append(s.item())
+        torch._amp_update_scale_(s, tracker, torch.tensor(float(f)), 2.0, 0.5, 2)
+    assert ours == kernel
+    assert ours[:4] == [4096, 4096, 2048, 1024] and ours[5] == 2048      # halve twice, then grow
+    with pytest.raises(ValueError, match="'labkit' or 'torch'"):
+        scale_sequence(flags, "apex")
+
+
+def test_rounding_to_7_mantissa_bits_gives_bf16_and_to_10_bits_tf32s_spacing():
+    from labkit.precision import round_mantissa
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 38, (4096,), generator=g).float()
+    assert torch.equal(round_mantissa(x, 7), x.to(torch.bfloat16).float())
+    assert torch.equal(round_mantissa(x, 23), x)
+    tf32 = round_mantissa(torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, -1.0 - 2.0 ** -12]), 10)
+    assert tf32.tolist() == [1.0, 1.0 + 2 * 2.0 ** -10, -1.0]        # ties to even, sign kept
+    with pytest.raises(ValueError, match="0..23"):
+        round_mantissa(x, 24)
+
+
+def test_the_fp8_cache_what_if_splits_layer_saved_exactly():
+    from labkit.layers import layer_saved
+    from labkit.precision import fp8_cached_activations
+    import labkit as lk
+    c = lk.preset("llama-2-7b")
+    f = fp8_cached_activations(c, batch=2, seq=1024)
+    terms = {t.name: t.bytes(2, 1024) for t in layer_saved(c, "bf16-master")}
+    assert f.layer == sum(terms.values())
+    assert f.inputs["wq, wk, wv"] == terms["input of wq, wk, wv"] == 2 * 2048 * c.hidden
+    assert f.inputs["w_gate, w_up"] == terms["input of w_gate, w_up"]
+    assert f.swiglu == terms["SwiGLU gate, silu, up, product"]
+    assert f.inputs_fp8["w_down"] == 2048 * (c.ffn + 4 * c.ffn // 128)         # 1 B + tile scales
+    assert f.v3_like < f.all_linear_inputs_fp8 < f.layer
+    with pytest.raises(ValueError, match="dense GQA"):
+        fp8_cached_activations("deepseek-v2-lite")
+    with pytest.raises(ValueError, match="'bf16' or 'bf16-master'"):
+        fp8_cached_activations(c, precision="bf16-mixed")
+
+
+def test_model_half_halves_the_weights_and_an_inference_forward_without_the_loss():
+    from labkit.precision import inference_peak
+    fp32, half = (inference_peak("tiny", 2, 64, half=h) for h in (False, True))
+    assert 2 * half.weights == fp32.weights
+    assert abs(2 * half.peak - fp32.peak) <= 0.001 * fp32.peak
+    fp32, half = (inference_peak("tiny", 2, 64, half=h, loss=True) for h in (False, True))
+    assert 2 * half.peak > fp32.peak                     # the loss's fp32 logits do not halve
+
+
+def _clip_run(clip_first: bool, scaled: bool, max_norm=0.5):
+    """One SGD step of `tiny` (fp16 autocast + GradScaler when scaled); the new weights."""
+    import labkit as lk
+    from labkit.train import bigram_corpus, train_step
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("tiny"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = bigram_corpus(256, 4 * 33, seed=0).view(4, 33)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    result = train_step(model, opt, rows[:, :-1], rows[:, 1:],
+                        "fp16-mixed" if scaled else "fp32", scaler, clip_norm=max_norm)
+    return result, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_train_step_unscales_before_clipping_so_the_update_is_fp32s():
+    torch.manual_seed(0)
+    import labkit as lk
+    start = torch.cat([p.detach().flatten() for p in lk.build_model(lk.preset("tiny")).parameters()])
+    r32, w32 = _clip_run(True, scaled=False)
+    r16, w16 = _clip_run(True, scaled=True)
+    assert r32.grad_norm > 0.5                                  # the clip fires
+    assert r16.grad_norm == pytest.approx(r32.grad_norm, rel=0.01)   # the true norm, not x 2^16
+    assert (w16 - start).norm().item() == pytest.approx((w32 - start).norm().item(), rel=0.01)
+    with pytest.raises(ValueError, match="clip_norm must be a positive"):
+        _clip_run(True, scaled=False, max_norm=0.0)

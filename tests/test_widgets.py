@@ -74,3 +74,56 @@ def test_panels_set_their_output_as_state_without_capturing_the_cell():
     assert [o["output_type"] for o in memory.output.outputs] == ["display_data"]
     memory.shape["heads"].value = 7                # an error clears the plot
     assert memory.output.outputs == ()
+
+
+def test_states_report_splits_each_state_as_zero_does():
+    result = widgets.states_report("llama-2-7b", precision="bf16-master", optimizer="adamw",
+                                   zero_stage=2, gpus=8)
+    assert result.per_parameter == {"weights": (2, 1), "grads": (2, 8), "optimizer": (12, 8),
+                                    "weight cache": (0, 1)}
+    n = lk.count_params("llama-2-7b").total
+    states = result.estimate.details["model states"]
+    counters = 4 * 291                                   # AdamW's fp32 step per weight tensor
+    assert states == {"params": 2 * n, "grads": 2 * n // 8, "optimizer": 12 * n // 8 + counters}
+    assert sum(states.values()) == lk.model_state_bytes(n, "bf16-master", "adamw", 2, 8) + counters
+    assert result.summary().splitlines()[:3] == [
+        "llama-2-7b, bf16-master adamw, ZeRO-2 over 8 GPUs. Bytes per parameter on one GPU:",
+        "  weights 2 + gradients 2/8 + optimizer state 12/8 = 3.75 (one GPU without ZeRO: 16)",
+        "model states per GPU: 23.53 GiB (one GPU without ZeRO: 100.41 GiB)"]
+
+
+def test_states_report_per_parameter_times_params_is_the_zero_papers_formula():
+    from fractions import Fraction
+    n, K, Nd = lk.count_params("llama-2-7b").total, 12, 64
+    paper = [(2 + 2 + K) * n, (2 + 2 + Fraction(K, Nd)) * n, (2 + Fraction(2 + K, Nd)) * n,
+             Fraction(2 + 2 + K, Nd) * n]
+    for stage, formula in enumerate(paper):
+        result = widgets.states_report("llama-2-7b", precision="bf16-master", optimizer="adamw",
+                                       zero_stage=stage, gpus=Nd)
+        assert sum(result.per_gpu(s) for s in widgets.STATES) * n == formula
+
+
+def test_states_report_names_autocasts_unsharded_copies_and_explains_bad_input():
+    mixed = widgets.states_report("small", precision="bf16-mixed", optimizer="adamw",
+                                  zero_stage=3, gpus=4)
+    assert mixed.per_parameter["weight cache"] == (2, 1)
+    assert "bf16 weight copies 2 per matmul weight, not sharded" in mixed.summary()
+    assert mixed.estimate.saved_weight_cache == mixed.unsharded.saved_weight_cache > 0
+    bad = widgets.states_report("small", precision="bf16-mixed", optimizer="adamw",
+                                zero_stage=4, gpus=4)
+    assert bad.estimate is None and "zero_stage must be 0, 1, 2 or 3" in bad.summary()
+
+
+def test_states_panel_controls_have_their_labels_and_change_the_output():
+    panel = widgets.StatesPanel(model="small", precision="bf16-master", zero_stage=0, gpus=8)
+    assert [c.description for c in (panel.model, panel.precision, panel.optimizer,
+                                    panel.zero_stage, panel.gpus)] == [
+        "model", "precision", "optimizer", "ZeRO stage", "GPUs"]
+    before = panel.output.outputs[0]["text"]
+    states = sum(panel.result.estimate.details["model states"].values())
+    panel.zero_stage.value = 3
+    assert sum(panel.result.estimate.details["model states"].values()) < states
+    assert panel.output.outputs[0]["text"] != before and "ZeRO-3 over 8 GPUs" in panel.output.outputs[0]["text"]
+    assert "image/png" in panel.output.outputs[1]["data"]
+    panel.gpus.value = 1                                   # ZeRO over one GPU splits nothing
+    assert sum(panel.result.estimate.details["model states"].values()) == states
