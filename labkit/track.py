@@ -81,6 +81,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = "setup"
         self.timeline = Timeline()
         self._hooks = []
+        self._state_entries = 0                    # optimizer state entries tagged so far
 
     # ---- bookkeeping -----------------------------------------------------------------
     def _add(self, storage, category):
@@ -130,6 +131,16 @@ class MemoryTracker(TorchDispatchMode):
             self._bytes[entry[1]] -= entry[0]
             self._bytes[category] += entry[0]
             entry[1] = category
+
+    def _tag_new_optimizer_state(self):
+        """The first step creates AdamW's state inside ``step()``: tag it once it is stored."""
+        entries = sum(len(state) for state in self.optimizer.state.values())
+        if entries != self._state_entries:
+            self._state_entries = entries
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        self.tag(value, "optimizer")
 
     def tag_states(self):
         """Tag the model's weights, buffers and gradients and the optimizer's state."""
@@ -189,6 +200,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._phase == "optimizer" and self.optimizer is not None:
+            self._tag_new_optimizer_state()
         out = func(*args, **(kwargs or {}))
         category = _PHASE_CATEGORY.get(self._phase, "other")
         if func in _CASTS and self._category_of(args[0]) == "params":

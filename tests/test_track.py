@@ -124,3 +124,21 @@ def test_measure_step_leaves_no_model_behind():
     for _ in range(3):
         lk.measure_step("tiny", seq=64, precision="fp32", fake=False)
     assert models() == before
+
+
+def test_the_first_step_shows_adamw_state_as_optimizer_state_while_it_is_born():
+    import torch
+    from labkit.model import build_model
+    from labkit.train import train_step
+    torch.manual_seed(0)
+    model = build_model(lk.preset("tiny"))
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 33))
+    with lk.MemoryTracker(model, opt) as mt:
+        train_step(model, opt, tokens[:, :-1], tokens[:, 1:], tracker=mt)
+    in_step = [i for i, p in enumerate(mt.timeline.phase) if p == "optimizer"]
+    state = mt.timeline.by_category["optimizer"]
+    n = sum(p.numel() for p in model.parameters())
+    assert state[in_step[0]] == 0                      # born in this step...
+    assert state[in_step[len(in_step) // 2]] > 0       # ...counted as state while the step runs
+    assert state[in_step[-1]] == 8 * n + 4 * len(list(model.parameters()))   # m, v, step
