@@ -531,7 +531,14 @@ def _every_k_fit() -> dict:
             "over": f"{total[k + 1] / GiB:.1f}",
             "none": f"{estimate('llama-2-7b', **FIT).total / GiB:.1f}",
             "extra": f"{cost[f'every-{k}']:.1f}", "full_extra": f"{cost['full']:.1f}",
-            "full": f"{total[1] / GiB:.1f}"}
+            "full": f"{total[1] / GiB:.1f}",
+            "gathered": f"{2 * _layer_params('llama-2-7b') / GiB:.2f}"}
+
+
+def _layer_params(name: str) -> int:
+    """Parameters of one block of a dense preset (attention + MLP; its norms are negligible)."""
+    pc, layers = count_params(name), preset(name).layers
+    return (pc.by_component["attention"] + pc.by_component["dense mlp"]) // layers
 
 
 @register(
@@ -546,7 +553,9 @@ the larger k, the fewer extra FLOPs. What is the largest k with which it fits in
     solution="""k = {answer}: every-{answer} peaks at {fits} GiB, every-{next} at {over} GiB, no
 recomputation at {none} GiB. It costs +{extra}% FLOPs (checkpointing.recompute_cost) where full
 recomputation (k = 1, {full} GiB) costs +{full_extra}%: the model states and the blocks that
-keep everything share the 24 GiB, and each recomputed block frees one layer's activations.""",
+keep everything share the 24 GiB, and each recomputed block frees one layer's activations.
+The estimate leaves out ZeRO-3's gathered weights ({gathered} GiB per layer in bf16; lab 04
+adds them): with one layer gathered and one prefetched, every-{answer} still fits.""",
 )
 def _cheapest_fit():
     return _every_k_fit()
@@ -559,11 +568,13 @@ through the course model `tiny` in fp32: once isolating the documents with the d
 mask, once with variable-length attention (varlen=True). How much less activation memory does
 the varlen run keep at the end of the forward pass?""",
     unit="KiB",
-    hint="The dense mask is one fp32 (B, 1, T, T) tensor shared by every layer; varlen attention "
-         "also keeps no log-sum-exp (B, heads, T) fp32 per layer: its backward recomputes.",
+    hint="The dense mask is one fp32 (B, 1, T, T) tensor shared by every layer; labkit's CPU "
+         "varlen attention also keeps no log-sum-exp (B, heads, T) fp32 per layer: its backward "
+         "runs each document's attention again (flash-attn's varlen kernel keeps it).",
     solution="""Measured {answer:,.0f} KiB (batching.packed_step_memory): the fp32 mask, 4 x 512 x
-512 = {mask:,} bytes, plus {layers} layers x the log-sum-exp of 4 heads x 512 tokens x 4 bytes
-= {lse:,} bytes. The step's peak falls by {peak:,} bytes.""",
+512 = {mask:,} bytes, plus {layers} layers x the log-sum-exp of {heads} heads x 512 tokens x 4
+bytes = {lse:,} bytes (sum equal to the measurement: {equal}). The step's peak falls by {peak:,}
+bytes. On a GPU, flash-attn's varlen kernel keeps its log-sum-exp: there varlen saves the mask.""",
 )
 @functools.cache
 def _varlen_saving():
@@ -577,6 +588,7 @@ def _varlen_saving():
     batch = pack_batches(docs, 512).batches[0]
     mem = {a: packed_step_memory(model, batch, a) for a in ("mask", "varlen")}
     saved = mem["mask"].kept - mem["varlen"].kept
+    mask, lse = 4 * 512 * 512, cfg.layers * cfg.heads * 512 * 4
     return {"answer": saved / 1024, "peak": mem["mask"].peak - mem["varlen"].peak,
-            "mask": 4 * 512 * 512, "layers": cfg.layers,
-            "lse": cfg.layers * 4 * cfg.heads * 512 * 4}
+            "mask": mask, "layers": cfg.layers, "heads": cfg.heads, "lse": lse,
+            "equal": saved == mask + lse}

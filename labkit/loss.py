@@ -3,8 +3,10 @@
 With DeepSeek-V3's 129,280-token vocabulary the LM head's fp32 logits, their log-softmax and
 their gradient take N x V x 4 bytes each, often the step's peak. ``chunked_cross_entropy``
 runs the head's matmul and the cross-entropy C tokens at a time, keeps one fp32 log-sum-exp
-per token, and recomputes each chunk's logits in the backward pass: the idea of Liger Kernel's
-fused linear cross-entropy (Hsu et al., 2024) and torchtune's chunked loss, in plain PyTorch.
+per token, and recomputes each chunk's logits in the backward pass, as Cut Cross-Entropy
+(Wijmans et al., 2024) does, in plain PyTorch. Liger Kernel's fused linear cross-entropy (Hsu
+et al., 2024) instead forms each chunk's gradients in the forward pass: no recomputation, but
+the input's and the head's gradients are held from the forward pass on.
 """
 from __future__ import annotations
 

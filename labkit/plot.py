@@ -231,8 +231,9 @@ def savings_figure(panels: dict, percents=(40, 50), title: str | None = None,
     """Peak saved against ``against`` (%) vs tokens per step, one panel per layout
     ({title: [sweep.Saving]}), one line per change.
 
-    Filled markers: the changed step's peak is in the backward pass; hollow: at the optimizer
-    step. A dotted line marks where each change's peak first moves to the backward pass.
+    Hollow markers: the optimizer step sets the changed step's peak; filled: the activations do
+    (at the loss or in the backward pass). A dotted line marks where each change's peak first
+    leaves the optimizer step: the crossover.
     """
     if not panels or not all(panels.values()):
         raise ValueError("nothing to plot: pass {panel title: labkit.sweep.sweep(...)}")
@@ -243,7 +244,7 @@ def savings_figure(panels: dict, percents=(40, 50), title: str | None = None,
             pts = sorted((r for r in rows if r.label == label), key=lambda r: r.tokens)
             x, y = [r.tokens for r in pts], [100 * r.saved for r in pts]
             ax.plot(x, y, "-", color=color, label=label, linewidth=1)
-            back = [r.moment.startswith("backward") for r in pts]
+            back = [r.moment != "optimizer step" for r in pts]
             ax.scatter(x, y, s=22, color=color, zorder=3,
                        facecolors=[color if b else "white" for b in back])
             if any(back) and not all(back):
