@@ -33,6 +33,7 @@ class PanelResult:
     estimate: Estimate | None = None
     measurement: Measurement | None = None
     error: str | None = None
+    recipe: str = ""                     # "precision optimizer", named in the summary
 
     def summary(self) -> str:
         if self.error:
@@ -41,7 +42,7 @@ class PanelResult:
         e = self.estimate
         parts = ", ".join(f"{label} {fmt_bytes(getattr(e, key))}"
                           for key, label in CATEGORIES.items() if getattr(e, key))
-        text = (f"{self.config.name}: {fmt_count(pc.total)} parameters — predicted peak per GPU "
+        text = (f"{self.config.name}, {self.recipe}: {fmt_count(pc.total)} parameters — predicted peak per GPU "
                 f"(CUDA defaults: {e.details['optimizer implementation']} AdamW) "
                 f"{fmt_bytes(e.total)} (during {e.peak_phase}): {parts}")
         if self.measurement is not None:
@@ -84,7 +85,7 @@ def predict(name: str, *, batch: int, seq: int, precision: str, optimizer: str,
     try:
         cfg = model_config(name, **shape)
         return PanelResult(cfg, estimate(cfg, batch=batch, seq=seq, precision=precision,
-                                         optimizer=optimizer))
+                                         optimizer=optimizer), recipe=f"{precision} {optimizer}")
     except ValueError as error:
         return PanelResult(error=str(error))
 
@@ -259,7 +260,6 @@ class StatesResult(PanelResult):
     per_parameter: dict | None = None
     unsharded: Estimate | None = None
     layout: Layout | None = None
-    recipe: str = ""
     batch: int = 1
     seq: int = 2048
 
@@ -356,3 +356,16 @@ class StatesPanel:
 def states_panel(**defaults) -> w.VBox:
     """The model-states panel of lab 01 (``StatesPanel`` holds its state and callbacks)."""
     return StatesPanel(**defaults).widget
+
+
+# ---- the panels' main controls, for the browser test ---------------------------------------------
+# panel function -> the description of a dropdown (and the option to pick) and of a slider that
+# change what it shows. tests/browser finds a lab's panel by its call (``memory_panel(``) in the
+# notebook, moves these two controls in JupyterLab and checks that the panel's text or figure
+# changed. The option matters: at batch 1 the optimizer step sets the peak, so bf16-mixed and
+# fp32 show the same bytes (lab 02's point); pure bf16 halves every state.
+PANEL_CONTROLS = {
+    "memory_panel": {"dropdown": "precision", "option": "bf16", "slider": "seq"},
+    "states_panel": {"dropdown": "optimizer", "slider": "ZeRO stage"},
+    "recompute_panel": {"dropdown": "policy", "slider": "layers"},
+}

@@ -1,0 +1,216 @@
+"""Each lab as a learner meets it: JupyterLab in headless Chromium runs all cells, the lab's
+panel reacts when its controls move, and Restart Kernel and Run All gives the same checked
+outputs with the kernel's memory within a bound of the first run's.
+
+    python -m pytest -m browser                        # every notebooks/*.ipynb
+    LABKIT_SCREENSHOTS=1 BROWSER_ARTIFACTS=shots python -m pytest -m browser   # keep the PNGs
+
+A lab joins by calling a panel that ``labkit.widgets.PANEL_CONTROLS`` names (``memory_panel(``
+in a code cell); the test moves that panel's dropdown and slider.
+"""
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labdriver import BROWSER_TIMES, CHECK_MARK, ROOT, CheckFailed, NotebookPage
+from labkit.widgets import PANEL_CONTROLS
+
+pytestmark = pytest.mark.browser
+
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+RUN_ALL_TIMEOUT_S = 600      # each Run All at SCALE="ci" (10-50 s each on 2 cores)
+PANEL_TIMEOUT_S = 60         # a moved control's new text or figure
+# The second run's kernel may hold at most 1.3x + 200 MiB of the first's RSS. Measured after
+# Run All on 2 cores: 480, 610, 760 and 1,900 MiB (labs 00-03), the second run within 4% of
+# the first either way. The restarted kernel is a new process (checked: the first one ends),
+# so this catches state that survives the restart (files, a server-side cache) growing.
+RSS_RATIO, RSS_SLACK = 1.3, 200 * 2**20
+
+
+def panels_in(cells: list[dict]) -> list[tuple[int, str]]:
+    """(cell index, panel name) for each code cell that calls a registered panel."""
+    found = []
+    for cell in cells:
+        for name in PANEL_CONTROLS:
+            if re.search(rf"\b{name}\(", cell["source"]):
+                found.append((cell["index"], name))
+    return found
+
+
+def check_cells(page: NotebookPage, cells: list[dict]) -> None:
+    """No error output, every code cell executed (a failing cell stops Run All there)."""
+    for cell in cells:
+        head = cell["source"].split("\n")[0][:70]
+        errors = [o["text"] for o in cell["outputs"] if o["type"] == "error"]
+        if errors:
+            page.fail(f"cell {cell['index']} ({head!r}) raised:\n{errors[0][-2000:]}")
+    missing = [f"{c['index']} ({c['source'].split(chr(10))[0][:50]!r})" for c in cells
+               if c["count"] is None and c["source"].strip()]
+    if missing:
+        page.fail("code cells not executed: " + ", ".join(missing))
+
+
+def checked_outputs(cells: list[dict]) -> dict[int, str]:
+    """The text each cell marked # NBVAL_CHECK_OUTPUT printed (stdout and results)."""
+    return {c["index"]: "".join(o["text"] for o in c["outputs"]
+                                if o["type"] in ("stream", "execute_result")
+                                and o["name"] in ("", "stdout"))
+            for c in cells if c["source"].startswith(CHECK_MARK)}
+
+
+def run_and_check(page: NotebookPage, label: str, restart: bool) -> tuple[float, list[dict]]:
+    seconds = page.run_all(restart=restart, timeout=RUN_ALL_TIMEOUT_S)
+    page.screenshot(label, whole=True)
+    cells = page.cells()
+    check_cells(page, cells)
+    return seconds, cells
+
+
+def wait_for_change(page: NotebookPage, area, before: dict, what: str) -> dict:
+    """Poll the panel until it shows something else and then stays the same for a second with
+    the kernel idle (a panel sets its text before its figure); fail on a traceback in the panel
+    or an error the kernel published (a callback that raised), or when nothing changes."""
+    deadline = time.monotonic() + PANEL_TIMEOUT_S
+    last, steady_since = before, None
+    while True:
+        now = page.shown(area)
+        errors = page.kernel_errors()
+        if now["tracebacks"] or errors:
+            page.fail(f"{what}: an error appeared:\n"
+                      + "\n".join(now["tracebacks"] + errors)[-2000:], area)
+        if now != last:
+            last, steady_since = now, time.monotonic()
+        elif now != before and page.kernel()["status"] == "idle" and \
+                time.monotonic() - steady_since >= 1.0:
+            return now
+        if time.monotonic() > deadline:
+            page.fail(f"{what}: the panel's text and figure "
+                      f"{'did not settle' if last != before else 'did not change'} within "
+                      f"{PANEL_TIMEOUT_S} s", area)
+        time.sleep(0.25)
+
+
+def move_controls(page: NotebookPage, index: int, name: str) -> list[str]:
+    """Select another option of the panel's dropdown (the registry's ``option``, else the first
+    other), then press ArrowRight on its slider's handle; each must change what the panel
+    shows. Returns what changed, per control."""
+    labels = PANEL_CONTROLS[name]
+    area = page.panel(index)
+    area.scroll_into_view_if_needed()
+    deadline = time.monotonic() + PANEL_TIMEOUT_S
+    while not ((shown := page.shown(area))["text"] or shown["images"]):
+        if time.monotonic() > deadline:
+            page.fail(f"{name} (cell {index}) shows nothing: did the widget render?", area)
+        time.sleep(0.25)
+    page.screenshot(f"{name}-before", area)
+    changed = []
+    for kind in ("dropdown", "slider"):
+        control = page.control(area, kind, labels[kind])
+        if control.count() != 1:
+            page.fail(f"{name}: {control.count()} {kind}s labelled {labels[kind]!r} "
+                      f"(PANEL_CONTROLS names it)", area)
+        what = f"{name}: {kind} {labels[kind]!r}"
+        if kind == "dropdown":
+            select = control.locator("select")
+            options, value = select.evaluate("s => [[...s.options].map(o => o.value), s.value]")
+            wanted = labels.get("option")
+            choice = wanted if wanted in options and wanted != value else \
+                next(o for o in options if o != value)
+            select.select_option(value=choice)
+            what += f" {value!r} -> {choice!r}"
+        else:
+            handle = control.locator(".noUi-handle")
+            handle.focus()
+            handle.press("ArrowRight")
+            what += " ArrowRight"
+        before = shown
+        shown = wait_for_change(page, area, before, what)
+        page.screenshot(f"{name}-after-{kind}", area)
+        parts = [p for p, key in (("text", "text"), ("figure", "images"))
+                 if shown[key] != before[key]]
+        changed.append(f"{what}: {' and '.join(parts)} changed")
+    return changed
+
+
+def open_page(browser, lab_server, name, artifacts):
+    page = NotebookPage(browser, lab_server, name, artifacts / Path(name).stem)
+    lab_server.watch.look(lab_server.ps)
+    return page
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_lab_runs_twice_and_its_panel_reacts(name, lab_server, browser, artifacts,
+                                             keep_screenshots, record_property):
+    page = open_page(browser, lab_server, name, artifacts)
+    passed = False
+    try:
+        first, cells = run_and_check(page, "after-run-all", restart=False)
+        old_kernel = lab_server.kernel_process(page.kernel()["id"])
+        rss_first = old_kernel.memory_info().rss
+        panels = panels_in(cells)
+        if not panels:
+            page.fail(f"no cell calls a panel of labkit.widgets.PANEL_CONTROLS "
+                      f"({', '.join(PANEL_CONTROLS)}): register the lab's panel there")
+        changed = [line for index, panel in panels for line in move_controls(page, index, panel)]
+
+        second, cells_again = run_and_check(page, "after-restart-run-all", restart=True)
+        if old_kernel.is_running():
+            page.fail(f"the first kernel (pid {old_kernel.pid}) is still running after the restart")
+        new_kernel = lab_server.kernel_process(page.kernel()["id"])
+        rss_second = new_kernel.memory_info().rss
+        mib = lambda b: f"{b / 2**20:.0f} MiB"
+        record_property(BROWSER_TIMES, f"run all {first:5.1f} s, restart+run all {second:5.1f} s,"
+                        f" kernel RSS {mib(rss_first)} -> {mib(rss_second)}")
+        for line in changed:
+            print(line)
+        a, b = checked_outputs(cells), checked_outputs(cells_again)
+        differ = [i for i in a if a[i] != b.get(i)]
+        assert not differ, (f"{name}: checked cells {differ} printed other text after Restart "
+                            f"Kernel and Run All:\n{a[differ[0]]!r}\n{b.get(differ[0])!r}")
+        assert rss_second <= RSS_RATIO * rss_first + RSS_SLACK, (
+            f"{name}: the kernel holds {mib(rss_second)} after the second run against "
+            f"{mib(rss_first)} after the first (bound {RSS_RATIO}x + {mib(RSS_SLACK)})")
+        passed = True
+    finally:
+        page.close()
+        if passed and not keep_screenshots:
+            for shot in page.shots:
+                shot.unlink(missing_ok=True)
+
+
+BROKEN = """\
+# added by the browser test to a scratch copy: every panel's update raises
+import labkit.widgets as _widgets
+def _broken_update(self, *args, **kwargs):
+    raise RuntimeError("deliberately broken panel callback")
+for _cls in vars(_widgets).values():
+    if isinstance(_cls, type) and _cls.__module__ == _widgets.__name__ and hasattr(_cls, "update"):
+        _cls.update = _broken_update
+"""
+
+
+def test_a_broken_widget_callback_fails_with_a_screenshot(lab_root, lab_server, browser,
+                                                          artifacts):
+    """The check can fail: a scratch copy of the shortest lab whose panel callback raises."""
+    source = min((lab_root / n for n in NOTEBOOKS), key=lambda p: len(p.read_text()))
+    nb = nbformat.read(source, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(BROKEN))
+    broken = lab_root / f"broken_{source.name}"
+    nbformat.write(nb, broken)
+    page = open_page(browser, lab_server, broken.name, artifacts)
+    try:
+        _, cells = run_and_check(page, "after-run-all", restart=False)
+        (index, panel), *_ = panels_in(cells)
+        with pytest.raises(CheckFailed) as failed:
+            move_controls(page, index, panel)
+    finally:
+        page.close()
+    message = str(failed.value)
+    print(message)
+    assert "RuntimeError: deliberately broken panel callback" in message
+    shots = [Path(line.split("screenshot:")[-1].strip())
+             for line in message.splitlines() if line.strip().endswith(".png")]
+    assert shots and all(s.exists() and s.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
