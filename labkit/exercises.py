@@ -536,9 +536,9 @@ def _every_k_fit() -> dict:
 
 
 def _layer_params(name: str) -> int:
-    """Parameters of one block of a dense preset (attention + MLP; its norms are negligible)."""
-    pc, layers = count_params(name), preset(name).layers
-    return (pc.by_component["attention"] + pc.by_component["dense mlp"]) // layers
+    """Parameters of one dense block of a preset (what ZeRO-3 gathers for it)."""
+    from .layers import block_weights
+    return sum(w.numel for w in block_weights(preset(name), False))
 
 
 @register(

@@ -63,10 +63,8 @@ def compute_bytes(precision: str) -> int:
 
 def check_loss_chunk(loss_chunk) -> None:
     """ValueError unless ``loss_chunk`` is None (full logits) or a positive number of tokens."""
-    if loss_chunk is not None and (isinstance(loss_chunk, bool) or not isinstance(loss_chunk, int)
-                                   or loss_chunk <= 0):
-        raise ValueError(f"loss_chunk must be a positive number of tokens, or None for the full "
-                         f"logits, got {loss_chunk!r}")
+    if loss_chunk is not None:
+        check_positive("loss_chunk (tokens per chunk; None for the full logits)", loss_chunk)
 
 
 def default_optimizer_impl(device: str) -> str:

@@ -168,7 +168,7 @@ def test_shapes_that_do_not_fit_raise(shapes, message):
     lambda: lk.measure_step("tiny", seq=64, loss_chunk=1.5),
 ])
 def test_a_bad_loss_chunk_raises_naming_none(make):
-    with pytest.raises(ValueError, match="or None for the full logits"):
+    with pytest.raises(ValueError, match="None for the full logits"):
         make()
 
 
