@@ -49,6 +49,20 @@ class Timeline:
         return spans
 
 
+# ``UntypedStorage.resize_`` reaches no dispatch mode: FSDP and ZeRO-3 free and re-allocate a
+# gathered buffer that way, so the trackers inside their ``with`` are told of each resize
+_RESIZE = torch.UntypedStorage.resize_
+_ACTIVE: list = []
+
+
+def _counted_resize(storage, nbytes):
+    before = storage.nbytes()
+    out = _RESIZE(storage, nbytes)
+    for tracker in _ACTIVE:
+        tracker._resized(storage, before)
+    return out
+
+
 def _free_if_alive(tracker_ref, key):
     tracker = tracker_ref()
     if tracker is not None:
@@ -93,20 +107,32 @@ class MemoryTracker(TorchDispatchMode):
         # a weak reference: the tracker (and the model and optimizer it names) must not live
         # as long as the storages it counted, or every measured model would stay in memory
         weakref.finalize(storage, _free_if_alive, weakref.ref(self), key)
-        self._bytes[category] += nbytes
-        self.current += nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-            self.peak_by_category = dict(self._bytes)
-            self.peak_phase = self._phase
-        self._record()
+        self._change(category, nbytes)
 
     def _free(self, key):
         entry = self._live.pop(key, None)
         if entry is None:
             return
-        self._bytes[entry[1]] -= entry[0]
-        self.current -= entry[0]
+        self._change(entry[1], -entry[0])
+
+    def _resized(self, storage, before: int):
+        """A storage changed size in place: count the difference (or the storage, if new)."""
+        entry = self._live.get(storage._cdata)
+        if entry is None:
+            self._add(storage, _PHASE_CATEGORY.get(self._phase, "other"))
+            return
+        delta = storage.nbytes() - before
+        entry[0] += delta
+        self._change(entry[1], delta)
+
+    def _change(self, category: str, delta: int):
+        """Live bytes of ``category`` moved by ``delta``: update the total, the peak, the timeline."""
+        self._bytes[category] += delta
+        self.current += delta
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_by_category = dict(self._bytes)
+            self.peak_phase = self._phase
         self._record()
 
     def _record(self):
@@ -191,9 +217,15 @@ class MemoryTracker(TorchDispatchMode):
                     self._hooks.append(p.register_post_accumulate_grad_hook(
                         lambda p: self.tag(p.grad, "grads")))
         self.reset_peak()
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _counted_resize
+        _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -25,6 +25,26 @@ def test_counts_each_new_storage_once_and_frees_it():
     del b
 
 
+def test_storage_resized_in_place_is_counted_and_the_patch_is_undone():
+    """FSDP and ZeRO-3 free a gathered buffer with UntypedStorage.resize_, which no dispatch
+    mode sees: the tracker is told of each resize while it runs, and only then."""
+    weights = torch.zeros(250)                       # 1000 bytes, made before the tracker
+    with lk.MemoryTracker() as outer, lk.MemoryTracker() as mt:
+        mt.tag(weights, "params")
+        storage = weights.untyped_storage()
+        storage.resize_(0)
+        assert (mt.current, mt.by_category["params"]) == (0, 0)
+        storage.resize_(4000)
+        assert (mt.current, mt.peak) == (4000, 4000)
+        fresh = torch.empty(0).untyped_storage()
+        fresh.resize_(8)                             # grown from nothing: counted once
+        assert mt.current == 4008
+        assert outer.current == 4008                 # both trackers are told
+    assert torch.UntypedStorage.resize_ is lk.track._RESIZE
+    storage.resize_(0)                               # no tracker left to tell
+    assert mt.current == 4008
+
+
 def test_tags_weights_gradients_and_optimizer_state():
     model = torch.nn.Linear(10, 10, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
