@@ -99,6 +99,18 @@ class _Step:
                                       + [w for m in self.moe for w in block_weights(c, m)]
                                       + (head_weights(c) if self.last else []))
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
+        # ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of the
+        # model (embedding, final norm, LM head), then each block; stage 1: the whole model
+        self.zero = layout.zero_stage if layout.dp > 1 else 0
+        rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
+        self.units = zero.units(self.block_params, sum(w.local(tp, ep) for w in rest), self.zero)
+        self.rest = self.units[0] if self.zero >= 2 and rest else 0           # its elements
+        # gloo (CPU) stages a copy of every buffer it sends; NCCL works in place
+        self.staged = device == "cpu"
+        # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
+        # gradient_as_bucket_view the gradients are views of them instead of a second copy
+        self.ddp = layout.dp > 1 and layout.zero_stage == 0
+        self.in_buckets = self.ddp and layout.gradient_as_bucket_view
 
     # ---- model states ------------------------------------------------------------------------
     def states(self) -> list[Tensor]:
@@ -115,6 +127,8 @@ class _Step:
         if self.master:
             out.append(Tensor("fp32 master weights", "optimizer", "fp32",
                               zero.per_rank(n * 4, "optimizer", L.zero_stage, L.dp)))
+        if self.ddp:
+            out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
         if self.recipe.optimizer.startswith("adamw"):   # on CUDA torch keeps them on the host
             out.append(Tensor("AdamW step counters", "optimizer", "fp32",   # unless fused: the
                               4 * len(self.weights)))                       # tracker sees them
@@ -124,8 +138,10 @@ class _Step:
         return self._done(self.n_local * self.bytes.grads)
 
     def _done(self, grad_bytes: int) -> int:
-        """What a rank keeps of finished gradients: with ZeRO-2/3 each bucket is reduce-
-        scattered as soon as it is complete, and only the rank's shard stays."""
+        """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
+        gradients are views of them)."""
+        if self.in_buckets:
+            return 0
         return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.dp)
 
     # ---- activations ---------------------------------------------------------------------------
@@ -174,6 +190,12 @@ class _Step:
                    **self._worst_layer_moment(always, saved, full, unit_start),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always)}
+        if self.zero == 3:
+            moments.update(self._gather_moments(always, saved, kept + head))
+            for phase, tensors in moments.values():   # the root unit stays gathered throughout
+                if phase != "optimizer":
+                    tensors.append(self._gathered("the embedding, final norm and LM head",
+                                                  self.rest))
         return self._result(moments, saved=always + kept + head)
 
     def _loss_moments(self, kept: list[Tensor], head: list[Tensor]) -> dict:
@@ -228,23 +250,27 @@ class _Step:
         return {"backward: final norm": ("backward", alive + [
             Tensor("final RMSNorm's input", "activations", "fp32", fp32_wide),
             Tensor("final RMSNorm's backward temporaries", "other", "fp32", 5 * fp32_wide),
-            Tensor("gradients of the LM head and final norm", "grads", self.wdt, self._done(done))])}
+            *(self._grads_in_backward([]) if self.zero else
+              [Tensor("gradients of the LM head and final norm", "grads", self.wdt,
+                      self._done(done))])])}
 
     def _worst_layer_moment(self, always, saved, full, unit_start) -> dict:
         """Inside each layer's backward (last layer first): what the layers below still keep,
         the gradients done so far, the layer's transients and what recomputation rebuilt."""
         c, B, T, stream, flight = self.c, self.B, self.T, self.bytes.weights, self.in_flight
         head_grads = sum(w.local(self.L.tp) for w in head_weights(c)) * stream if self.last else 0
-        worst = None
+        worst, worst_reduce = None, None
         for i in reversed(range(len(self.layers))):
             a = unit_start[i]
             rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
                        - sum(s.bytes(B, T) for s in saved[a:i + 1]))
-            tensors = always + self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
-                self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
-                if flight > 1 else []) + [
-                Tensor("gradients of the layers done", "grads", self.wdt,
-                       self._done(sum(self.block_params[i + 1:]) * stream + head_grads)),
+            grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
+                     [Tensor("gradients of the layers done", "grads", self.wdt,
+                             self._done(sum(self.block_params[i + 1:]) * stream + head_grads))])
+            this_block = ([self._bucket("this block", self.block_params[i])] if self.zero >= 2
+                          else []) + ([self._gathered("this block", self.block_params[i])]
+                                      if self.zero == 3 else [])
+            tensors = always + self._kept_up_to(saved, i) + grads + this_block + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
@@ -252,31 +278,128 @@ class _Step:
                 Tensor("recomputed activations", "other", self.cdt, rebuilt)]
             if worst is None or _total(tensors) > _total(worst[1]):
                 worst = (i, tensors)
-        return {f"backward: layer {self.layers[worst[0]]}": ("backward", worst[1])}
+            if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
+                reduce = always + self._kept_up_to(saved, i - 1) + grads + this_block + [
+                    self._reduced_shard(self.block_params[i]),
+                    self._staging(self.block_params[i], self.bytes.grads),
+                    Tensor("gradient of the residual stream", "other", self.wdt,
+                           self.N * c.hidden * stream)]
+                if worst_reduce is None or _total(reduce) > _total(worst_reduce[1]):
+                    worst_reduce = (i, reduce)
+        out = {f"backward: layer {self.layers[worst[0]]}": ("backward", worst[1])}
+        if worst_reduce:
+            out[f"backward: reduce-scatter of layer {self.layers[worst_reduce[0]]}"] = (
+                "backward", worst_reduce[1])
+        return out
+
+    def _kept_up_to(self, saved, i: int) -> list[Tensor]:
+        """What layers 0..i keep for the backward pass (and, in a pipeline, every layer of the
+        earlier micro-batches still in flight)."""
+        flight = self.in_flight
+        return self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
+            self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
+            if flight > 1 else [])
 
     def _embedding_moment(self, always) -> dict:
         """Backward ends in the embedding: every other gradient is done, its own is forming."""
         c, stream = self.c, self.bytes.weights
         embedding_grad = c.vocab_size * c.hidden * stream // self.L.tp
-        return {"backward: embedding": ("backward", always + [
-            Tensor("every other gradient", "grads", self.wdt,
-                   self._done(self.n_local * self.bytes.grads - embedding_grad)),
+        residual = Tensor("gradient of the residual stream", "other", self.wdt,
+                          self.N * c.hidden * stream)
+        grads = (self._grads_in_backward(range(len(self.layers))) if self.zero else
+                 [Tensor("every other gradient", "grads", self.wdt,
+                         self._done(self.n_local * self.bytes.grads - embedding_grad))])
+        out = {"backward: embedding": ("backward", always + grads + [
             Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
-            Tensor("gradient of the residual stream", "other", self.wdt,
-                   self.N * c.hidden * stream)])}
+            residual])}
+        if self.zero >= 2 and self.rest:    # the last unit done: the root's bucket reduced
+            out["backward: reduce-scatter of the embedding, final norm and LM head"] = (
+                "backward", always + grads + [self._reduced_shard(self.rest),
+                                              self._staging(self.rest, self.bytes.grads)])
+        return out
 
     def _optimizer_moment(self, always) -> dict:
         """The optimizer step: every gradient and state, and the step's temporaries. With
         master weights each rank swaps the bf16 gradients it updates for fp32 copies: all of
         them, or from ZeRO-1 on its shard (ZeRO-1 keeps the whole all-reduced bf16 gradients)."""
-        stage, dp = self.L.zero_stage, self.L.dp
-        fp32_grads = zero.per_rank(self.n_local * 4, "optimizer", stage, dp) if self.master else 0
-        bf16_kept = not self.master or (dp > 1 and stage == 1)
+        temporaries = Tensor(f"optimizer temporaries ({self.impl})", "other",
+                             "fp32" if self.master else self.wdt, self._optimizer_temporaries())
+        if self.zero:
+            return self._zero_optimizer_moments(always, temporaries)
         return {"optimizer step": ("optimizer", always + [
-            Tensor("gradients", "grads", self.wdt, self.grads() if bf16_kept else 0),
-            Tensor("fp32 copies of the gradients", "other", "fp32", fp32_grads),
-            Tensor(f"optimizer temporaries ({self.impl})", "other",
-                   "fp32" if self.master else self.wdt, self._optimizer_temporaries())])}
+            Tensor("gradients", "grads", self.wdt,
+                   0 if self.master or self.in_buckets else self.grads()),
+            Tensor("fp32 copies of the gradients", "other", "fp32",
+                   self.n_local * 4 if self.master else 0),
+            temporaries])}
+
+    # ---- ZeRO over dp ranks: buckets, shards, gathered units, collectives ---------------------
+    def _zero_optimizer_moments(self, always, temporaries) -> dict:
+        """The step on the gradient shards (fp32 under master weights); before it stage 1
+        reduce-scatters its whole bucket, after it stages 1 and 2 all-gather each unit's
+        updated shard (the units after it still hold their gradient shards)."""
+        out = {"optimizer step": ("optimizer", always + [self._shards(self.units), temporaries])}
+        whole = self.units[0]
+        if self.zero == 1:
+            out["optimizer step: reduce-scatter"] = ("optimizer", always + [
+                self._bucket("the whole model", whole), self._reduced_shard(whole),
+                self._staging(whole, self.bytes.grads)])
+        if self.zero <= 2:
+            gathers = [always + [self._shards(self.units[k + 1:]),
+                                 Tensor("this rank's updated shard, copied", "other", self.wdt,
+                                        zero.shard(n, self.L.dp) * self.bytes.weights),
+                                 self._staging(n, self.bytes.weights)]
+                       for k, n in enumerate(self.units)]
+            out["optimizer step: all-gather"] = ("optimizer", max(gathers, key=_total))
+        return out
+
+    def _gather_moments(self, always, saved, kept) -> dict:
+        """Stage 3 gathers each block before its forward (the worst: the last block, with every
+        layer before it saved) and the root unit again when the backward pass starts."""
+        last = len(self.layers) - 1
+        out = {f"forward: gather of layer {self.layers[last]}": ("forward", always + (
+            self._kept_up_to(saved, last - 1)) + [
+            self._gathered("this block", self.block_params[last]),
+            self._staging(self.block_params[last], self.bytes.weights)])}
+        if self.rest:
+            out["backward: gather of the embedding, final norm and LM head"] = (
+                "backward", always + kept + [self._staging(self.rest, self.bytes.weights)])
+        return out
+
+    def _grads_in_backward(self, blocks_done) -> list[Tensor]:
+        """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
+        the whole model's bucket; from stage 2 the root unit's bucket (embedding, final norm,
+        head: reduced last) and the shards of the blocks done."""
+        if self.zero == 1:
+            return [self._bucket("the whole model", self.units[0])]
+        return [self._bucket("the embedding, final norm and LM head", self.rest),
+                self._shards([self.block_params[j] for j in blocks_done])]
+
+    def _bucket(self, what: str, numel: int) -> Tensor:
+        """A unit's full gradients, padded, while its backward runs."""
+        return Tensor(f"gradient bucket of {what}", "grads", self.wdt,
+                      zero.padded(numel, self.L.dp) * self.bytes.grads)
+
+    def _shards(self, numels) -> Tensor:
+        """This rank's averaged gradient shards of these units (fp32 under master weights)."""
+        number = 4 if self.master else self.bytes.grads
+        return Tensor("gradient shards", "grads", "fp32" if self.master else self.wdt,
+                      sum(zero.shard(n, self.L.dp) for n in numels) * number)
+
+    def _reduced_shard(self, numel: int) -> Tensor:
+        """The shard a reduce-scatter writes, in the gradients' dtype."""
+        return Tensor("gradient shard being reduced", "grads", self.wdt,
+                      zero.shard(numel, self.L.dp) * self.bytes.grads)
+
+    def _gathered(self, what: str, numel: int) -> Tensor:
+        """Stage 3: a unit's full parameters, all-gathered around its forward or backward."""
+        return Tensor(f"gathered parameters of {what}", "params", self.wdt,
+                      zero.padded(numel, self.L.dp) * self.bytes.weights)
+
+    def _staging(self, numel: int, number: int) -> Tensor:
+        """gloo's copy of a buffer it sends (the CPU backend; NCCL works in place)."""
+        return Tensor("gloo's copy of the buffer sent", "other", self.wdt,
+                      zero.padded(numel, self.L.dp) * number if self.staged else 0)
 
     def _result(self, moments, saved) -> Estimate:
         peak = max(moments, key=lambda k: _total(moments[k][1]))
@@ -330,7 +453,8 @@ class _Step:
         number = 4 if self.master else self.bytes.weights
         if self.impl == "foreach":
             return zero.per_rank(self.n_local * number, "optimizer", self.L.zero_stage, self.L.dp)
-        sizes = [w.local(self.L.tp, self.L.ep) for w in self.weights]
+        sizes = ([zero.shard(n, self.L.dp) for n in self.units] if self.zero else
+                 [w.local(self.L.tp, self.L.ep) for w in self.weights])
         return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
 
 

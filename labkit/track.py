@@ -53,6 +53,19 @@ class Timeline:
 # gathered buffer that way, so the trackers inside their ``with`` are told of each resize
 _RESIZE = torch.UntypedStorage.resize_
 _ACTIVE: list = []
+HOST = "host"         # a tag for offloaded storages: host memory, not the device's
+
+
+def current() -> "MemoryTracker | None":
+    """The tracker measuring now (the innermost running one), or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def tag_live(tensor: torch.Tensor, category: str):
+    """Tell every tracker running now what ``tensor`` is (nothing when none runs): mechanisms
+    that make their own gradient or state buffers, such as labkit's ZeRO, call it."""
+    for tracker in _ACTIVE:
+        tracker.tag(tensor, category)
 
 
 def _counted_resize(storage, nbytes):
@@ -92,6 +105,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self.peak_by_category = dict(self._bytes)
         self.peak_phase = None
+        self.host = self.host_peak = 0              # bytes tagged "host" (offloaded), not counted above
         self._phase = "setup"
         self.timeline = Timeline()
         self._hooks = []
@@ -125,15 +139,20 @@ class MemoryTracker(TorchDispatchMode):
         entry[0] += delta
         self._change(entry[1], delta)
 
-    def _change(self, category: str, delta: int):
+    def _change(self, category: str, delta: int, record: bool = True):
         """Live bytes of ``category`` moved by ``delta``: update the total, the peak, the timeline."""
+        if category == HOST:
+            self.host += delta
+            self.host_peak = max(self.host_peak, self.host)
+            return
         self._bytes[category] += delta
         self.current += delta
         if self.current > self.peak:
             self.peak = self.current
             self.peak_by_category = dict(self._bytes)
             self.peak_phase = self._phase
-        self._record()
+        if record:
+            self._record()
 
     def _record(self):
         if self.record_timeline:
@@ -146,17 +165,23 @@ class MemoryTracker(TorchDispatchMode):
         return entry[1] if entry else None
 
     def tag(self, tensor: torch.Tensor, category: str):
-        """Count ``tensor``'s storage under ``category`` (moving it there if already counted)."""
-        if category not in CATEGORIES:
-            raise ValueError(f"unknown category {category!r}; use one of {', '.join(CATEGORIES)}")
+        """Count ``tensor``'s storage under ``category`` (moving it there if already counted).
+        ``"host"``: it lives in host memory (offloaded), counted in ``host``, not the device."""
+        if category not in CATEGORIES and category != HOST:
+            raise ValueError(f"unknown category {category!r}; use one of {', '.join(CATEGORIES)}"
+                             f" or {HOST!r}")
         storage = tensor.untyped_storage()
         entry = self._live.get(storage._cdata)
         if entry is None:
             self._add(storage, category)
         elif entry[1] != category:
-            self._bytes[entry[1]] -= entry[0]
-            self._bytes[category] += entry[0]
+            self._change(entry[1], -entry[0], record=False)
+            self._change(category, entry[0], record=False)
             entry[1] = category
+
+    def _tag_grad(self, param):
+        if param.grad is not None:     # a hook before this one (labkit's ZeRO) may have taken it
+            self.tag(param.grad, "grads")
 
     def _tag_new_optimizer_state(self):
         """The first step creates AdamW's state inside ``step()``: tag it once it is stored."""
@@ -182,6 +207,9 @@ class MemoryTracker(TorchDispatchMode):
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         self.tag(value, "optimizer")
+            # an optimizer that keeps more (master shards, offloaded state) says what it is
+            for tensor, category in getattr(self.optimizer, "memory_tags", list)():
+                self.tag(tensor, category)
 
     # ---- phases ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,7 +227,7 @@ class MemoryTracker(TorchDispatchMode):
     def reset_peak(self):
         """Start a new peak from the bytes live now (and a new timeline)."""
         self.peak, self.peak_by_category = self.current, dict(self._bytes)
-        self.peak_phase = self._phase
+        self.peak_phase, self.host_peak = self._phase, self.host
         self.timeline = Timeline()
         self._record()
 
@@ -214,8 +242,7 @@ class MemoryTracker(TorchDispatchMode):
         if self.model is not None:
             for p in self.model.parameters():
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda p: self.tag(p.grad, "grads")))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._tag_grad))
         self.reset_peak()
         if not _ACTIVE:
             torch.UntypedStorage.resize_ = _counted_resize

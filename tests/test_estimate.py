@@ -65,14 +65,31 @@ def test_pure_bf16_halves_the_model_states():
     assert (bf16["optimizer"] - counters) * 2 == fp32["optimizer"] - counters
 
 
-def test_zero1_with_master_weights_converts_only_its_shard_of_the_gradients():
+def test_zero1_with_master_weights_steps_on_fp32_gradient_shards():
+    """ZeRO-1 reduce-scatters its whole bf16 bucket before the step (that moment is listed),
+    then drops it, as DeepSpeed does: AdamW sees only this rank's fp32 gradient shard."""
     n = lk.count_params("llama-2-7b").total
-    tensors = {t.name: t.nbytes
-               for t in lk.estimate("llama-2-7b", precision="bf16-master", zero_stage=1, dp=64).tensors}
-    assert tensors["gradients"] == 2 * n                   # ZeRO-1: whole all-reduced bf16 grads
-    assert tensors["fp32 copies of the gradients"] == -(-n // 64) * 4
+    est = lk.estimate("llama-2-7b", precision="bf16-master", zero_stage=1, dp=64)
+    assert "optimizer step: reduce-scatter" in est.moments
+    shard = -(-n // 64)
+    # before: the bucket (bf16, padded) and the bf16 shard reduced into; at the step: the fp32
+    # gradient shard and foreach AdamW's fp32 temporaries over it
+    assert (est.moments["optimizer step: reduce-scatter"] - est.moments["optimizer step"]
+            == (2 * shard * 64 + 2 * shard) - (4 * shard + 4 * shard))
     one = {t.name: t.nbytes for t in lk.estimate("llama-2-7b", precision="bf16-master").tensors}
     assert one["fp32 copies of the gradients"] == 4 * n and "gradients" not in one
+
+
+def test_ddp_buckets_add_a_copy_of_the_gradients_unless_they_are_views():
+    n = lk.count_params("llama-2-7b").total
+    alone = lk.estimate("llama-2-7b", seq=16, precision="fp32")
+    ddp = lk.estimate("llama-2-7b", seq=16, precision="fp32", layout=lk.Layout(dp=8))
+    views = lk.estimate("llama-2-7b", seq=16, precision="fp32",
+                        layout=lk.Layout(dp=8, gradient_as_bucket_view=True))
+    assert ddp.total - alone.total == 4 * n
+    assert views.total == alone.total
+    with pytest.raises(ValueError, match="DDP's option"):
+        lk.Layout(dp=8, zero_stage=1, gradient_as_bucket_view=True)
 
 
 def test_zero_stage_3_over_4_ranks_holds_a_quarter_of_the_states():

@@ -45,6 +45,20 @@ def test_storage_resized_in_place_is_counted_and_the_patch_is_undone():
     assert mt.current == 4008
 
 
+def test_host_tagged_storages_leave_the_device_bytes():
+    with lk.MemoryTracker() as mt:
+        state = torch.zeros(100)                     # 400 bytes
+        lk.track.tag_live(state, "host")             # offloaded, as ZeRO-Offload keeps it
+        assert (mt.current, mt.host) == (0, 400)
+        state.untyped_storage().resize_(800)
+        assert (mt.current, mt.host, mt.host_peak) == (0, 800, 800)
+        del state
+        assert (mt.current, mt.host, mt.peak) == (0, 0, 400)
+    lk.track.tag_live(torch.zeros(1), "grads")       # no tracker running: nothing happens
+    with pytest.raises(ValueError, match="unknown category"):
+        mt.tag(torch.zeros(1), "gpu")
+
+
 def test_tags_weights_gradients_and_optimizer_state():
     model = torch.nn.Linear(10, 10, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

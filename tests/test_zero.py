@@ -2,10 +2,11 @@
 import pytest
 import torch
 
+import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.zero import shard
 from labkit.parallel.zero_step import ZeroOptimizer, paper_bytes
-from zero_targets import fresh_model, train_reference, train_zero
+from zero_targets import fresh_model, measure_peaks, train_reference, train_zero
 
 STAGES = (1, 2, 3)
 # One cluster run per N (N = 4 starts in seconds: share it). fp32 for every N; fp64 at N = 4,
@@ -72,15 +73,17 @@ def test_state_and_communication_bytes(ranks, stage):
     for r in results:
         got = r[stage, "fp32"]
         k = got["shard_numel"]         # this rank's elements: Ψ/N rounded up, per unit at stage 3
-        if stage < 3:
+        if stage == 1:
             assert k == shard(got["numel"], n)
-        else:                          # each unit padded to a multiple of N on its own
+        else:                          # stages 2, 3: each unit padded to a multiple of N on its own
             assert shard(got["numel"], n) <= k <= shard(got["numel"], n) + got["units"]
         assert got["state_bytes"] == k * 8                      # exp_avg + exp_avg_sq, fp32
         assert got["master_bytes"] == 0                         # fp32: no copy of the shard
-        # between steps: full parameters unless stage 3; full gradients only at stage 1
+        # after the step: full parameters unless stage 3; no full gradients
         assert got["param_bytes"] == (0 if stage == 3 else k * n * 4)
-        assert got["grad_bytes"] == (got["numel"] * 4 if stage == 1 else 0)
+        assert got["grad_bytes"] == 0
+        # after a backward: the whole gradient at stage 1, only the shards from stage 2 on
+        assert got["grads_after_backward"] == (k * n * 4 if stage == 1 else k * 4)
         gathers = 2 if stage == 3 else 1                        # stage 3: before fwd and bwd
         for sent in got["sent"]:                                # per step
             assert sent.get("reduce_scatter", 0) == (n - 1) * k * 4
@@ -127,3 +130,28 @@ def test_bad_group_precision_dtype():
     model.recompute[0] = True
     with pytest.raises(ValueError, match="recompute"):
         ZeroOptimizer(model, None, 3)
+
+
+# ---- the estimate predicts each rank's peak ------------------------------------------------
+# model states set the peak (small at 1 x 32: the buckets, gathers and gloo's copies), and an
+# MoE model where activations do; every stage, fp32 and master weights
+PER_RANK = [(s, "small", 1, 32, p) for p in ("fp32", "bf16-master") for s in STAGES] + [
+    (s, "tiny-moe", 2, 64, "fp32") for s in STAGES]
+
+
+def _predicted_within_3_percent(n):
+    peaks = cluster.run(measure_peaks, n, PER_RANK, timeout_s=600)
+    for i, (stage, model, batch, seq, precision) in enumerate(PER_RANK):
+        est = lk.estimate(model, batch, seq, precision=precision, zero_stage=stage, dp=n,
+                          device="cpu")
+        for rank in peaks:
+            assert rank[i] == pytest.approx(est.total, rel=0.03), (stage, model, precision)
+
+
+def test_estimate_gives_each_ranks_peak_within_3_percent_n2():
+    _predicted_within_3_percent(2)
+
+
+@pytest.mark.slow
+def test_estimate_gives_each_ranks_peak_within_3_percent_n4():
+    _predicted_within_3_percent(4)

@@ -72,6 +72,8 @@ def train_zero(ctx, runs):
             rows = rows[mine]                                       # (BATCH / N, SEQ + 1)
             loss = model(rows[:, :-1], rows[:, 1:])
             loss.backward()
+            grads_after_backward = sum(t.nbytes for t, c in opt.memory_tags() if c == "grads")
+            grads_after_backward += sum(u.bucket.nbytes for u in opt.units if u.bucket is not None)
             opt.step()
             losses.append(loss.item())
             sent.append(opt.last_step)
@@ -82,6 +84,14 @@ def train_zero(ctx, runs):
         grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
         out[stage, precision] = dict(
             losses=losses, params=opt.full_parameters(), sent=sent, param_bytes=param_bytes,
-            grad_bytes=grad_bytes, state_bytes=opt.state_bytes(), master_bytes=opt.master_bytes(),
+            grad_bytes=grad_bytes, grads_after_backward=grads_after_backward, state_bytes=opt.state_bytes(), master_bytes=opt.master_bytes(),
             numel=opt.numel, shard_numel=opt.shard_numel, units=len(opt.units))
     return out
+
+
+def measure_peaks(ctx, settings):
+    """Each rank's tracker peak for each (stage, model, batch, seq, precision) of ``settings``."""
+    from labkit.parallel.zero_step import zero_step
+    torch.set_num_threads(1)
+    return [zero_step(ctx, stage, model, batch, seq, 3, precision).peak
+            for stage, model, batch, seq, precision in settings]

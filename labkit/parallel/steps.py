@@ -25,6 +25,7 @@ class RankStep:
     peak_by_category: dict
     peak_phase: str
     sent: dict = field(default_factory=dict)     # collective -> bytes this rank sent in the last step
+    host_peak: int = 0                           # offloaded bytes in host memory, at their peak
 
 
 def rank_tokens(ctx, vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list:
@@ -55,4 +56,4 @@ def measure_rank(ctx, model, forward, optimizer, batches: list, precision: str =
                                 tracker=mt)
             losses.append(result.loss)
     return RankStep(ctx.rank, losses, mt.peak, dict(mt.peak_by_category), mt.peak_phase,
-                    dict(sent()) if sent else {})
+                    dict(sent()) if sent else {}, mt.host_peak)

@@ -1,8 +1,8 @@
 """ZeRO (Rajbhandari et al., 2020): partition the model states over the data-parallel ranks.
 
 Stage 1 partitions the optimizer state, stage 2 the gradients too, stage 3 the parameters
-too. This file holds the byte rule both the paper's formula (``labkit.papers``) and
-``labkit.estimate`` use; lab 04 adds the mechanism itself.
+too. This file holds the byte rules both the paper's formula (``labkit.papers``) and
+``labkit.estimate`` use; the mechanism itself is ``labkit.parallel.zero_step``.
 """
 from __future__ import annotations
 
@@ -18,3 +18,17 @@ def shard(n: int, dp: int) -> int:
 def per_rank(n: int, state: str, zero_stage: int, dp: int) -> int:
     """What one rank holds of a model state (``params``, ``grads``, ``optimizer``) of ``n``."""
     return shard(n, dp) if zero_stage >= SHARDED_FROM_STAGE[state] else n
+
+
+def padded(n: int, dp: int) -> int:
+    """Elements of a flat buffer of ``n`` padded so that ``dp`` ranks get equal shards."""
+    return shard(n, dp) * dp
+
+
+def units(block_numels: list[int], rest_numel: int, stage: int) -> list[int]:
+    """Elements of each unit ZeRO shards, reduces and gathers as one flat buffer, in the order
+    AdamW steps them: stage 1 one unit (the whole model); from stage 2 the rest of the model
+    (embedding, final norm, LM head) and then one per block, as ``labkit.parallel.zero_step``."""
+    if stage <= 1:
+        return [rest_numel + sum(block_numels)]
+    return ([rest_numel] if rest_numel else []) + list(block_numels)

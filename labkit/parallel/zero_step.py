@@ -7,13 +7,15 @@ contiguous slice ``[r * Ψ/N, (r + 1) * Ψ/N)`` of it and keeps AdamW's state (a
     full grads (Ψ,) --reduce-scatter--> my grad shard (Ψ/N,) --AdamW--> my param shard (Ψ/N,)
                                                       --all-gather--> full params (Ψ,)
 
-Stage 1 keeps the full gradients until ``zero_grad`` (only the optimizer state is sharded);
-stage 2 frees them as soon as they are reduce-scattered. Both send the paper's 2Ψ: its
-all-reduce is a reduce-scatter plus an all-gather, and ZeRO's all-gather is of the updated
-parameters instead of the gradients. Stage 3 keeps only the shard between uses: one flat
-buffer per unit (each block, and the rest of the model), all-gathered before the unit's forward
-and again before its backward, freed after each, its gradients reduce-scattered as soon as its
-backward is done: 3Ψ.
+Gradients go into a flat bucket per unit as autograd makes them. Stage 1 has one unit, the
+whole model: its full gradients build up over the backward pass and are reduce-scattered at
+the step (then dropped, as DeepSpeed does); only the optimizer state is sharded. Stage 2 has a
+unit per block (and one for the rest of the model) and reduce-scatters each unit's bucket as
+soon as its backward is done, so no rank holds the whole gradient. Both send the paper's 2Ψ:
+its all-reduce is a reduce-scatter plus an all-gather, and ZeRO's all-gather is of the updated
+parameters instead of the gradients. Stage 3 also keeps only the shard of each unit's
+parameters between uses, all-gathered before the unit's forward and again before its
+backward, freed after each: 3Ψ.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..track import HOST, tag_live
+from .steps import RankStep, measure_rank, rank_tokens
 from .zero import shard
 
 STAGES = (1, 2, 3)
@@ -66,51 +70,90 @@ class CommCounter:
 
 
 class FlatShard:
-    """Parameters as views into one flat buffer (padded to a multiple of N) and this rank's
-    shard of it, the ``master`` AdamW steps (fp32 under bf16-master)."""
+    """One unit's parameters as views into one flat buffer (padded to a multiple of N), this
+    rank's shard of it (``master``, which AdamW steps: fp32 under bf16-master), and the unit's
+    gradient bucket while its backward runs."""
 
-    def __init__(self, params, comm: CommCounter, rank: int, master_dtype, in_place: bool):
+    def __init__(self, params, comm: CommCounter, rank: int, master_dtype, stage: int,
+                 offload: bool = False):
         self.params, self.comm, self.world = params, comm, comm.world
         self.numel = sum(p.numel() for p in params)                       # Ψ of this unit
         self.shard_numel = shard(self.numel, self.world)                  # its Ψ/N, rounded up
         self.padding = self.shard_numel * self.world - self.numel
-        self.flat = torch.zeros(self.numel + self.padding, dtype=params[0].dtype,
+        dtype = params[0].dtype
+        self.flat = torch.zeros(self.numel + self.padding, dtype=dtype,
                                 device=params[0].device)                   # (Ψ + padding,)
-        offset = 0
+        self.offsets, offset = [], 0
         for p in params:
             self.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
             p.data = self.flat[offset:offset + p.numel()].view_as(p)
+            self.offsets.append(offset)
             offset += p.numel()
         lo = rank * self.shard_numel
         mine = self.flat[lo:lo + self.shard_numel]                        # (Ψ/N,) my slice
+        # offload: the master (so AdamW's state and the gradient shard too) lives in host memory
+        self.offload = offload
+        self.home = torch.device("cpu") if offload else mine.device
         # in place (stages 1, 2 in the model's dtype): AdamW steps my slice of the flat buffer
-        self.master = nn.Parameter(mine if in_place else mine.to(master_dtype, copy=True))
-        self.ready = 0                 # stage 3: how many of params have their gradient
+        self.in_place = stage < 3 and master_dtype == dtype and not offload
+        self.master = nn.Parameter(mine if self.in_place else
+                                   mine.to(self.home, master_dtype, copy=True))
+        # stage 3 keeps only a shard of the parameters, in the model's dtype: the master itself,
+        # or (bf16-master, as DeepSpeed) a bf16 copy of it; all-gathered before each use
+        self.local = None
+        if stage == 3 and not offload:
+            self.local = self.master.detach() if master_dtype == dtype else mine.clone()
+        self.bucket = None             # the unit's full gradients while they are being made
+        self.ready = 0                 # how many of params have put their gradient in it
+        self.moved = 0                 # bytes copied between host and device (offload)
 
     def gather(self):
         """Every rank's shard -> the full flat buffer, which the parameters view."""
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:      # freed (stage 3): allocate it again
             storage.resize_(self.flat.nbytes)
-        mine = self.master.detach().to(self.flat.dtype, copy=True)       # (Ψ/N,) model dtype
-        self.comm.all_gather(self.flat, mine)                             # -> (Ψ + padding,)
+        if self.local is not None:
+            mine = self.local
+        else:                          # a copy: my slice of flat is overwritten, or the master
+            mine = self.master.detach().to(self.flat.device, self.flat.dtype, copy=True)
+            if self.offload:           # host -> device: the updated shard, in the model's dtype
+                self.moved += mine.nbytes
+        self.comm.all_gather(self.flat, mine)                      # (Ψ/N,) -> (Ψ + padding,)
+
+    def stepped(self, gather: bool):
+        """After AdamW: refresh the bf16 shard from its master (stage 3); gather (stages 1, 2)."""
+        if self.local is not None and self.local.data_ptr() != self.master.data_ptr():
+            self.local.copy_(self.master)
+        if gather:
+            self.gather()
 
     def free(self):
         """Drop the full buffer; the parameters keep their shapes over an empty storage."""
         self.flat.untyped_storage().resize_(0)
 
-    def reduce_grads(self, keep: bool):
-        """Sum the full gradients over the ranks into my shard's master gradient, averaged."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        full = torch.cat([g.flatten() for g in grads] + [self.flat.new_zeros(self.padding)])
-        if not keep:                   # stages 2, 3: no rank keeps the whole gradient
-            for p in self.params:
-                p.grad = None
+    def put_grad(self, p: torch.Tensor, i: int) -> bool:
+        """Add ``p``'s fresh gradient to the unit's bucket and drop it; True once every one is in."""
+        if self.bucket is None:
+            self.bucket = self.flat.new_zeros(self.flat.numel())          # (Ψ + padding,)
+            tag_live(self.bucket, "grads")
+        self.bucket[self.offsets[i]:self.offsets[i] + p.numel()].add_(p.grad.flatten())
+        p.grad = None
+        self.ready += 1
+        return self.ready == len(self.params)
+
+    def reduce_grads(self):
+        """Sum the unit's bucket over the ranks into my shard's master gradient, averaged, and
+        free the bucket."""
+        full, self.bucket, self.ready = self.bucket, None, 0              # (Ψ + padding,)
         grad_shard = full.new_empty(self.shard_numel)                      # (Ψ/N,)
+        tag_live(grad_shard, "grads")
         self.comm.reduce_scatter(grad_shard, full)    # (Ψ + padding,) summed -> my (Ψ/N,)
         del full
         # average (PREMUL_SUM does not run on gloo), in the master's dtype (fp32 under bf16)
-        grad = grad_shard.to(self.master.dtype).div_(self.world)
+        grad = grad_shard.to(self.home, self.master.dtype).div_(self.world)
+        if self.offload:               # device -> host: the gradient shard
+            self.moved += grad_shard.nbytes
+        tag_live(grad, HOST if self.offload else "grads")
         self.master.grad = grad if self.master.grad is None else self.master.grad + grad
 
 
@@ -118,15 +161,17 @@ class ZeroOptimizer:
     """AdamW over this rank's shards of the model's parameters (ZeRO stage 1, 2 or 3).
 
     ``model``'s parameters become views into flat buffers; call ``loss.backward()`` on this
-    rank's slice of the batch, then ``step()``: gradients are averaged over the group. Stage 3
-    shards per block of ``model.blocks`` (the rest of the model is one more unit); every
-    parameter must get a gradient in each backward (its unit reduce-scatters when all have).
-    ``precision="bf16-master"`` takes a bf16 model and keeps fp32 masters for the shards.
+    rank's slice of the batch, then ``step()``: gradients are averaged over the group. Stages
+    2 and 3 shard per block of ``model.blocks`` (the rest of the model is one more unit), and
+    reduce-scatter each unit's gradient bucket as soon as its backward is done; every
+    parameter must get a gradient in each backward. ``precision="bf16-master"`` takes a bf16
+    model and keeps fp32 masters for the shards. ``offload`` keeps the masters, their AdamW
+    state and gradient shards in host memory (ZeRO-Offload): AdamW steps on the host.
     """
 
     def __init__(self, model: nn.Module, group, stage: int, precision: str = "fp32",
                  lr: float = 1e-3, weight_decay: float = 0.1, betas=(0.9, 0.999),
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, offload: bool = False):
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES} (1: optimizer state "
                              "sharded, 2: + gradients, 3: + parameters)")
@@ -138,8 +183,8 @@ class ZeroOptimizer:
         if wrong:
             raise ValueError(f"precision={precision!r} needs {dtype} parameters, the model has "
                              f"{wrong}: build it with build_model(cfg, dtype={dtype})")
-        if stage == 3 and not hasattr(model, "blocks"):
-            raise ValueError("stage 3 gathers one block at a time: the model needs .blocks "
+        if stage >= 2 and not hasattr(model, "blocks"):
+            raise ValueError(f"stage {stage} works one block at a time: the model needs .blocks "
                              "(a labkit Transformer)")
         if stage == 3 and any(getattr(model, "recompute", ())):
             raise ValueError("stage 3 frees each block after its forward, so a recomputed block "
@@ -151,32 +196,36 @@ class ZeroOptimizer:
         self.comm = CommCounter(group)
         self.world, self.rank = self.comm.world, dist.get_rank(group=group)
         master_dtype = torch.float32 if precision == "bf16-master" else dtype
-        if stage < 3:                  # one unit: the whole model, gathered for good
-            self.units = [FlatShard(params, self.comm, self.rank, master_dtype,
-                                    in_place=master_dtype == dtype)]
+        if stage == 1:                 # one unit: the whole model, its gradients kept whole
+            groups, modules = [params], [model]
         else:                          # a unit per block, and one for the rest (embed, norm, head)
-            modules = [model, *model.blocks]
             in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
             groups = [[p for p in params if id(p) not in in_blocks]]
             groups += [[p for p in b.parameters() if p.requires_grad] for b in model.blocks]
-            self.units = [FlatShard(ps, self.comm, self.rank, master_dtype, in_place=False)
-                          for ps in groups]
-            for unit, module in zip(self.units, modules):
-                unit.free()
-                self._hook(unit, module)
+            modules = [model, *model.blocks]
+        self.units = [FlatShard(ps, self.comm, self.rank, master_dtype, stage, offload)
+                      for ps in groups]
+        for unit, module in zip(self.units, modules):
+            self._hook(unit, module)
         self.numel = sum(u.numel for u in self.units)                      # Ψ
         self.shard_numel = sum(u.shard_numel for u in self.units)          # this rank's share
         self.inner = torch.optim.AdamW([u.master for u in self.units], lr=lr, betas=betas,
                                        eps=eps, weight_decay=weight_decay, foreach=False)
         self.param_groups = self.inner.param_groups
+        self.offload = offload
         self.last_step = {}            # kind -> bytes this rank sent in the last step (fwd + bwd)
+        self.last_moved = 0            # bytes copied between host and device in the last step
 
-    # ---- stage 3: gather before forward and backward, free after, reduce-scatter when done ----
+    # ---- gradients into buckets, reduce-scattered when done (2, 3); gathered around use (3) ---
     def _hook(self, unit: FlatShard, module: nn.Module):
-        module.register_forward_pre_hook(lambda m, args: unit.gather())
-        module.register_forward_hook(lambda m, args, out: self._after_forward(unit, out))
-        for p in unit.params:
-            p.register_post_accumulate_grad_hook(lambda p: self._grad_ready(unit))
+        """Every gradient goes to its unit's bucket; from stage 2 a full bucket is reduce-
+        scattered at once, and at stage 3 the unit is gathered around its forward and backward."""
+        for i, p in enumerate(unit.params):
+            p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(unit, p, i))
+        if self.stage == 3:
+            unit.free()
+            module.register_forward_pre_hook(lambda m, args: unit.gather())
+            module.register_forward_hook(lambda m, args, out: self._after_forward(unit, out))
 
     @staticmethod
     def _after_forward(unit: FlatShard, out):
@@ -185,13 +234,11 @@ class ZeroOptimizer:
             # the gradient of the unit's output arrives just before the unit's own backward
             out.register_hook(lambda grad: unit.gather())
 
-    @staticmethod
-    def _grad_ready(unit: FlatShard):
-        unit.ready += 1
-        if unit.ready == len(unit.params):     # the unit's backward is done
-            unit.ready = 0
-            unit.reduce_grads(keep=False)
-            unit.free()
+    def _grad_ready(self, unit: FlatShard, p: torch.Tensor, i: int):
+        if unit.put_grad(p, i) and self.stage >= 2:        # the unit's backward is done
+            unit.reduce_grads()
+            if self.stage == 3:
+                unit.free()
 
     # ---- the optimizer ------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -203,11 +250,39 @@ class ZeroOptimizer:
         """fp32 master weights on this rank: the shards under bf16-master, none otherwise."""
         return sum(u.master.nbytes for u in self.units) if self.precision == "bf16-master" else 0
 
+    @property
+    def state(self) -> dict:
+        """AdamW's state per master shard (what a ``MemoryTracker`` reads)."""
+        return self.inner.state
+
+    def memory_tags(self) -> list:
+        """(tensor, category) for what this rank holds apart from the model, for a tracker: the
+        master shards (the parameters themselves at stage 3), their gradients and AdamW state;
+        all of it ``"host"`` when offloaded."""
+        def where(category):
+            return HOST if self.offload else category
+        master = "optimizer" if self.precision == "bf16-master" else "params"
+        out = []
+        for u in self.units:
+            if not u.in_place:
+                out.append((u.master, where(master)))
+            if u.local is not None and u.local.data_ptr() != u.master.data_ptr():
+                out.append((u.local, "params"))
+            if u.master.grad is not None:
+                out.append((u.master.grad, where("grads")))
+            out += [(v, where("optimizer")) for v in self.inner.state.get(u.master, {}).values()
+                    if isinstance(v, torch.Tensor)]
+        return out
+
+    def moved_bytes(self) -> int:
+        """Bytes copied between host and device since the last step (offload), both ways."""
+        return sum(u.moved for u in self.units)
+
     @torch.no_grad()
     def full_parameters(self) -> list:
         """Copies of every parameter, whole, in the model's order (stage 3 gathers each unit
         for it and frees it again; these gathers are not counted)."""
-        sent, whole = self.comm.sent.copy(), {}
+        sent, moved, whole = self.comm.sent.copy(), [u.moved for u in self.units], {}
         for unit in self.units:
             if self.stage == 3:
                 unit.gather()
@@ -215,22 +290,44 @@ class ZeroOptimizer:
             if self.stage == 3:
                 unit.free()
         self.comm.sent = sent
+        for unit, m in zip(self.units, moved):
+            unit.moved = m
         return [whole[id(p)] for p in self.params]
 
     @torch.no_grad()
     def step(self):
-        if self.stage < 3:             # stage 3 reduce-scattered during the backward pass
-            self.units[0].reduce_grads(keep=self.stage == 1)
+        if self.stage == 1:            # stages 2, 3 reduce-scattered during the backward pass
+            self.units[0].reduce_grads()   # and, as DeepSpeed's stage 1, drop the full gradients
         self.inner.step()
         for unit in self.units:
             unit.master.grad = None
-            if self.stage < 3:         # stage 3 gathers at the next forward
-                unit.gather()
+            unit.stepped(gather=self.stage < 3)    # stage 3 gathers at the next forward
         self.last_step = dict(self.comm.sent)
+        self.last_moved = self.moved_bytes()
         self.comm.reset()
+        for unit in self.units:
+            unit.moved = 0
 
     def zero_grad(self, set_to_none: bool = True):
         for unit in self.units:
-            for p in unit.params:
-                p.grad = None
-            unit.master.grad = None
+            unit.bucket, unit.ready, unit.master.grad = None, 0, None
+
+
+def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
+              steps: int = 3, precision: str = "fp32", offload: bool = False,
+              lr: float = 1e-2) -> RankStep:
+    """Train ``steps`` steps of the course model under ZeRO ``stage`` on this rank's rows
+    (``batch`` x ``seq`` per rank); the tracker's figures for the last step, and the bytes sent
+    (and, offloaded, copied between host and device) in it."""
+    from ..config import preset
+    from ..model import build_model
+
+    torch.manual_seed(0)                                 # every rank starts from one model
+    model = build_model(preset(model_name), dtype=PRECISIONS[precision]).to(ctx.device)
+    opt = ZeroOptimizer(model, ctx.group, stage, precision, lr=lr, offload=offload)
+    batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
+
+    def sent():
+        return {**opt.last_step, **({"host <-> device": opt.last_moved} if offload else {})}
+    return measure_rank(ctx, model, model, opt, batches,
+                        "fp32" if precision == "fp64" else precision, sent=sent)
