@@ -19,7 +19,7 @@ from .layers import (ParamCount, Saved, Weight, block_weights, count_params,  # 
                      embedding_weights, head_saved, head_weights, layer_saved)
 from .parallel import pipeline, zero
 from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, state_bytes
-from .units import CATEGORIES, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
+from .units import CATEGORIES, HOST, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Estimate(Breakdown):
         """The tensors alive at the peak, largest first, one per line."""
         rows = sorted(self.tensors, key=lambda t: -t.nbytes)
         width = max(len(t.name) for t in rows)
-        return "\n".join(f"{t.name:<{width}}  {CATEGORIES[t.category]:<22} {t.dtype:<11}"
+        return "\n".join(f"{t.name:<{width}}  {CATEGORIES.get(t.category, 'host memory'):<22} {t.dtype:<11}"
                          f"{fmt_bytes(t.nbytes):>12}" for t in rows if t.nbytes)
 
 
@@ -101,7 +101,8 @@ class _Step:
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
         # ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of the
         # model (embedding, final norm, LM head), then each block; stage 1: the whole model
-        self.zero = layout.zero_stage if layout.dp > 1 else 0
+        self.zero = layout.zero_stage if layout.dp > 1 or layout.offload else 0
+        self.offload = layout.offload           # ZeRO's shards (from stage 3 params too) on the host
         rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
         self.units = zero.units(self.block_params, sum(w.local(tp, ep) for w in rest), self.zero)
         self.rest = self.units[0] if self.zero >= 2 and rest else 0           # its elements
@@ -119,19 +120,26 @@ class _Step:
         numbers = STATE_NUMBERS[self.recipe.optimizer]
         moments = zero.per_rank(n * (b.optimizer - (4 if self.master else 0)), "optimizer",
                                 L.zero_stage, L.dp)
-        out = [Tensor("weights", "params", wdt, zero.per_rank(n * b.weights, "params", L.zero_stage, L.dp)),
+        state = HOST if self.offload else "optimizer"
+        # offloaded, the shard AdamW steps lives on the host (fp32 master, or the weights');
+        # at stage 3 it is the only copy of the parameters between gathers
+        on_device = 0 if self.offload and self.zero == 3 else 1
+        out = [Tensor("weights", "params", wdt,
+                      on_device * zero.per_rank(n * b.weights, "params", L.zero_stage, L.dp)),
                Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
-                      "optimizer", "int8" if self.recipe.optimizer == "adamw-8bit" else
+                      state, "int8" if self.recipe.optimizer == "adamw-8bit" else
                       ("fp32" if self.master else wdt), moments),
                Tensor("RoPE cos and sin tables", "other", "fp32", 2 * c.max_seq * c.rope_dim * 4)]
-        if self.master:
-            out.append(Tensor("fp32 master weights", "optimizer", "fp32",
-                              zero.per_rank(n * 4, "optimizer", L.zero_stage, L.dp)))
+        if self.master or self.offload:
+            out.append(Tensor("fp32 master weights" if self.master else "weights' shard",
+                              state, "fp32" if self.master else wdt,
+                              zero.per_rank(n * (4 if self.master else b.weights), "optimizer",
+                                            L.zero_stage, L.dp)))
         if self.ddp:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
         if self.recipe.optimizer.startswith("adamw"):   # on CUDA torch keeps them on the host
-            out.append(Tensor("AdamW step counters", "optimizer", "fp32",   # unless fused: the
-                              4 * len(self.weights)))                       # tracker sees them
+            out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
+                              4 * (len(self.units) if self.zero else len(self.weights))))
         return out
 
     def grads(self) -> int:
@@ -322,7 +330,8 @@ class _Step:
         """The optimizer step: every gradient and state, and the step's temporaries. With
         master weights each rank swaps the bf16 gradients it updates for fp32 copies: all of
         them, or from ZeRO-1 on its shard (ZeRO-1 keeps the whole all-reduced bf16 gradients)."""
-        temporaries = Tensor(f"optimizer temporaries ({self.impl})", "other",
+        temporaries = Tensor(f"optimizer temporaries ({self.impl})",
+                             HOST if self.offload else "other",
                              "fp32" if self.master else self.wdt, self._optimizer_temporaries())
         if self.zero:
             return self._zero_optimizer_moments(always, temporaries)
@@ -360,11 +369,18 @@ class _Step:
         out = {f"forward: gather of layer {self.layers[last]}": ("forward", always + (
             self._kept_up_to(saved, last - 1)) + [
             self._gathered("this block", self.block_params[last]),
-            self._staging(self.block_params[last], self.bytes.weights)])}
+            *self._gather_transients(self.block_params[last])])}
         if self.rest:
             out["backward: gather of the embedding, final norm and LM head"] = (
-                "backward", always + kept + [self._staging(self.rest, self.bytes.weights)])
+                "backward", always + kept + self._gather_transients(self.rest))
         return out
+
+    def _gather_transients(self, numel: int) -> list[Tensor]:
+        """What an all-gather of a unit allocates besides its result: gloo's copy, and when
+        offloaded the shard copied up from the host."""
+        up = zero.shard(numel, self.L.dp) * self.bytes.weights if self.offload else 0
+        return [self._staging(numel, self.bytes.weights),
+                Tensor("this rank's shard, copied from the host", "other", self.wdt, up)]
 
     def _grads_in_backward(self, blocks_done) -> list[Tensor]:
         """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
@@ -383,7 +399,8 @@ class _Step:
     def _shards(self, numels) -> Tensor:
         """This rank's averaged gradient shards of these units (fp32 under master weights)."""
         number = 4 if self.master else self.bytes.grads
-        return Tensor("gradient shards", "grads", "fp32" if self.master else self.wdt,
+        return Tensor("gradient shards", HOST if self.offload else "grads",
+                      "fp32" if self.master else self.wdt,
                       sum(zero.shard(n, self.L.dp) for n in numels) * number)
 
     def _reduced_shard(self, numel: int) -> Tensor:
@@ -416,7 +433,17 @@ class _Step:
                        "layers on this device": len(self.layers),
                        "model states": {"params": states["params"], "grads": self.grads(),
                                         "optimizer": states["optimizer"]}}
+        if self.offload:
+            out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
+                                             for _, v in moments.values())
+            out.details["host <-> device bytes per step"] = self._offload_traffic()
         return out
+
+    def _offload_traffic(self) -> int:
+        """Bytes copied each step under offload: every gradient shard down to the host, and
+        the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two)."""
+        shards = sum(zero.shard(n, self.L.dp) for n in self.units)
+        return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1))
 
     # ---- transients ------------------------------------------------------------------------------
     def _first_grad(self, moe: bool) -> int:
@@ -459,13 +486,15 @@ class _Step:
 
 
 def _total(tensors: list[Tensor]) -> int:
-    return sum(t.nbytes for t in tensors)
+    """Device bytes: what is offloaded to the host is not counted."""
+    return sum(t.nbytes for t in tensors if t.category != HOST)
 
 
 def _by_category(tensors: list[Tensor]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for t in tensors:
-        out[t.category] += t.nbytes
+        if t.category != HOST:
+            out[t.category] += t.nbytes
     return out
 
 

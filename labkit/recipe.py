@@ -116,7 +116,9 @@ class Layout:
     """How one step is spread over devices; every degree is 1 on a single device.
 
     ``dp`` data parallel with ZeRO ``zero_stage`` (0-3; 0 is DDP, whose gradient buckets hold
-    a second copy of the gradients unless ``gradient_as_bucket_view``); ``tp`` tensor parallel, with ``sp``
+    a second copy of the gradients unless ``gradient_as_bucket_view``; ``offload`` keeps ZeRO's
+    optimizer state, master weights and gradient shards - from stage 3 the parameter shards too -
+    in host memory, where the step runs); ``tp`` tensor parallel, with ``sp``
     sequence parallelism over the same group; ``pp`` pipeline stages running
     ``micro_batches`` (None: ``pp``, the fewest that fill a 1F1B pipeline) under
     ``schedule``; ``ep`` expert parallel (routed experts split over ``ep`` ranks); ``cp``
@@ -133,6 +135,7 @@ class Layout:
     ep: int = 1
     cp: int = 1
     gradient_as_bucket_view: bool = False
+    offload: bool = False
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
@@ -141,6 +144,9 @@ class Layout:
             check_positive("micro_batches", self.micro_batches)
         if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.offload and not self.zero_stage:
+            raise ValueError("offload=True keeps ZeRO's shards in host memory (ZeRO-Offload): "
+                             "choose zero_stage 1, 2 or 3")
         if self.gradient_as_bucket_view and self.zero_stage:
             raise ValueError("gradient_as_bucket_view is DDP's option (zero_stage=0); ZeRO "
                              "keeps its own flat gradient buckets")

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .units import CATEGORIES
+from .units import CATEGORIES, HOST
 
 
 # Tensors made in each phase start in this category (gradients and states are re-tagged).
@@ -53,7 +53,20 @@ class Timeline:
 # gathered buffer that way, so the trackers inside their ``with`` are told of each resize
 _RESIZE = torch.UntypedStorage.resize_
 _ACTIVE: list = []
-HOST = "host"         # a tag for offloaded storages: host memory, not the device's
+
+
+_ON_HOST = [0]        # > 0 while an offloading mechanism runs its host-side work
+
+
+@contextlib.contextmanager
+def on_host():
+    """Storages made inside count as host memory (``"host"``) in every tracker: the optimizer
+    step ZeRO-Offload runs on the CPU, told apart where host and device are one memory."""
+    _ON_HOST[0] += 1
+    try:
+        yield
+    finally:
+        _ON_HOST[0] -= 1
 
 
 def current() -> "MemoryTracker | None":
@@ -183,15 +196,22 @@ class MemoryTracker(TorchDispatchMode):
         if param.grad is not None:     # a hook before this one (labkit's ZeRO) may have taken it
             self.tag(param.grad, "grads")
 
+    def _optimizer_tensors(self) -> list:
+        """(tensor, category) for the optimizer's state: "optimizer", unless the optimizer
+        says otherwise (``memory_tags``: master shards, offloaded state)."""
+        own = list(getattr(self.optimizer, "memory_tags", list)())
+        said = {t.untyped_storage()._cdata for t, _ in own}
+        return [(value, "optimizer") for state in self.optimizer.state.values()
+                for value in state.values() if isinstance(value, torch.Tensor)
+                and value.untyped_storage()._cdata not in said] + own
+
     def _tag_new_optimizer_state(self):
         """The first step creates AdamW's state inside ``step()``: tag it once it is stored."""
         entries = sum(len(state) for state in self.optimizer.state.values())
         if entries != self._state_entries:
             self._state_entries = entries
-            for state in self.optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        self.tag(value, "optimizer")
+            for tensor, category in self._optimizer_tensors():
+                self.tag(tensor, category)
 
     def tag_states(self):
         """Tag the model's weights, buffers and gradients and the optimizer's state."""
@@ -203,12 +223,7 @@ class MemoryTracker(TorchDispatchMode):
             for b in self.model.buffers():
                 self.tag(b, "other")
         if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        self.tag(value, "optimizer")
-            # an optimizer that keeps more (master shards, offloaded state) says what it is
-            for tensor, category in getattr(self.optimizer, "memory_tags", list)():
+            for tensor, category in self._optimizer_tensors():
                 self.tag(tensor, category)
 
     # ---- phases ----------------------------------------------------------------------
@@ -262,7 +277,7 @@ class MemoryTracker(TorchDispatchMode):
         if self._phase == "optimizer" and self.optimizer is not None:
             self._tag_new_optimizer_state()
         out = func(*args, **(kwargs or {}))
-        category = _PHASE_CATEGORY.get(self._phase, "other")
+        category = HOST if _ON_HOST[0] else _PHASE_CATEGORY.get(self._phase, "other")
         if func in _CASTS and self._category_of(args[0]) == "params":
             category = "weight_cache"
         for t in tree_leaves(out):

@@ -49,6 +49,7 @@ CATEGORIES = {
     "weight_cache": "autocast weight cache",
     "other": "temporaries/other",
 }
+HOST = "host"         # offloaded bytes (ZeRO-Offload): host memory, counted apart from the device's
 """What a byte is: one key per category, used by the tracker, ``Breakdown``, the estimate, the
 plots and the command line alike, and the label every table and plot prints for it.
 

@@ -6,7 +6,7 @@ import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.zero import shard
 from labkit.parallel.zero_step import ZeroOptimizer, paper_bytes
-from zero_targets import fresh_model, measure_peaks, train_reference, train_zero
+from zero_targets import fresh_model, measure_steps, train_reference, train_zero
 
 STAGES = (1, 2, 3)
 # One cluster run per N (N = 4 starts in seconds: share it). fp32 for every N; fp64 at N = 4,
@@ -135,17 +135,30 @@ def test_bad_group_precision_dtype():
 # ---- the estimate predicts each rank's peak ------------------------------------------------
 # model states set the peak (small at 1 x 32: the buckets, gathers and gloo's copies), and an
 # MoE model where activations do; every stage, fp32 and master weights
-PER_RANK = [(s, "small", 1, 32, p) for p in ("fp32", "bf16-master") for s in STAGES] + [
-    (s, "tiny-moe", 2, 64, "fp32") for s in STAGES]
+PER_RANK = [(s, "small", 1, 32, p, False) for p in ("fp32", "bf16-master") for s in STAGES] + [
+    (s, "tiny-moe", 2, 64, "fp32", False) for s in STAGES]
+OFFLOADED = [(s, "small", 1, 32, p, True) for p in ("fp32", "bf16-master") for s in STAGES]
+
+
+def _estimate(n, stage, model, batch, seq, precision, offload):
+    return lk.estimate(model, batch, seq, precision=precision, device="cpu",
+                       layout=lk.Layout(dp=n, zero_stage=stage, offload=offload))
 
 
 def _predicted_within_3_percent(n):
-    peaks = cluster.run(measure_peaks, n, PER_RANK, timeout_s=600)
-    for i, (stage, model, batch, seq, precision) in enumerate(PER_RANK):
-        est = lk.estimate(model, batch, seq, precision=precision, zero_stage=stage, dp=n,
-                          device="cpu")
-        for rank in peaks:
-            assert rank[i] == pytest.approx(est.total, rel=0.03), (stage, model, precision)
+    """Every rank within 3%, but now and then (more often on a busy machine) gloo's worker
+    thread lets go of a finished collective's buffer a moment late, and one rank's peak holds
+    it too: the ranks' lowest peak within 3%, every rank's within 3% + one bucket."""
+    ranks = cluster.run(measure_steps, n, PER_RANK, timeout_s=600)
+    for i, setting in enumerate(PER_RANK):
+        est = _estimate(n, *setting)
+        peaks = [steps[i].peak for steps in ranks]
+        assert min(peaks) == pytest.approx(est.total, rel=0.03), setting
+        assert max(peaks) <= 1.03 * est.total + _largest_bucket(est), setting
+
+
+def _largest_bucket(est):
+    return max((t.nbytes for t in est.tensors if t.name.startswith("gradient bucket")), default=0)
 
 
 def test_estimate_gives_each_ranks_peak_within_3_percent_n2():
@@ -155,3 +168,25 @@ def test_estimate_gives_each_ranks_peak_within_3_percent_n2():
 @pytest.mark.slow
 def test_estimate_gives_each_ranks_peak_within_3_percent_n4():
     _predicted_within_3_percent(4)
+
+
+def test_offload_moves_the_shards_to_the_host_and_trains_the_same():
+    """ZeRO-Offload: the optimizer state, master shards and gradient shards (and from stage 3
+    the parameter shards) counted as host memory, as the estimate says to the byte, with the
+    bytes copied each way per step; the losses are those of the same run kept on the device."""
+    kept_on_device = [(*setting[:-1], False) for setting in OFFLOADED]
+    ranks = cluster.run(measure_steps, 2, OFFLOADED + kept_on_device, timeout_s=600)
+    for i, setting in enumerate(OFFLOADED):
+        est, kept = _estimate(2, *setting), _estimate(2, *setting[:-1], False)
+        for steps in ranks:
+            got, on_device = steps[i], steps[i + len(OFFLOADED)]
+            assert got.peak == pytest.approx(est.total, rel=0.03), setting
+            assert got.peak < on_device.peak and est.total < kept.total
+            assert got.host_peak == est.details["host memory"]
+            assert got.sent["host <-> device"] == est.details["host <-> device bytes per step"]
+            assert got.losses == on_device.losses
+
+
+def test_offload_needs_zero():
+    with pytest.raises(ValueError, match="zero_stage 1, 2 or 3"):
+        lk.Layout(dp=8, offload=True)

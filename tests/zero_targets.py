@@ -89,9 +89,9 @@ def train_zero(ctx, runs):
     return out
 
 
-def measure_peaks(ctx, settings):
-    """Each rank's tracker peak for each (stage, model, batch, seq, precision) of ``settings``."""
+def measure_steps(ctx, settings):
+    """Each rank's RankStep for each (stage, model, batch, seq, precision, offload) of settings."""
     from labkit.parallel.zero_step import zero_step
     torch.set_num_threads(1)
-    return [zero_step(ctx, stage, model, batch, seq, 3, precision).peak
-            for stage, model, batch, seq, precision in settings]
+    return [zero_step(ctx, stage, model, batch, seq, 3, precision, offload)
+            for stage, model, batch, seq, precision, offload in settings]

@@ -19,13 +19,14 @@ backward, freed after each: 3Ψ.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..track import HOST, tag_live
+from ..track import HOST, on_host, tag_live
 from .steps import RankStep, measure_rank, rank_tokens
 from .zero import shard
 
@@ -298,7 +299,8 @@ class ZeroOptimizer:
     def step(self):
         if self.stage == 1:            # stages 2, 3 reduce-scattered during the backward pass
             self.units[0].reduce_grads()   # and, as DeepSpeed's stage 1, drop the full gradients
-        self.inner.step()
+        with on_host() if self.offload else contextlib.nullcontext():
+            self.inner.step()              # offloaded: AdamW runs on the host
         for unit in self.units:
             unit.master.grad = None
             unit.stepped(gather=self.stage < 3)    # stage 3 gathers at the next forward
