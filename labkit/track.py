@@ -9,11 +9,12 @@ blocks, so ``torch.cuda.max_memory_allocated`` reads slightly higher.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from .units import CATEGORIES, HOST
@@ -89,6 +90,16 @@ def _counted_resize(storage, nbytes):
     return out
 
 
+def _storages(tensor) -> list:
+    """The storages that hold a tensor's bytes: its own, or for a wrapper subclass (a DTensor)
+    those of the tensors inside it (its local shard): the wrapper itself owns no memory."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)    # a DTensor also names its mesh
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in _storages(t)]
+    return [tensor.untyped_storage()]
+
+
 def _free_if_alive(tracker_ref, key):
     tracker = tracker_ref()
     if tracker is not None:
@@ -123,6 +134,7 @@ class MemoryTracker(TorchDispatchMode):
         self.timeline = Timeline()
         self._hooks = []
         self._state_entries = 0                    # optimizer state entries tagged so far
+        self._lock = threading.Lock()
 
     # ---- bookkeeping -----------------------------------------------------------------
     def _add(self, storage, category):
@@ -153,7 +165,13 @@ class MemoryTracker(TorchDispatchMode):
         self._change(entry[1], delta)
 
     def _change(self, category: str, delta: int, record: bool = True):
-        """Live bytes of ``category`` moved by ``delta``: update the total, the peak, the timeline."""
+        """Live bytes of ``category`` moved by ``delta``: update the total, the peak, the timeline.
+        A storage can die on another thread (gloo's worker lets go of a collective's buffer):
+        the update holds a lock."""
+        with self._lock:
+            self._change_locked(category, delta, record)
+
+    def _change_locked(self, category: str, delta: int, record: bool):
         if category == HOST:
             self.host += delta
             self.host_peak = max(self.host_peak, self.host)
@@ -174,7 +192,8 @@ class MemoryTracker(TorchDispatchMode):
                 series.append(self._bytes[category])
 
     def _category_of(self, tensor) -> str | None:
-        entry = self._live.get(tensor.untyped_storage()._cdata) if isinstance(tensor, torch.Tensor) else None
+        entry = (self._live.get(_storages(tensor)[0]._cdata) if isinstance(tensor, torch.Tensor)
+                 else None)
         return entry[1] if entry else None
 
     def tag(self, tensor: torch.Tensor, category: str):
@@ -183,14 +202,14 @@ class MemoryTracker(TorchDispatchMode):
         if category not in CATEGORIES and category != HOST:
             raise ValueError(f"unknown category {category!r}; use one of {', '.join(CATEGORIES)}"
                              f" or {HOST!r}")
-        storage = tensor.untyped_storage()
-        entry = self._live.get(storage._cdata)
-        if entry is None:
-            self._add(storage, category)
-        elif entry[1] != category:
-            self._change(entry[1], -entry[0], record=False)
-            self._change(category, entry[0], record=False)
-            entry[1] = category
+        for storage in _storages(tensor):
+            entry = self._live.get(storage._cdata)
+            if entry is None:
+                self._add(storage, category)
+            elif entry[1] != category:
+                self._change(entry[1], -entry[0], record=False)
+                self._change(category, entry[0], record=False)
+                entry[1] = category
 
     def _tag_grad(self, param):
         if param.grad is not None:     # a hook before this one (labkit's ZeRO) may have taken it
@@ -282,7 +301,8 @@ class MemoryTracker(TorchDispatchMode):
             category = "weight_cache"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), category)
+                for storage in _storages(t):
+                    self._add(storage, category)
         return out
 
 

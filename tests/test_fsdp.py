@@ -1,0 +1,159 @@
+"""PyTorch's ZeRO (ZeroRedundancyOptimizer, FSDP2) beside labkit's on a gloo cluster, and FSDP2
+at full scale on a fake process group (labkit.parallel.fsdp)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit as lk
+from labkit.parallel import cluster, fsdp
+
+# Same model, rows and AdamW; at N = 2 every sum has two terms, so the order cannot differ:
+# the losses agree to fp32 round-off (they come out bit-equal; the tolerance allows 1 ulp-ish).
+TOL = dict(rtol=1e-6, atol=0)
+N_TENSORS = 21                       # parameters of "tiny": one AdamW step counter (fp32) each
+
+
+def tiny_params():
+    return list(lk.build_model(lk.preset("tiny")).parameters())
+
+
+def losses(results, name):
+    return torch.tensor([r[name].losses for r in results])               # (ranks, steps)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every wrapper on the same 2-rank cluster (one start): [{name: ShardStep}] per rank."""
+    return cluster.run(fsdp.side_by_side, 2, timeout_s=180)
+
+
+# ---- the same training -------------------------------------------------------------------
+def test_zero_redundancy_optimizer_trains_as_labkit_zero1(two_ranks):
+    torch.testing.assert_close(losses(two_ranks, "ZeroRedundancyOptimizer"),
+                               losses(two_ranks, "labkit ZeRO-1"), **TOL)
+
+
+def test_fsdp2_trains_as_labkit_zero3(two_ranks):
+    torch.testing.assert_close(losses(two_ranks, "FSDP2"), losses(two_ranks, "labkit ZeRO-3"),
+                               **TOL)
+
+
+def test_ranks_see_different_rows(two_ranks):
+    """The comparison above would hold trivially if both ranks trained on the same rows."""
+    first, second = losses(two_ranks, "FSDP2")
+    assert not torch.equal(first, second)
+
+
+# ---- what each rank holds ----------------------------------------------------------------
+def test_fsdp2_rank_holds_its_dim0_chunk_of_each_parameter(two_ranks):
+    """FSDP2 pads dim 0 to a multiple of N: each rank stores ceil(rows / N) rows of each."""
+    shard = sum(math.ceil(p.shape[0] / 2) * p[0].numel() * 4 for p in tiny_params())
+    for ranks in two_ranks:
+        assert ranks["FSDP2"].param_bytes == shard
+        assert ranks["FSDP2"].state_bytes == 2 * shard              # exp_avg, exp_avg_sq
+
+
+def test_zero_redundancy_optimizer_splits_whole_parameters(two_ranks):
+    """Stage 1 keeps every parameter on every rank; the moments of each parameter live on one
+    rank, chosen greedily by size, so the ranks' shares differ (Ψ/N is never exact)."""
+    full = sum(p.nbytes for p in tiny_params())
+    steps = [ranks["ZeroRedundancyOptimizer"] for ranks in two_ranks]
+    assert all(s.param_bytes == full for s in steps)
+    assert sum(s.state_bytes for s in steps) == 2 * full
+    assert steps[0].state_bytes != steps[1].state_bytes
+    sizes = {p.numel() * 8 for p in tiny_params()}                  # one parameter's moments
+    assert abs(steps[0].state_bytes - steps[1].state_bytes) <= max(sizes)
+
+
+def test_tracker_counts_fsdp2_local_shards(two_ranks):
+    """The tracker sees a DTensor's local shard, not its global size: AdamW's state at the peak
+    is this rank's moments and step counters; the parameters are the shards plus at most the
+    root's gathered weights (embedding, norm, head) and one gathered block."""
+    model = lk.build_model(lk.preset("tiny"))
+    root = sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("blocks"))
+    block = max(sum(p.nbytes for p in b.parameters()) for b in model.blocks)
+    for ranks in two_ranks:
+        step = ranks["FSDP2"]
+        assert step.peak_by_category["optimizer"] == step.state_bytes + 4 * N_TENSORS
+        assert step.param_bytes <= step.peak_by_category["params"]
+        assert step.peak_by_category["params"] <= step.param_bytes + root + block
+
+
+@pytest.mark.slow
+def test_four_ranks_train_alike():
+    """N = 4: gloo sums four gradients in its own order, labkit's reduce-scatter in another:
+    the losses agree to fp32 round-off amplified by AdamW over 3 steps."""
+    results = cluster.run(fsdp.side_by_side, 4, timeout_s=300)
+    for a, b in (("ZeroRedundancyOptimizer", "labkit ZeRO-1"), ("FSDP2", "labkit ZeRO-3")):
+        torch.testing.assert_close(losses(results, a), losses(results, b), rtol=1e-5, atol=0)
+
+
+# ---- full scale on a fake process group --------------------------------------------------
+def test_fake_fsdp2_shards_shrink_as_one_over_n():
+    small, large = (fsdp.fake_fsdp2_peak("tiny", n, seq=64) for n in (2, 4))
+    assert not dist.is_initialized()                   # the fake group did not leak
+    bf16_shard = sum(math.ceil(p.shape[0] / 2) * p[0].numel() * 2 for p in tiny_params())
+    assert small["param_bytes"] == bf16_shard
+    assert large["param_bytes"] * 2 == small["param_bytes"]
+    # fp32 master + two moments per shard element, and one step counter per tensor
+    for out, n in ((small, 2), (large, 4)):
+        assert out["by_category"]["optimizer"] == 12 * 125248 // n + 4 * N_TENSORS
+
+
+def test_fake_fsdp2_even_placement_spreads_experts():
+    """tiny-moe has 8 experts: over 32 ranks FSDP2's dim-0 split gives rank 0 a whole expert of
+    each stacked weight (1/8, not 1/32); the even placement splits another dimension of the
+    tensors with fewer rows than ranks (experts, router)."""
+    dim0, even = (fsdp.fake_fsdp2_peak("tiny-moe", 32, seq=64, placement=p)
+                  for p in ("dim0", "even"))
+    few_rows = [p for p in lk.build_model(lk.preset("tiny-moe")).parameters()
+                if p.shape[0] < 32]                         # the experts and the router
+    extra = sum(p[0].numel() - p.numel() // 32 for p in few_rows) * 2      # bf16 bytes
+    assert dim0["param_bytes"] - even["param_bytes"] == extra
+
+
+def test_fake_llama_7b_matches_fsdp_mem_tracker():
+    """LLaMA-2-7B over 8 ranks: the tracker's peak is torch's FSDPMemTracker's plus the fp32
+    master shards (labkit's MasterWeights holds them outside the module and the optimizer
+    state, where FSDPMemTracker does not look)."""
+    out = fsdp.fake_fsdp2_peak("llama-2-7b", 8, seq=4096, cross_check=True)
+    n_params = lk.count_params(lk.preset("llama-2-7b")).total
+    masters = 4 * n_params // 8
+    theirs = out["fsdp_mem_tracker"]
+    assert out["peak"] == theirs["Total"] + masters
+    assert out["param_bytes"] == theirs["Sharded Param"] == 2 * n_params // 8
+    assert out["by_category"]["params"] == theirs["Sharded Param"] + theirs["Unsharded Param"]
+
+
+def test_fake_scaling_rows_and_figure():
+    rows = fsdp.fake_fsdp2_scaling("tiny", worlds=(2, 4), seq=64)
+    assert [r["world_size"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["estimate"] == lk.estimate("tiny", 1, 64, precision="bf16-master",
+                                            zero_stage=3, dp=r["world_size"]).total
+    assert rows[1]["peak"] < rows[0]["peak"]
+    fig = fsdp.scaling_figure({"tiny": rows})
+    measured, estimated = fig.axes[0].lines[:2]
+    assert list(measured.get_xdata()) == [2, 4]
+    assert estimated.get_ydata()[1] < estimated.get_ydata()[0]
+
+
+# ---- bad input ---------------------------------------------------------------------------
+def test_fake_group_refuses_a_second_group():
+    with fsdp.fake_group(2):
+        with pytest.raises(ValueError, match="already has a default process group"):
+            fsdp.fake_fsdp2_peak("tiny", 2, seq=64)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(precision="bf16-mixed"), "unknown precision"),
+    (dict(placement="dim1"), "unknown placement"),
+    (dict(seq=4096), "max_seq"),
+    (dict(rank=2), "rank"),
+])
+def test_fake_fsdp2_peak_names_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fsdp.fake_fsdp2_peak("tiny", 2, **{"seq": 64, **kwargs})
