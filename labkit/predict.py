@@ -433,6 +433,9 @@ class _Step:
                        "layers on this device": len(self.layers),
                        "model states": {"params": states["params"], "grads": self.grads(),
                                         "optimizer": states["optimizer"]}}
+        if self.L.dp > 1:
+            out.details["bytes sent per step"] = zero.bytes_sent(
+                self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)
         if self.offload:
             out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
                                              for _, v in moments.values())

@@ -90,6 +90,7 @@ def test_the_estimate_gives_each_ranks_peak_within_3_percent(ranks, name):
                       layout=layout)
     for step in ranks[name]:
         assert step.peak == pytest.approx(est.total, rel=0.03)
+        assert step.sent["all_reduce"] == est.details["bytes sent per step"]
 
 
 @pytest.mark.parametrize("name", ["off", "view"])

@@ -153,6 +153,8 @@ def _predicted_within_3_percent(n):
     for i, setting in enumerate(PER_RANK):
         est = _estimate(n, *setting)
         peaks = [steps[i].peak for steps in ranks]
+        assert all(sum(steps[i].sent.values()) == est.details["bytes sent per step"]
+                   for steps in ranks), setting
         assert min(peaks) == pytest.approx(est.total, rel=0.03), setting
         assert max(peaks) <= 1.03 * est.total + _largest_bucket(est), setting
 

@@ -32,3 +32,16 @@ def units(block_numels: list[int], rest_numel: int, stage: int) -> list[int]:
     if stage <= 1:
         return [rest_numel + sum(block_numels)]
     return ([rest_numel] if rest_numel else []) + list(block_numels)
+
+
+def bytes_sent(numels: list[int], stage: int, dp: int, grad_bytes: int, weight_bytes: int) -> int:
+    """Bytes one rank sends per step over a ring, for units of ``numels`` elements: DDP's
+    all-reduce (stage 0) sends 2 (N - 1) / N of the gradients; ZeRO reduce-scatters the
+    gradients and all-gathers the weights, (N - 1) / N of each padded unit, the weights twice
+    at stage 3 (before the forward and again before the backward): the paper's 2Ψ / 3Ψ."""
+    if dp == 1:
+        return 0
+    if stage == 0:
+        return sum(2 * (dp - 1) * n * grad_bytes // dp for n in numels)
+    gathers = 2 if stage == 3 else 1
+    return sum((dp - 1) * shard(n, dp) * (grad_bytes + gathers * weight_bytes) for n in numels)
