@@ -5,8 +5,8 @@ import torch
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.zero import shard
-from labkit.parallel.zero_step import ZeroOptimizer, paper_bytes
-from zero_targets import fresh_model, measure_steps, train_reference, train_zero
+from labkit.parallel.zero_step import ZeroOptimizer, paper_bytes, zero_steps
+from zero_targets import fresh_model, train_reference, train_zero
 
 STAGES = (1, 2, 3)
 # One cluster run per N (N = 4 starts in seconds: share it). fp32 for every N; fp64 at N = 4,
@@ -149,7 +149,7 @@ def _predicted_within_3_percent(n):
     """Every rank within 3%, but now and then (more often on a busy machine) gloo's worker
     thread lets go of a finished collective's buffer a moment late, and one rank's peak holds
     it too: the ranks' lowest peak within 3%, every rank's within 3% + one bucket."""
-    ranks = cluster.run(measure_steps, n, PER_RANK, timeout_s=600)
+    ranks = cluster.run(zero_steps, n, PER_RANK, timeout_s=600)
     for i, setting in enumerate(PER_RANK):
         est = _estimate(n, *setting)
         peaks = [steps[i].peak for steps in ranks]
@@ -177,7 +177,7 @@ def test_offload_moves_the_shards_to_the_host_and_trains_the_same():
     the parameter shards) counted as host memory, as the estimate says to the byte, with the
     bytes copied each way per step; the losses are those of the same run kept on the device."""
     kept_on_device = [(*setting[:-1], False) for setting in OFFLOADED]
-    ranks = cluster.run(measure_steps, 2, OFFLOADED + kept_on_device, timeout_s=600)
+    ranks = cluster.run(zero_steps, 2, OFFLOADED + kept_on_device, timeout_s=600)
     for i, setting in enumerate(OFFLOADED):
         est, kept = _estimate(2, *setting), _estimate(2, *setting[:-1], False)
         for steps in ranks:

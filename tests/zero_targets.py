@@ -87,11 +87,3 @@ def train_zero(ctx, runs):
             grad_bytes=grad_bytes, grads_after_backward=grads_after_backward, state_bytes=opt.state_bytes(), master_bytes=opt.master_bytes(),
             numel=opt.numel, shard_numel=opt.shard_numel, units=len(opt.units))
     return out
-
-
-def measure_steps(ctx, settings):
-    """Each rank's RankStep for each (stage, model, batch, seq, precision, offload) of settings."""
-    from labkit.parallel.zero_step import zero_step
-    torch.set_num_threads(1)
-    return [zero_step(ctx, stage, model, batch, seq, 3, precision, offload)
-            for stage, model, batch, seq, precision, offload in settings]

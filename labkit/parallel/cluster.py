@@ -78,6 +78,14 @@ def all_reduce_demo(ctx: RankContext, n: int = 4) -> ReduceResult:
     return ReduceResult(ctx.rank, t.sum().item())
 
 
+def crash_demo(ctx: RankContext, bad_rank: int = 1) -> ReduceResult:
+    """``bad_rank`` fails before the all-reduce, as a rank that runs out of memory would; the
+    others wait in the all-reduce for a partner that never comes (a hang without a timeout)."""
+    if ctx.rank == bad_rank:
+        raise MemoryError(f"rank {ctx.rank} could not allocate its batch (a simulated OOM)")
+    return all_reduce_demo(ctx)
+
+
 # ---- choices made once, in the parent -------------------------------------------------------
 def _check_importable(fn: Callable):
     """spawn sends ``fn`` by its module and name: a child must be able to import it."""
@@ -140,6 +148,8 @@ def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, kwargs, tra
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    if "OMP_NUM_THREADS" not in os.environ:    # share the cores, as torchrun does
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         ctx = _init_from_env(backend, timeout_s)
         result = _call(fn, ctx, args, kwargs, track)

@@ -13,6 +13,7 @@ import torch
 
 from ..track import MemoryTracker
 from ..train import train_step
+from ..units import Breakdown
 
 
 @dataclass
@@ -26,6 +27,10 @@ class RankStep:
     peak_phase: str
     sent: dict = field(default_factory=dict)     # collective -> bytes this rank sent in the last step
     host_peak: int = 0                           # offloaded bytes in host memory, at their peak
+
+    def breakdown(self) -> Breakdown:
+        """The peak by category, as the estimate and the plots take it."""
+        return Breakdown(**self.peak_by_category, peak_phase=self.peak_phase)
 
 
 def rank_tokens(ctx, vocab: int, batch: int, seq: int, steps: int, seed: int = 0) -> list:

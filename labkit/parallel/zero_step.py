@@ -333,3 +333,17 @@ def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: in
         return {**opt.last_step, **({"host <-> device": opt.last_moved} if offload else {})}
     return measure_rank(ctx, model, model, opt, batches,
                         "fp32" if precision == "fp64" else precision, sent=sent)
+
+
+def zero_steps(ctx, cases) -> list:
+    """``zero_step`` for each case ``(stage, model, batch, seq[, precision[, offload]])`` on
+    this rank, in one process group (one start-up for all); stage 0 is DDP (``ddp.ddp_step``)."""
+    from .ddp import ddp_step
+
+    out = []
+    for stage, model, batch, seq, *more in cases:
+        precision = more[0] if more else "fp32"
+        offload = more[1] if len(more) > 1 else False
+        out.append(ddp_step(ctx, model, batch, seq, precision=precision) if stage == 0 else
+                   zero_step(ctx, stage, model, batch, seq, 3, precision, offload))
+    return out
