@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
     est.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
     est.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    est.add_argument("--bucket-view", action="store_true",
+                     help="DDP's gradient_as_bucket_view (with --zero-stage 0)")
+    est.add_argument("--offload", action="store_true",
+                     help="ZeRO-Offload: optimizer state and shards in host memory")
     est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
@@ -96,7 +100,8 @@ def _run(args) -> str:
     if args.command == "estimate":
         layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
                         pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
-                        ep=args.ep, cp=args.cp)
+                        ep=args.ep, cp=args.cp, gradient_as_bucket_view=args.bucket_view,
+                        offload=args.offload)
         result = estimate(args.model, layout=layout, **step)
         extra = {**result.details,
                  "moments (the peak is the largest)": {k: fmt_bytes(v)
@@ -107,7 +112,7 @@ def _run(args) -> str:
             extra["tensors alive at the peak"] = "\n" + result.explain()
         title = (f"{args.model}: predicted bytes per device, {args.device} defaults\n(batch "
                  f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
-                 f"ZeRO-{args.zero_stage}, dp {args.dp}, tp {args.tp}{' with sp' if args.sp else ''}, "
+                 f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, tp {args.tp}{' with sp' if args.sp else ''}, "
                  f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
     else:
         result = measure_step(args.model, fake=not args.real, **step)

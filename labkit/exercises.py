@@ -263,8 +263,9 @@ The states are not the whole step: at batch 1 x 2048 tokens with CUDA defaults t
 per GPU is {peak:.2f} GiB during {phase} on {answer} GPUs - autocast's bf16 weight copies
 ({cache:.2f} GiB, made from the gathered weights and not sharded, as plain autocast over
 fp32 weights under FSDP1 or ZeRO-3 keeps them; FSDP's bf16 parameter policy gathers bf16 weights
-and makes none) and the activations come on top (lk.estimate(..., layout=lk.Layout(dp={answer},
-zero_stage=3))).""",
+and makes none), the activations, and what ZeRO-3 holds whole for a while (the gathered
+embedding, LM head and block, and their gradient buckets) come on top
+(lk.estimate(..., layout=lk.Layout(dp={answer}, zero_stage=3)).explain()).""",
 )
 def _zero3_fewest_gpus():
     from .predict import estimate
@@ -532,7 +533,8 @@ def _every_k_fit() -> dict:
             "none": f"{estimate('llama-2-7b', **FIT).total / GiB:.1f}",
             "extra": f"{cost[f'every-{k}']:.1f}", "full_extra": f"{cost['full']:.1f}",
             "full": f"{total[1] / GiB:.1f}",
-            "gathered": f"{2 * _layer_params('llama-2-7b') / GiB:.2f}"}
+            "gathered": f"{2 * _layer_params('llama-2-7b') / GiB:.2f}",
+            "prefetched": f"{(total[k] + 2 * _layer_params('llama-2-7b')) / GiB:.2f}"}
 
 
 def _layer_params(name: str) -> int:
@@ -554,8 +556,9 @@ the larger k, the fewer extra FLOPs. What is the largest k with which it fits in
 recomputation at {none} GiB. It costs +{extra}% FLOPs (checkpointing.recompute_cost) where full
 recomputation (k = 1, {full} GiB) costs +{full_extra}%: the model states and the blocks that
 keep everything share the 24 GiB, and each recomputed block frees one layer's activations.
-The estimate leaves out ZeRO-3's gathered weights ({gathered} GiB per layer in bf16; lab 04
-adds them): with one layer gathered and one prefetched, every-{answer} still fits.""",
+The estimate holds the weights ZeRO-3 gathers (the embedding, final norm and LM head, and one
+block at a time: {gathered} GiB per block in bf16; lab 04 measures them); an implementation that
+prefetches the next block holds one more: {prefetched} GiB at every-{answer}'s peak, no margin.""",
 )
 def _cheapest_fit():
     return _every_k_fit()
@@ -592,3 +595,94 @@ def _varlen_saving():
     return {"answer": saved / 1024, "peak": mem["mask"].peak - mem["varlen"].peak,
             "mask": mask, "layers": cfg.layers, "heads": cfg.heads, "lse": lse,
             "equal": saved == mask + lse}
+
+
+# ---- lab 04: data parallelism, ZeRO and FSDP ---------------------------------------------------
+@register(
+    "04-zero2-bytes-per-parameter",
+    question="""The ZeRO paper's mixed-precision AdamW keeps, per parameter, a bf16 weight and
+gradient, an fp32 master weight and two fp32 moments. With ZeRO stage 2 over 8 GPUs, how many
+bytes per parameter of model states does each GPU hold?""",
+    unit="bytes per parameter",
+    hint="Stage 2 shards the optimizer state (master and moments: 12 bytes) and the gradients "
+         "(2 bytes); the weights stay whole.",
+    solution="""Weights 2 + (gradients 2 + optimizer state 12) / 8 = {answer:g} bytes per parameter
+(lk.model_state_bytes(n, "bf16-master", "adamw", zero_stage=2, dp=8) / n), against 16 without
+ZeRO: {saving:.0f}% less. Stage 3 would hold 16 / 8 = 2.""",
+)
+def _zero2_bytes_per_parameter():
+    n = 8 * 10**6                                        # any count that 8 divides
+    answer = model_state_bytes(n, "bf16-master", "adamw", zero_stage=2, dp=8) / n
+    return {"answer": answer, "saving": 100 * (1 - answer / 16)}
+
+
+@register(
+    "04-bucket-view-saves",
+    question="""LLaMA-2-7B trains in fp32 with AdamW under DDP over 8 GPUs, 1 x 16 tokens per GPU
+(CUDA defaults). How many GiB per GPU does `gradient_as_bucket_view=True` save at the peak?""",
+    unit="GiB",
+    hint="DDP's buckets hold a flat copy of every gradient for the whole run; with bucket views "
+         "the .grad tensors are views of them instead of a second copy. Compare "
+         "lk.estimate(..., layout=lk.Layout(dp=8, gradient_as_bucket_view=...)).",
+    solution="""{answer:.2f} GiB: one fp32 copy of the gradients, 4 x {n:,} bytes. Peak per GPU
+{off:.2f} GiB with DDP's default, {on:.2f} GiB with bucket views (during {phase}).""",
+)
+def _bucket_view_saves():
+    from .predict import estimate
+    from .recipe import Layout
+    step = dict(batch=1, seq=16, precision="fp32")
+    off, on = (estimate("llama-2-7b", **step, layout=Layout(dp=8, gradient_as_bucket_view=v))
+               for v in (False, True))
+    return {"answer": (off.total - on.total) / GiB, "n": count_params("llama-2-7b").total,
+            "off": off.total / GiB, "on": on.total / GiB, "phase": on.peak_phase}
+
+
+@register(
+    "04-zero3-bytes-sent",
+    question="""LLaMA-2-7B trains with the ZeRO paper's mixed precision (bf16 weights and
+gradients on the wire) under ZeRO-3 over 64 GPUs. How many GiB does one GPU send per step?""",
+    unit="GiB",
+    hint="Stage 3 all-gathers the weights before each layer's forward and again before its "
+         "backward, and reduce-scatters the gradients: 3Ψ numbers in the paper. A ring sends "
+         "(N - 1)/N of each buffer from every rank.",
+    solution="""3 x (63/64) x {n:,} parameters x 2 bytes = {answer:.2f} GiB
+(lk.estimate(..., layout=lk.Layout(dp=64, zero_stage=3)).details["bytes sent per step"], which
+adds the padding of each block's flat buffer). Stages 1 and 2 send two thirds of it: {two:.2f} GiB,
+what DDP's all-reduce sends.""",
+)
+def _zero3_bytes_sent():
+    from .predict import estimate
+    from .recipe import Layout
+    sent = {s: estimate("llama-2-7b", 1, 2048, precision="bf16-master",
+                        layout=Layout(dp=64, zero_stage=s)).details["bytes sent per step"]
+            for s in (2, 3)}
+    return {"answer": sent[3] / GiB, "two": sent[2] / GiB,
+            "n": count_params("llama-2-7b").total}
+
+
+@register(
+    "04-fewest-gpus-80gib",
+    question="""LLaMA-2-13B trains with mixed-precision AdamW (bf16-master), full recomputation,
+1 x 4096 tokens per GPU, under ZeRO-3 (CUDA defaults). What is the fewest number of GPUs, a
+power of two, at which one step's peak per GPU fits in 80 GiB?""",
+    unit="GPUs", rtol=0,
+    hint="Try lk.estimate('llama-2-13b', 1, 4096, precision='bf16-master', recompute='full', "
+         "layout=lk.Layout(dp=N, zero_stage=3)).total for N = 1, 2, 4, ... (or the zero panel).",
+    solution="""{answer} GPUs: the peak per GPU is {peak:.1f} GiB there ({before:.1f} GiB on
+{fewer}), during {phase}. The paper's count of the model states is 16 x {n:,} bytes / N =
+{states:.1f} GiB; what is alive at the peak differs (lk.estimate(...).explain()), largest first:
+{alive}.""",
+)
+def _fewest_gpus_80gib():
+    from .predict import estimate
+    from .recipe import Layout
+
+    def peak(dp):
+        return estimate("llama-2-13b", 1, 4096, precision="bf16-master", recompute="full",
+                        layout=Layout(dp=dp, zero_stage=3))
+    dp = next(2**k for k in range(11) if peak(2**k).total <= 80 * GiB)
+    n, e = count_params("llama-2-13b").total, peak(dp)
+    alive = sorted(e.tensors, key=lambda t: -t.nbytes)[:5]
+    return {"answer": dp, "peak": e.total / GiB, "phase": e.peak_phase, "fewer": dp // 2,
+            "before": peak(max(1, dp // 2)).total / GiB, "n": n, "states": 16 * n / dp / GiB,
+            "alive": "; ".join(f"{t.name} {t.nbytes / GiB:.1f} GiB" for t in alive)}

@@ -431,7 +431,8 @@ class _Step:
         out.details = {"peak moment": peak, "optimizer implementation": self.impl,
                        "parameters on this device": self.n_local,
                        "layers on this device": len(self.layers),
-                       "model states": {"params": states["params"], "grads": self.grads(),
+                       "model states": {"params": states["params"],
+                                        "grads": 0 if self.offload else self.grads(),
                                         "optimizer": states["optimizer"]}}
         if self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
