@@ -66,12 +66,26 @@ def clean(nb):
             continue
         count += 1                        # renumber: no gap where the injected cell was
         cell.execution_count = count
+        cell.outputs = _joined_streams(cell.outputs)
         for output in cell.outputs:
             if "execution_count" in output:
                 output.execution_count = count
             # a widget's view points at the state dropped above: keep its text fallback only
             output.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
     return nb
+
+
+def _joined_streams(outputs) -> list:
+    """Consecutive stdout (or stderr) chunks as one output: how the kernel chunked a cell's
+    prints depends on the machine's load, and must not show in a diff."""
+    joined = []
+    for output in outputs:
+        if (output.output_type == "stream" and joined and joined[-1].output_type == "stream"
+                and joined[-1].name == output.name):
+            joined[-1].text += output.text
+        else:
+            joined.append(output)
+    return joined
 
 
 def _printed(cell) -> str:
