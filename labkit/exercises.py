@@ -640,15 +640,16 @@ def _bucket_view_saves():
 @register(
     "04-zero3-bytes-sent",
     question="""LLaMA-2-7B trains with the ZeRO paper's mixed precision (bf16 weights and
-gradients on the wire) under ZeRO-3 over 64 GPUs. How many GiB does one GPU send per step?""",
+gradients on the wire) under ZeRO-3 over 64 GPUs, with ring collectives (each rank sends
+(N - 1)/N of each buffer). How many GiB does one GPU send per step?""",
     unit="GiB",
     hint="Stage 3 all-gathers the weights before each layer's forward and again before its "
          "backward, and reduce-scatters the gradients: 3Ψ numbers in the paper. A ring sends "
          "(N - 1)/N of each buffer from every rank.",
     solution="""3 x (63/64) x {n:,} parameters x 2 bytes = {answer:.2f} GiB
-(lk.estimate(..., layout=lk.Layout(dp=64, zero_stage=3)).details["bytes sent per step"], which
-adds the padding of each block's flat buffer). Stages 1 and 2 send two thirds of it: {two:.2f} GiB,
-what DDP's all-reduce sends.""",
+(lk.estimate(..., layout=lk.Layout(dp=64, zero_stage=3)).details["bytes sent per step"]; the
+paper rounds (N - 1)/N to 1: 3Ψ). Stages 1 and 2 send two thirds of it: {two:.2f} GiB, what
+DDP's all-reduce sends.""",
 )
 def _zero3_bytes_sent():
     from .predict import estimate

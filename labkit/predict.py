@@ -86,7 +86,9 @@ class _Step:
         self.first, self.last = stage == 0, stage == layout.pp - 1
         self.in_flight = pipeline.in_flight(stage, layout.pp, layout.micro_batch_count,
                                             layout.schedule)
-        self.impl = recipe.impl(device)
+        # AdamW's implementation: the device's default; offloaded, the step runs on the host,
+        # where torch's default is the for-loop
+        self.impl = recipe.impl("cpu" if layout.offload else device)
         self.bytes = state_bytes(recipe.precision, recipe.optimizer)
         self.mixed = self.bytes.weight_cache > 0                          # autocast
         self.wdt = "fp32" if self.bytes.weights == 4 else "bf16"          # weights, grads, stream

@@ -192,3 +192,9 @@ def test_offload_moves_the_shards_to_the_host_and_trains_the_same():
 def test_offload_needs_zero():
     with pytest.raises(ValueError, match="zero_stage 1, 2 or 3"):
         lk.Layout(dp=8, offload=True)
+
+
+def test_a_parameter_without_gradient_is_named_not_silently_skipped():
+    from zero_targets import step_with_a_missing_gradient
+    for message in cluster.run(step_with_a_missing_gradient, 1, 2):
+        assert message and "got no gradient" in message and "requires_grad=False" in message

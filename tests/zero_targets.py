@@ -87,3 +87,16 @@ def train_zero(ctx, runs):
             grad_bytes=grad_bytes, grads_after_backward=grads_after_backward, state_bytes=opt.state_bytes(), master_bytes=opt.master_bytes(),
             numel=opt.numel, shard_numel=opt.shard_numel, units=len(opt.units))
     return out
+
+
+def step_with_a_missing_gradient(ctx, stage):
+    """A backward that reaches only the embedding: the step must say which unit waited."""
+    model = fresh_model()
+    opt = ZeroOptimizer(model, ctx.group, stage)
+    tokens = batches(1)[0]
+    (model.embed(tokens).sum() * 0).backward()       # no gradient for anything else
+    try:
+        opt.step()
+    except ValueError as error:
+        return str(error)
+    return None

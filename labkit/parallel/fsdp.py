@@ -13,7 +13,9 @@ slice: its ranks hold different optimizer-state bytes. FSDP2 splits every parame
 dim 0 (``torch.chunk``, padded to N equal chunks) and all-gathers a block's parameters before
 its forward and again before its backward; the root's (embedding, final norm, LM head) stay
 gathered from the start of the forward to the end of the backward. A rank holds its shards,
-the root and at most one gathered block. The tracker counts a DTensor by its local shard and
+the root and the block being computed - and in the backward pass one more: FSDP2 prefetches
+the next block's all-gather as each block's backward starts (labkit's stage 3 gathers one at
+a time, and so does the estimate: one block below FSDP2). The tracker counts a DTensor by its local shard and
 FSDP2's gathered parameters (freed with ``resize_(0)``) as parameters (``FSDP2Parameters``).
 
 At full scale ``fake_fsdp2_peak`` runs one FSDP2 step of a 7B or MoE model on fake tensors
@@ -103,9 +105,11 @@ def shard_blocks(model, mesh: DeviceMesh, reshard_after_forward: bool = True,
     ``placement``: "dim0" (FSDP2's default) or "even" (``even_placement``)."""
     check_choice("placement", placement, PLACEMENTS)
     place = even_placement(mesh.size()) if placement == "even" else None
-    for module in [*model.blocks, model]:
+    for module in model.blocks:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     shard_placement_fn=place)
+    # the root keeps FSDP2's default: gathered from its forward to its backward
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, shard_placement_fn=place)
     return [*model.blocks, model]
 
 
@@ -191,7 +195,9 @@ def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, s
                  stages=(1, 3)) -> dict:
     """Each wrapper in turn on this rank (one cluster start for all): {name: ShardStep}."""
     out = {"ZeroRedundancyOptimizer": zero_redundancy_step(ctx, model_name, batch, seq, steps),
-           "FSDP2": fsdp2_step(ctx, model_name, batch, seq, steps)}
+           "FSDP2": fsdp2_step(ctx, model_name, batch, seq, steps),
+           "FSDP2, no reshard": fsdp2_step(ctx, model_name, batch, seq, steps,
+                                           reshard_after_forward=False)}
     for stage in stages:
         out[f"labkit ZeRO-{stage}"] = labkit_zero_step(ctx, stage, model_name, batch, seq, steps)
     return out

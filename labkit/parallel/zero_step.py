@@ -15,7 +15,9 @@ soon as its backward is done, so no rank holds the whole gradient. Both send the
 its all-reduce is a reduce-scatter plus an all-gather, and ZeRO's all-gather is of the updated
 parameters instead of the gradients. Stage 3 also keeps only the shard of each unit's
 parameters between uses, all-gathered before the unit's forward and again before its
-backward, freed after each: 3Ψ.
+backward, freed after each: 3Ψ. ``offload`` (ZeRO-Offload) keeps the master shards, their
+AdamW state and the gradient shards in host memory and steps AdamW there: each step every
+gradient shard goes down to the host and every updated shard comes back up.
 """
 from __future__ import annotations
 
@@ -297,6 +299,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self):
+        pending = [i for i, u in enumerate(self.units) if self.stage >= 2 and u.bucket is not None]
+        if pending:
+            unit = self.units[pending[0]]
+            raise ValueError(f"unit {pending[0]}: {len(unit.params) - unit.ready} of its "
+                             f"{len(unit.params)} parameters got no gradient in this backward, so "
+                             "its gradients were never reduced: give every trainable parameter a "
+                             "gradient, or set requires_grad=False on those that get none")
         if self.stage == 1:            # stages 2, 3 reduce-scattered during the backward pass
             self.units[0].reduce_grads()   # and, as DeepSpeed's stage 1, drop the full gradients
         with on_host() if self.offload else contextlib.nullcontext():
