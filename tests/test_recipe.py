@@ -113,10 +113,11 @@ def test_the_estimate_imports_nothing_that_builds_a_model():
 
 
 def test_zero_2_and_3_shard_the_gradients_already_done_in_the_backward_pass():
-    # inside the last layer's backward nearly every gradient is done; with ZeRO-2 each rank
-    # keeps only its shard of them (1/8 over 8 ranks): about 7/8 of 4n bytes fewer
+    # ZeRO-1 holds the whole model's gradient bucket through the backward pass; ZeRO-2 keeps
+    # the shards of the blocks done (1/8 over 8 ranks), the root unit's bucket and the bucket
+    # of the block in flight: at the worst layer about 7/8 of 4n bytes fewer, less those two
     kw = dict(batch=1, seq=512, precision="bf16-mixed", recompute="full", dp=8)
-    one, two = (lk.estimate("llama-2-7b", zero_stage=s, **kw).moments["backward: layer 0"]
-                for s in (1, 2))
+    one, two = (max(v for k, v in lk.estimate("llama-2-7b", zero_stage=s, **kw).moments.items()
+                    if k.startswith("backward: layer")) for s in (1, 2))
     n = lk.count_params("llama-2-7b").total
-    assert 0.95 * (4 * n * 7 / 8) < one - two < 4 * n * 7 / 8
+    assert 0.9 * (4 * n * 7 / 8) < one - two < 4 * n * 7 / 8
