@@ -280,3 +280,47 @@ def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = 
     if title:
         fig.suptitle(title)
     return fig
+
+
+# F, B and W of a pipeline schedule (labkit.parallel.schedules), in the same palette
+from matplotlib.patches import Patch  # noqa: E402  (appended with gantt_figure)
+
+OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
+             "W": CATEGORY_COLORS["optimizer"]}
+
+
+def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
+    """One row per pipeline stage, each op a bar coloured by kind (F forward, B backward, W
+    weight gradient) and labelled with its micro-batch (.chunk when interleaved); idle time
+    stays white. ``timeline``: ``schedules.simulate(...)`` or a measured run's ``.timeline``
+    (``unit``: what its times count, e.g. "seconds")."""
+    spans = [span for stage in timeline.stages for span in stage]
+    if not spans:
+        raise ValueError("the timeline has no ops: pass labkit.parallel.schedules.simulate(...) "
+                         "or labkit.parallel.pipeline.measure_schedules(...)[i].timeline")
+    t0 = min(float(span.start) for span in spans)
+    makespan = max(float(span.end) for span in spans) - t0
+    split = any(span.op.kind == "W" for span in spans)
+    width_in = min(14.0, 4 + 0.2 * len(spans) / timeline.p)
+    fig, ax = _new_figure(width_in, 1.3 + 0.45 * timeline.p)
+    for s, stage in enumerate(timeline.stages):
+        for op, start, end in stage:
+            left, width = float(start) - t0, float(end) - float(start)
+            ax.barh(s, width, left=left, height=0.8, color=OP_COLORS[op.kind],
+                    edgecolor="white", linewidth=0.6)
+            label = f"{op.micro_batch}" + (f".{op.chunk}" if timeline.v > 1 else "")
+            if width / makespan * 0.85 * width_in > 0.055 * (len(label) + 1):  # room to read
+                ax.text(left + width / 2, s, label, ha="center", va="center", fontsize=7,
+                        color="white")
+    names = {"F": "F forward", "B": "B input gradient" if split else "B backward",
+             "W": "W weight gradient"}
+    ax.set_yticks(range(timeline.p), [f"stage {s}" for s in range(timeline.p)])
+    ax.set_ylim(timeline.p - 0.5, -0.5)                  # stage 0 on top
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel(unit)
+    chunks = f", v={timeline.v}" if timeline.v > 1 else ""
+    ax.set_title(title or f"{timeline.name}: p={timeline.p}, m={timeline.m}{chunks}, "
+                          f"idle {float(timeline.idle_fraction):.1%}")
+    handles = [Patch(color=OP_COLORS[k], label=names[k]) for k in ("FBW" if split else "FB")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
+    return fig
