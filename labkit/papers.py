@@ -69,15 +69,24 @@ def megatron_activation_bytes(seq, batch, hidden, heads, layers=1, tp=1, sp=Fals
 
 def pipeline_bubble(p, m, schedule="1f1b", v=1) -> float:
     """Fraction of the schedule a device idles: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1)
-    interleaved. Papers often quote the ratio (p-1)/m, bubble over ideal time: ``pipeline_bubble_ratio``."""
+    interleaved, (p-1)/(3m+p-1) for ZB-H1 (Qi et al., 2023; forward, input-gradient and
+    weight-gradient passes of equal time, m >= p). Papers often quote the ratio (p-1)/m,
+    bubble over ideal time: ``pipeline_bubble_ratio``."""
     _check_pipeline(p, m, schedule, v)
-    return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (_ideal(m, schedule, v) + p - 1)
 
 
 def pipeline_bubble_ratio(p, m, schedule="1f1b", v=1) -> float:
-    """Bubble time over ideal time (Narayanan et al., 2021): (p-1)/m, or (p-1)/(v*m) interleaved."""
+    """Bubble time over ideal time (Narayanan et al., 2021): (p-1)/m, (p-1)/(v*m) interleaved,
+    (p-1)/(3m) ZB-H1."""
     _check_pipeline(p, m, schedule, v)
-    return (p - 1) / (v * m)
+    return (p - 1) / _ideal(m, schedule, v)
+
+
+def _ideal(m, schedule, v):
+    """A stage's busy time in units of its bubble per step of the pipeline's depth: m
+    micro-batches, v m chunks interleaved; ZB-H1 fills two thirds of each such gap (F = B = W)."""
+    return 3 * m if schedule == "zb-h1" else v * m
 
 
 def _check_pipeline(p, m, schedule, v):

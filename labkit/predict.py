@@ -70,9 +70,16 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     check_positive("seq", seq)
     check_choice("device", device, DEVICES)
     layout.check(c, seq)
-    stages = pipeline.stage_layers(c.layers, layout.pp)
-    return max((_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
-                for s, layers in enumerate(stages)), key=lambda e: e.total)
+    stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
+              for chunks in pipeline.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
+    per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
+                 for s, layers in enumerate(stages)]
+    busiest = max(per_stage, key=lambda e: e.total)
+    if layout.pp > 1:        # each stage's peak and what it keeps for the backward pass
+        busiest.details["stages"] = [dict(total=e.total, saved_activations=e.saved_activations,
+                                          peak_moment=e.details["peak moment"])
+                                     for e in per_stage]
+    return busiest
 
 
 class _Step:
@@ -85,7 +92,7 @@ class _Step:
         self.layers = list(layers)
         self.first, self.last = stage == 0, stage == layout.pp - 1
         self.in_flight = pipeline.in_flight(stage, layout.pp, layout.micro_batch_count,
-                                            layout.schedule)
+                                            layout.schedule, layout.virtual_stages)
         # AdamW's implementation: the device's default; offloaded, the step runs on the host,
         # where torch's default is the for-loop
         self.impl = recipe.impl("cpu" if layout.offload else device)
@@ -178,22 +185,37 @@ class _Step:
                 total[term.name] += term.bytes(self.B, self.T) * times
                 meta[term.name] = term
         suffix = f", {label}" if label else ""
-        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, v) for k, v in total.items()]
+        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v))
+                for k, v in total.items()]
+
+    def _sent_outputs(self) -> list[Tensor]:
+        """A pipeline stage keeps each (B, T, hidden) output it sent until that micro-batch's
+        backward, as torch.distributed.pipelining and labkit's executor do (Megatron-LM frees
+        the data once sent): one per chunk in flight, but the model's last."""
+        if self.L.pp == 1:
+            return []
+        v = self.L.virtual_stages
+        chunks = self.in_flight * (v if not self.last else v - 1)
+        return [Tensor("stage outputs sent, kept until their backward", "activations",
+                       self.wdt, int(self.N * self.c.hidden * self.bytes.weights * chunks))]
 
     # ---- the moments -----------------------------------------------------------------------
     def estimate(self) -> Estimate:
         """The largest of the step's moments, each a list of the tensors alive then."""
         saved, full, unit_start = self.saved_per_layer()
         flight = self.in_flight
-        label = f"{len(self.layers)} layers" + (f" x {flight} micro-batches" if flight > 1 else "")
-        kept = self.tensors_of(saved, flight, label)
+        label = f"{len(self.layers)} layers" + (f" x {float(flight):g} micro-batches"
+                                                if flight > 1 else "")
+        kept = self.tensors_of(saved, flight, label) + self._sent_outputs()
         always = self.states()
         if self.first:       # alive the whole step: inputs and shifted targets, (B, T + 1) int64
             always.append(Tensor("token batch", "activations", "int64", 8 * self.B * (self.T + 1)))
         if self.last:
             always.append(Tensor("loss", "activations", "fp32", 4))
+        # GPipe's last stage runs every micro-batch's loss before any backward: it keeps m heads
+        heads = flight if self.L.schedule == "gpipe" else 1
         head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
-                                            self.recipe.loss_chunk)])
+                                            self.recipe.loss_chunk)], heads)
                 if self.last else [])
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
@@ -308,7 +330,7 @@ class _Step:
         flight = self.in_flight
         return self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
             self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
-            if flight > 1 else [])
+            if flight > 1 else []) + self._sent_outputs()
 
     def _embedding_moment(self, always) -> dict:
         """Backward ends in the embedding: every other gradient is done, its own is forming."""

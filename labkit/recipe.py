@@ -132,6 +132,7 @@ class Layout:
     pp: int = 1
     micro_batches: int | None = None
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     ep: int = 1
     cp: int = 1
     gradient_as_bucket_view: bool = False
@@ -154,9 +155,14 @@ class Layout:
             raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
                              "parallel group: it needs tp > 1")
         check_choice("schedule", self.schedule, SCHEDULES)
-        if self.schedule == "interleaved":
-            raise ValueError("the estimate models the 'gpipe' and '1f1b' schedules; "
-                             "interleaved 1F1B comes with lab 05")
+        check_positive("virtual_stages", self.virtual_stages)
+        if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
+            raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
+                             f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
+                             "(model chunks per stage), every other schedule 1")
+        if self.schedule == "interleaved" and self.micro_batch_count % self.pp:
+            raise ValueError(f"interleaved 1F1B runs micro-batches in groups of pp={self.pp}: "
+                             f"choose micro_batches among the multiples of {self.pp}")
 
     @property
     def micro_batch_count(self) -> int:
@@ -167,9 +173,9 @@ class Layout:
         if cfg.heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide heads={cfg.heads}; choose tp among "
                              f"the divisors of {cfg.heads}")
-        if self.pp > cfg.layers:
-            raise ValueError(f"pp={self.pp} is larger than layers={cfg.layers}; a pipeline stage "
-                             f"needs at least one layer")
+        if self.pp * self.virtual_stages > cfg.layers:
+            raise ValueError(f"pp={self.pp} x virtual_stages={self.virtual_stages} is larger than "
+                             f"layers={cfg.layers}; a pipeline chunk needs at least one layer")
         if self.ep > 1 and (not cfg.is_moe or cfg.routed_experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide the routed experts "
                              f"({cfg.routed_experts}); use ep=1 for a dense model")

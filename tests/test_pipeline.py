@@ -249,3 +249,23 @@ def test_torch_pipelining_gives_the_same_losses_and_gradients_and_a_close_peak()
         for mine, torchs in zip(ours.stages, theirs):
             # torch keeps a little more (a receive buffer per micro-batch, its own copies)
             assert mine.peak <= torchs.peak <= 1.1 * mine.peak
+
+
+def test_the_estimate_gives_each_stages_held_activations_within_3_percent():
+    """labkit.estimate's per-stage saved activations (in flight x layers, the outputs sent, the
+    heads GPipe keeps) beside what each stage of the executor held, for every schedule."""
+    import labkit as lk
+    from labkit.parallel.pipeline import measure_schedules
+    cases = [("gpipe", 4, 1), ("1f1b", 4, 1), ("zb-h1", 4, 1), ("interleaved", 4, 2)]
+    runs = measure_schedules("small", 2, cases, micro_batch=1, seq=64)
+    for (name, m, v), run in zip(cases, runs):
+        est = lk.estimate("small", 1, 64, precision="fp32", device="cpu", layout=lk.Layout(
+            pp=2, micro_batches=m, schedule=name, virtual_stages=v))
+        for stage, predicted in zip(run.stages, est.details["stages"]):
+            assert predicted["saved_activations"] == pytest.approx(stage.held, rel=0.03), name
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_the_papers_zb_h1_bubble_is_the_equal_durations_case(p, m):
+    assert pipeline_bubble(p, m, "zb-h1") == pytest.approx(zb_h1_bubble(p, m))
+    assert pipeline_bubble(p, m, "zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from fractions import Fraction
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,7 @@ from torch.autograd.graph import get_gradient_edge
 from ..config import ModelConfig, preset
 from .schedules import Op, OpSpan, PipelineTimeline, Schedule, make_schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")      # the schedules labkit.estimate models
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # the schedules labkit.estimate models
 
 
 def stage_layers(layers: int, pp: int) -> list[range]:
@@ -50,12 +51,20 @@ def stage_layers(layers: int, pp: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b") -> int:
+def in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b",
+              v: int = 1) -> Fraction:
     """Micro-batches whose activations stage ``stage`` holds at once: GPipe runs every
-    forward first (all ``micro_batches``); 1F1B starts backward after ``pp - stage``."""
+    forward first (all ``micro_batches``); 1F1B starts backward after ``pp - stage``; ZB-H1
+    defers the weight gradients, which keep their inputs: ``pp`` on every stage. Interleaved
+    1F1B holds min(m v, 2 (p - s - 1) + (v - 1) p + 1) chunks of 1/v of the stage's layers."""
+    m = micro_batches
     if schedule == "gpipe":
-        return micro_batches
-    return min(micro_batches, pp - stage)
+        return Fraction(m)
+    if schedule == "zb-h1":
+        return Fraction(min(m, pp))
+    if schedule == "interleaved":
+        return Fraction(min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1), v)
+    return Fraction(min(m, pp - stage))
 
 
 def chunk_layers(layers: int, p: int, v: int = 1) -> list[list[range]]:
