@@ -1,0 +1,304 @@
+"""Tensor parallelism (Megatron-LM: Shoeybi et al., 2019) and sequence parallelism
+(Korthikanti et al., 2022) for labkit's dense transformer.
+
+Each of N ranks holds 1/N of every block's matmul weights and computes 1/N of its heads and of
+its MLP width; two messages per sub-layer put the pieces together (``comm``: f and g):
+
+    x (B, T, h) --f--> q, k, v = x [Wq_i Wk_i Wv_i]  heads H/N, kv heads Hkv/N
+                       y_i = attention(q, k, v) Wo_i  --g (all-reduce)--> y (B, T, h)
+    x (B, T, h) --f--> silu(x Wgate_i) * (x Wup_i) Wdown_i  --g--> (B, T, h)
+
+Which weight gets which split (``STYLES``; ``labkit.layers`` also splits the LM head's rows):
+
+    attn.wq, attn.wk, attn.wv     column   outputs split: heads (and kv heads) over the ranks
+    attn.wo                       row      inputs split: each rank's heads, partial sums
+    mlp.w_gate, mlp.w_up          column   ffn / N outputs each
+    mlp.w_down                    row      ffn / N inputs, partial sums
+    attn_norm, mlp_norm           replicated  (each rank normalises its T/N tokens under sp)
+    embed                         vocab    rows split: each rank looks up the tokens it holds
+    norm, lm_head                 replicated  (every rank computes all the logits and the loss)
+
+Without sequence parallelism every rank holds the norms, the residual stream and the inputs of
+the column-parallel projections whole: N copies of the same bytes. With ``sp=True`` each rank
+keeps only its T/N tokens of them; g becomes an all-gather of the tokens before the column
+projections and ḡ a reduce-scatter after the row projection. The all-gathered input is not
+kept for the backward pass: only this rank's tokens, gathered again there (``GatheredLinears``,
+Korthikanti et al., section 4.2.2), so every saved tensor is 1/N of one process's.
+
+``parallelize(model, ctx, sp)`` turns a ``labkit.model.Transformer`` whose weights are the same
+on every rank into this rank's part, slicing the one-process weights, so the results can be
+compared with one process. GQA attention and dense SwiGLU blocks only (no MLA, no MoE).
+
+The LM head is not vocabulary-parallel: ``Transformer.forward`` takes the loss of the whole
+(B, T, vocab) logits, where Megatron's head leaves each rank vocab/N logits and a parallel
+cross-entropy all-reduces the softmax's max and sum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, preset
+from ..model import (Block, GroupedQueryAttention, SwiGLU, Transformer, attention_core,
+                     build_model)
+from ..train import make_optimizer, param_dtype, train_step
+from .comm import (CommCounter, all_gather_tokens, copy_to_parallel, gather_from_sequence,
+                   reduce_from_parallel, reduce_scatter_to_sequence, reduce_scatter_tokens,
+                   sum_grad_over_ranks)
+from .steps import RankStep, measure_rank, rank_tokens
+
+# weight -> how tensor parallelism splits it (the table in the docstring)
+STYLES = {"attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column",
+          "attn.wv": "column", "attn.wo": "row", "mlp_norm": "replicated",
+          "mlp.w_gate": "column", "mlp.w_up": "column", "mlp.w_down": "row",
+          "embed": "vocab", "norm": "replicated", "lm_head": "replicated"}
+
+
+def check_tp(cfg: ModelConfig, tp: int):
+    """ValueError unless this module can split ``cfg``'s blocks over ``tp`` ranks."""
+    if cfg.attention != "gqa" or cfg.dense_layers < cfg.layers:
+        raise ValueError(f"{cfg.name}: tensor parallelism here splits GQA attention and dense "
+                         "SwiGLU blocks; MLA and MoE blocks are not supported (use a dense GQA "
+                         "model such as 'small')")
+    if cfg.tie_embeddings:
+        raise ValueError(f"{cfg.name} ties its embedding to the LM head, which stays replicated "
+                         "while the embedding's rows are split: use tie_embeddings=False")
+    sizes = (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
+             ("vocab_size", cfg.vocab_size))
+    for what, n in sizes:
+        if n % tp:
+            fits = [t for t in range(1, cfg.kv_heads + 1) if all(n % t == 0 for _, n in sizes)]
+            raise ValueError(f"tp={tp} does not divide {what}={n} of {cfg.name}: each rank takes "
+                             f"an equal share; choose tp among {fits}")
+
+
+# ---- the two linear layers --------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its columns (outputs), A = [A_1, ..., A_N]: rank i holds
+    A_i (in -> out/N) and b_i, and computes its out/N outputs Y_i = X A_i + b_i; no message.
+
+    X must be the same on every rank: the sub-layer enters the parallel region once
+    (``column_parallel``) for all the projections that read X (q, k, v; gate, up), so that X
+    is sent and saved once (Megatron fuses those weights into one matrix instead).
+    """
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int):
+        super().__init__()
+        self.weight = nn.Parameter(_mine(linear.weight, 0, rank, world))      # (out/N, in)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            _mine(linear.bias, 0, rank, world))                               # (out/N,)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)                            # (..., out/N)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split along its rows (inputs), A = [A_1; ...; A_N], and X split along its
+    columns as a column-parallel layer leaves it, X = [X_1, ..., X_N]: rank i computes the
+    partial sum X_i A_i over all outputs, and g adds the N of them (all-reduce) - or, under
+    sequence parallelism, ḡ adds them and leaves each rank its T/N tokens (reduce-scatter).
+    """
+
+    def __init__(self, linear: nn.Linear, comm: CommCounter, sp: bool = False):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("a row-parallel projection adds its bias once, after the sum: "
+                             "labkit's wo and w_down have none; build the linear with bias=False")
+        self.weight = nn.Parameter(_mine(linear.weight, 1, comm.rank, comm.world))  # (out, in/N)
+        self.comm, self.sp = comm, sp
+
+    def forward(self, x):                                                     # (B, T, in/N)
+        partial = F.linear(x, self.weight)                                    # (B, T, out)
+        if self.sp:
+            return reduce_scatter_to_sequence(partial, self.comm)             # (B, T/N, out)
+        return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
+
+
+def _mine(weight: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's 1/N slice of a one-process weight along ``dim``, a copy of its own."""
+    return weight.detach().chunk(world, dim=dim)[rank].clone()
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding's rows split over the ranks: rank i holds tokens [i V/N, (i + 1) V/N).
+    Each rank looks up the tokens it holds (zeros for the others) and g adds the N lookups
+    up - or, under sequence parallelism, ḡ adds them and leaves each rank its T/N tokens."""
+
+    def __init__(self, embed: nn.Embedding, comm: CommCounter, sp: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(_mine(embed.weight, 0, comm.rank, comm.world))   # (V/N, h)
+        self.first = comm.rank * self.weight.shape[0]           # the first token this rank holds
+        self.comm, self.sp = comm, sp
+
+    def forward(self, tokens):                                                # (B, T) int64
+        local = tokens - self.first
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])             # (B, T)
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)      # (B, T, h)
+        rows = rows.masked_fill(elsewhere.unsqueeze(-1), 0.0)                 # partial sums
+        if self.sp:
+            return reduce_scatter_to_sequence(rows, self.comm)                # (B, T/N, h)
+        return reduce_from_parallel(rows, self.comm)                          # (B, T, h)
+
+
+# ---- entering the parallel region -------------------------------------------------------------
+class GatheredLinears(torch.autograd.Function):
+    """g then column-parallel matmuls, keeping only this rank's T/N tokens of X for backward:
+    the backward pass all-gathers X again for the weight gradients (Korthikanti et al., 4.2.2)
+    and reduce-scatters X's gradient, a partial sum over the ranks' outputs.
+    (``gather_from_sequence`` followed by the linears would keep all T tokens of X.) Under
+    autocast X is cast first: sent and kept once in 16 bits, as the matmuls read it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, *weights_and_biases):                           # x (B, T/N, in)
+        n = len(weights_and_biases) // 2
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
+        ctx.autocast = _autocast_state(x.device.type)
+        if ctx.autocast["enabled"]:
+            x = x.to(ctx.autocast["dtype"])
+        full = all_gather_tokens(x, comm)                                     # (B, T, in)
+        ctx.save_for_backward(x, *weights)
+        ctx.comm, ctx.biased = comm, [b is not None for b in biases]
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))   # (B, T, out/N) each
+
+    @staticmethod
+    def backward(ctx, *grads):                                                # (B, T, out/N) each
+        x, *weights = ctx.saved_tensors
+        with torch.autocast(x.device.type, **ctx.autocast):   # the forward's precision
+            full = all_gather_tokens(x, ctx.comm).flatten(0, 1)               # (B*T, in) again
+            grad_x = sum(g @ w for g, w in zip(grads, weights))               # (B, T, in)
+            grad_w = [g.flatten(0, 1).T @ full for g in grads]                # (out/N, in) each
+        grad_b = [g.flatten(0, 1).sum(0) if biased else None
+                  for g, biased in zip(grads, ctx.biased)]
+        return reduce_scatter_tokens(grad_x, ctx.comm), None, *grad_w, *grad_b
+
+
+def _autocast_state(device_type: str) -> dict:
+    return dict(enabled=torch.is_autocast_enabled(device_type),
+                dtype=torch.get_autocast_dtype(device_type))
+
+
+def column_parallel(x, linears, comm: CommCounter, sp: bool = False) -> list:
+    """Enter the parallel region once, then every column-parallel projection that reads x:
+    f (identity; all-reduce backward), or under sp the all-gather of the tokens."""
+    if sp:
+        weights_and_biases = [lin.weight for lin in linears] + [lin.bias for lin in linears]
+        return list(GatheredLinears.apply(x, comm, *weights_and_biases))
+    x = copy_to_parallel(x, comm)                                             # (B, T, in)
+    return [linear(x) for linear in linears]
+
+
+# ---- the sub-layers ---------------------------------------------------------------------------
+class ParallelAttention(nn.Module):
+    """Grouped-query attention with heads and kv heads split over the ranks: q, k, v
+    column-parallel (H/N and Hkv/N heads each), wo row-parallel; heads never talk to each other,
+    so attention itself needs no message."""
+
+    def __init__(self, attn: GroupedQueryAttention, comm: CommCounter, sp: bool = False):
+        super().__init__()
+        rank, world = comm.rank, comm.world
+        self.heads, self.kv_heads = attn.heads // world, attn.kv_heads // world
+        self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
+        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, rank, world)
+                                     for w in (attn.wq, attn.wk, attn.wv))
+        self.wo = RowParallelLinear(attn.wo, comm, sp)
+
+    def forward(self, x, rope, mask=None):                      # x (B, T, h), (B, T/N, h) if sp
+        q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.comm, self.sp)
+        B, T, _ = q.shape                                                     # all T tokens
+        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)           # (B, H/N, T, d)
+        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
+        y = attention_core(rope(q), rope(k), v, mask)                         # (B, H/N, T, d)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))         # (B, T, h), (B, T/N, h) if sp
+
+
+class ParallelSwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up column-parallel (ffn/N each) and down
+    row-parallel: the elementwise product needs no message (Megatron's MLP, figure 3a)."""
+
+    def __init__(self, mlp: SwiGLU, comm: CommCounter, sp: bool = False):
+        super().__init__()
+        self.w_gate = ColumnParallelLinear(mlp.w_gate, comm.rank, comm.world)
+        self.w_up = ColumnParallelLinear(mlp.w_up, comm.rank, comm.world)
+        self.w_down = RowParallelLinear(mlp.w_down, comm, sp)
+        self.comm, self.sp = comm, sp
+
+    def forward(self, x):                                       # x (B, T, h), (B, T/N, h) if sp
+        gate, up = column_parallel(x, (self.w_gate, self.w_up), self.comm, self.sp)
+        return self.w_down(F.silu(gate) * up)                   # (B, T, h), (B, T/N, h) if sp
+
+
+# ---- a whole block, a whole model -------------------------------------------------------------
+def parallelize_block(block: Block, comm: CommCounter, sp: bool = False) -> Block:
+    """Make ``block`` this rank's tensor-parallel part, in place. Its forward is unchanged: under
+    sp it takes and returns this rank's T/N tokens, and the norms and the residual additions
+    act on them alone; each norm's weight gradient is then summed over the ranks."""
+    block.attn = ParallelAttention(block.attn, comm, sp)
+    block.mlp = ParallelSwiGLU(block.mlp, comm, sp)
+    if sp:
+        for norm in (block.attn_norm, block.mlp_norm):
+            sum_grad_over_ranks(norm.weight, comm)
+    return block
+
+
+def parallelize(model: Transformer, ctx, sp: bool = False) -> CommCounter:
+    """Turn ``model`` (the same weights on every rank) into rank ``ctx.rank``'s tensor-parallel
+    part, in place; returns the ``CommCounter`` that counts what its messages send.
+
+    Every rank must be given the same tokens. The embedding's rows are split (under sp it
+    leaves each rank its T/N tokens); the final norm and the LM head stay replicated, and
+    under sp the tokens are gathered again before the final norm.
+    """
+    check_tp(model.cfg, ctx.world_size)
+    comm = CommCounter(ctx.group, world=ctx.world_size, rank=ctx.rank)
+    model.embed = VocabParallelEmbedding(model.embed, comm, sp)
+    for block in model.blocks:
+        parallelize_block(block, comm, sp)
+    if sp:
+        model.norm.register_forward_pre_hook(   # the norm and LM head see every token
+            lambda module, args: (gather_from_sequence(args[0], comm, reduce_grad=False),))
+    return comm
+
+
+# ---- one rank's training steps ----------------------------------------------------------------
+@dataclass
+class TensorParallelStep(RankStep):
+    """A ``RankStep`` and the seconds of each untracked step after the measured ones."""
+
+    seconds: list = field(default_factory=list)
+
+
+def tensor_parallel_step(ctx, cfg: ModelConfig | str = "small", batch: int = 1, seq: int = 256,
+                         sp: bool = False, precision: str = "fp32", steps: int = 3,
+                         timed: int = 0) -> TensorParallelStep:
+    """Train ``cfg`` (a preset's name or a config) split over the ranks, AdamW; the tracker
+    measures the last of ``steps`` (and the bytes it sent), then ``timed`` more steps run
+    untracked, timed. One thread per rank: each rank stands for one device."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    model = build_model(cfg, dtype=param_dtype(precision), device=ctx.device)
+    comm = parallelize(model, ctx, sp)
+    optimizer = make_optimizer(model.parameters(), "adamw", impl="for-loop",
+                               master_weights=precision == "bf16-master")
+
+    def forward(tokens, targets):
+        comm.reset()                    # then ``comm.sent`` holds the last step's bytes
+        return model(tokens, targets)
+
+    # a tensor-parallel group splits the model, not the batch: every rank takes the same rows
+    one_group = dataclasses.replace(ctx, rank=0, world_size=1)
+    rows = rank_tokens(one_group, model.cfg.vocab_size, batch, seq, steps + timed)
+    step = measure_rank(ctx, model, forward, optimizer, rows[:steps], precision,
+                        sent=lambda: comm.sent)
+    seconds = []
+    for tokens in rows[steps:]:
+        start = time.perf_counter()
+        train_step(forward, optimizer, tokens[:, :-1], tokens[:, 1:], precision)
+        seconds.append(time.perf_counter() - start)
+    return TensorParallelStep(**vars(step), seconds=seconds)

@@ -1,0 +1,249 @@
+"""Tensor and sequence parallelism (labkit.parallel.tensor) against one process, the estimate,
+Korthikanti et al.'s formula and PyTorch's DTensor tensor parallelism."""
+import pytest
+import torch
+
+import labkit as lk
+from labkit.layers import block_weights, embedding_weights, head_weights, layer_saved
+from labkit.parallel import cluster
+from labkit.parallel.cluster import RankContext
+from labkit.parallel.comm import CommCounter, my_tokens
+from labkit.parallel.tensor import STYLES, parallelize, parallelize_block
+from tensor_targets import (BATCH, CFG, MEMORY_SEQ, PARTS, SEQ, compare, fresh_model, part,
+                            run_model, run_part, shard_of, tokens, train_one_process)
+
+# fp64 on both sides: the ranks add the partial sums of each matmul in another order than one
+# process does, which fp64 leaves at ~1e-16; 1e-12 is far below any real error (a missing
+# all-reduce is off by O(1)).
+TOL = dict(rtol=1e-12, atol=1e-12)
+SLOW_N4 = pytest.param(4, marks=pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", params=[2, SLOW_N4], ids=["N=2", "N=4"])
+def ranks(request):
+    """One cluster run per N does every check's work: (N, [results of rank r])."""
+    n = request.param
+    return n, cluster.run(compare, n, timeout_s=300)
+
+
+def tokens_of(t, rank, n, sp):
+    """Rank ``rank``'s share of a one-process (B, T, ...) tensor: its T/N tokens under sp."""
+    return t.chunk(n, dim=1)[rank] if sp else t
+
+
+# ---- the same numbers as one process -----------------------------------------------------
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("name", PARTS)
+def test_part_output_and_every_gradient_equal_one_process(ranks, name, sp):
+    """Rank r's output (its tokens under sp), the input's gradient, and its slice of every
+    weight's gradient equal one process's, for the MLP, attention and a whole block."""
+    n, results = ranks
+    reference = run_part(*part(name, torch.float64))
+    for rank, result in enumerate(results):
+        got = result[name, sp]
+        torch.testing.assert_close(got["out"], tokens_of(reference["out"], rank, n, sp), **TOL)
+        torch.testing.assert_close(got["x_grad"], tokens_of(reference["x_grad"], rank, n, sp),
+                                   **TOL)
+        assert got["grads"].keys() == reference["grads"].keys()
+        for param, grad in got["grads"].items():
+            torch.testing.assert_close(grad, shard_of(param, reference["grads"][param], rank, n),
+                                       **TOL, msg=lambda m: f"{param}: {m}")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_whole_model_loss_and_every_gradient_equal_one_process(ranks, sp):
+    n, results = ranks
+    reference = run_model(fresh_model(torch.float64))
+    for rank, result in enumerate(results):
+        got = result["model", sp]
+        torch.testing.assert_close(got["loss"], reference["loss"], **TOL)
+        for param, grad in got["grads"].items():
+            torch.testing.assert_close(grad, shard_of(param, reference["grads"][param], rank, n),
+                                       **TOL, msg=lambda m: f"{param}: {m}")
+
+
+# fp32: round-off in the sums' order; bf16-mixed: bf16 matmuls summed in another order
+LOSS_RTOL = {"fp32": 1e-5, "bf16-mixed": 1e-3}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("precision", LOSS_RTOL)
+def test_adamw_steps_lose_as_one_process(ranks, precision, sp):
+    """``tensor_parallel_step``: every rank's losses are one process's."""
+    n, results = ranks
+    expected = torch.tensor(train_one_process(precision))
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["train", precision, sp].losses), expected,
+                                   rtol=LOSS_RTOL[precision], atol=0)
+
+
+def test_ranks_hold_different_slices(ranks):
+    """The comparisons above would hold trivially if every rank held the whole weight."""
+    n, results = ranks
+    shards = [r["block", False]["grads"]["attn.wq.weight"] for r in results]
+    assert shards[0].shape[0] == CFG.heads * CFG.head_dim // n
+    assert not torch.equal(shards[0], shards[1])
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_dtensor_parallelize_module_gives_the_same_block_output(ranks, sp):
+    """PyTorch's ColwiseParallel / RowwiseParallel (and SequenceParallel) on the same block."""
+    n, results = ranks
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["dtensor"][sp], result["block", sp]["out"], **TOL)
+
+
+def test_gather_from_sequence_gives_the_same_mlp_but_keeps_all_tokens(ranks):
+    """g as a plain all-gather before the column linears: the same numbers, but the linears
+    keep the all-gathered (B, T, h) input, where ``GatheredLinears`` keeps only this rank's
+    tokens: its input, which the norm before it keeps anyway."""
+    n, results = ranks
+    full = BATCH * SEQ * CFG.hidden * 8                               # (B, T, h) fp64 bytes
+    for result in results:
+        fused, gathered = result["mlp", True], result["mlp gathered", True]
+        torch.testing.assert_close(gathered["out"], fused["out"], **TOL)
+        torch.testing.assert_close(gathered["x_grad"], fused["x_grad"], **TOL)
+        for param, grad in fused["grads"].items():
+            torch.testing.assert_close(gathered["grads"]["mlp." + param], grad, **TOL)
+        assert gathered["kept"] - fused["kept"] == full
+
+
+# ---- the messages ------------------------------------------------------------------------
+def test_bytes_sent_by_one_mlp_step(ranks):
+    """Without sp: one all-reduce of the (B, T, h) output forward (g) and one of the input's
+    gradient backward (f), 2 (N-1)/N each. With sp: an all-gather and a reduce-scatter each way
+    plus the input's all-gather again in the backward pass, (N-1)/N each: one more message."""
+    n, results = ranks
+    full = BATCH * SEQ * CFG.hidden * 8                               # (B, T, h) fp64 bytes
+    for result in results:
+        assert result["mlp", False]["sent"] == {"all_reduce": 2 * 2 * (n - 1) * full // n}
+        assert result["mlp", True]["sent"] == {"all_gather": 3 * (n - 1) * full // n,
+                                               "reduce_scatter": 2 * (n - 1) * full // n}
+
+
+def test_bytes_sent_by_one_training_step(ranks):
+    """A step of the whole model (fp32), one (B, T, h) message being u = (N-1)/N of it.
+    Without sp: 4 all-reduces per layer (f, g of attention and MLP, forward and backward) and
+    the embedding's g, 2u each. With sp: per layer 4 all-gathers and 4 reduce-scatters where
+    the all-reduces were, plus 2 all-gathers again in the backward pass; the embedding's
+    reduce-scatter and its backward, and the all-gather before the final norm: u each; and an
+    all-reduce of each norm's weight gradient (2 per layer, h numbers each)."""
+    n, results = ranks
+    u, L = 4 * BATCH * SEQ * CFG.hidden * (n - 1) // n, CFG.layers
+    norms = 2 * L * 2 * 4 * CFG.hidden * (n - 1) // n
+    for result in results:
+        assert sum(result["train", "fp32", False].sent.values()) == (4 * L + 1) * 2 * u
+        assert sum(result["train", "fp32", True].sent.values()) == (10 * L + 3) * u + norms
+
+
+# ---- memory ------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [2, 4])
+def test_rank_holds_exactly_the_estimates_block_parameters(n):
+    """Per rank: the sharded projections' 1/N and whole norms, as labkit.layers counts them."""
+    expected = 4 * sum(w.local(n) for w in block_weights(CFG, False))          # fp32
+    for rank in range(n):
+        block = lk.model.Block(CFG, 0)
+        parallelize_block(block, CommCounter(None, world=n, rank=rank))      # no message yet
+        assert sum(p.nbytes for p in block.parameters()) == expected
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_rank_parameters_are_the_estimates_but_for_the_lm_head(ranks, sp):
+    """The whole model's parameters on a rank: the estimate's, plus the (N-1)/N of the LM head
+    that the estimate splits (a vocabulary-parallel head) and every rank here holds."""
+    n, results = ranks
+    est = lk.estimate(CFG, batch=BATCH, seq=SEQ, precision="fp32", tp=n, sp=sp, device="cpu")
+    head = 4 * CFG.vocab_size * CFG.hidden
+    for result in results:
+        step = result["train", "fp32", sp]
+        assert step.peak_by_category["params"] == est.params + head * (n - 1) // n
+        steps = 4 * len(list(fresh_model(torch.float32).parameters()))    # AdamW's step counts
+        assert step.peak_by_category["optimizer"] == 2 * step.peak_by_category["params"] + steps
+
+
+def test_styles_are_the_estimates_splits_but_for_the_lm_head():
+    """The estimate splits the LM head's rows too (Megatron's vocabulary-parallel head and
+    loss); here every rank holds it whole (``Transformer.forward`` takes the whole loss)."""
+    splits = {w.name: w.split for w in block_weights(CFG, False) + embedding_weights(CFG)
+              + head_weights(CFG)}
+    assert STYLES == splits | {"lm_head": "replicated"}
+    assert splits["lm_head"] == "vocab"
+
+
+@pytest.mark.parametrize("precision, sp", [("fp32", False), ("fp32", True),
+                                           ("bf16-mixed", False)])
+def test_block_activations_equal_the_estimate(ranks, precision, sp):
+    """What a block keeps for backward on each rank (batch 1) is what ``layer_saved(tp, sp)``
+    counts, to the byte (the estimate aims at 3%); under autocast with the weights' bf16
+    copies."""
+    n, results = ranks
+    expected = layer_saved(CFG, precision, tp=n, sp=sp).bytes(1, MEMORY_SEQ)
+    for result in results:
+        assert set(result["memory"][precision, sp].values()) == {expected}
+
+
+def test_under_autocast_sp_keeps_one_bf16_input_per_sub_layer(ranks):
+    """Under autocast and sp, ``GatheredLinears`` casts this rank's tokens once, then sends and
+    keeps that bf16 copy (as Megatron's fused QKV and first MLP linear keep one input). The
+    estimate counts one bf16 copy per projection, as one process keeps (q, k, v: 3; gate, up:
+    2): 3 copies of (T/N, h) in bf16 more than measured."""
+    n, results = ranks
+    estimate = layer_saved(CFG, "bf16-mixed", tp=n, sp=True).bytes(1, MEMORY_SEQ)
+    extra = (3 - 1 + 2 - 1) * MEMORY_SEQ // n * CFG.hidden * 2
+    for result in results:
+        assert set(result["memory"]["bf16-mixed", True].values()) == {estimate - extra}
+
+
+def test_sequence_parallelism_divides_a_blocks_activations_by_n(ranks):
+    """Korthikanti et al.'s claim, measured: with sp every saved tensor is split, 1/N of one
+    process's block (measured here without any parallelism)."""
+    n, results = ranks
+    model = fresh_model(torch.float32)
+    rows = tokens(MEMORY_SEQ, batch=1)
+    one = lk.activations_per_module(model, rows[:, :-1], rows[:, 1:], {"b": model.blocks[0]})
+    for result in results:
+        assert result["memory"]["fp32", True]["block 0"] * n == one["b"]
+
+
+def test_what_sp_removes_vs_korthikanti(ranks):
+    """Korthikanti et al. (fp16 GPT layer): sbh(10 + 24/t + 5as/(ht)) without sp, the 10sbh
+    replicated on every rank (two LayerNorm inputs 4, the inputs of QKV and of the first MLP
+    linear 4, two dropout masks 2); sp splits it: 34sbh/t + 5as/(ht). Ours in fp32 replicates
+    24h + 8 bytes per token instead: each RMSNorm keeps its input, its normalised output and
+    one fp32 statistic (8h + 4), and the inputs of q/k/v and gate/up (4h each); no dropout.
+    Ours has no 5as/(ht) either (SDPA's fused kernel keeps no T x T matrix), and SwiGLU keeps
+    4 ffn-wide tensors where GPT's MLP keeps two 4h-wide ones: the split parts differ too."""
+    n, results = ranks
+    s, h, a = MEMORY_SEQ, CFG.hidden, CFG.heads
+    paper = (lk.megatron_activation_bytes(s, 1, h, a, tp=n)
+             - lk.megatron_activation_bytes(s, 1, h, a, tp=n, sp=True))
+    assert paper == 10 * s * h * (n - 1) // n
+    for result in results:
+        kept = result["memory"]
+        removed = kept["fp32", False]["block 0"] - kept["fp32", True]["block 0"]
+        assert removed == (24 * h + 8) * s * (n - 1) // n
+
+
+# ---- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tp, what", [(3, "heads=8"), (8, "kv_heads=4")])
+def test_tp_that_does_not_divide_the_heads_is_refused(tp, what):
+    model = fresh_model(torch.float32)
+    with pytest.raises(ValueError, match=rf"tp={tp} does not divide {what}.*choose tp among "
+                                         r"\[1, 2, 4\]"):
+        parallelize(model, RankContext(0, tp, None, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (lk.preset("deepseek-v2-lite"), "MLA and MoE blocks are not supported"),
+    (lk.preset("tiny-moe"), "MLA and MoE blocks are not supported"),
+    (CFG.replace(tie_embeddings=True), "use tie_embeddings=False")])
+def test_models_it_cannot_split_are_refused(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        parallelize(lk.build_model(cfg, device="meta"),
+                    RankContext(0, 2, None, torch.device("cpu")))
+
+
+def test_sequence_parallelism_needs_n_to_divide_the_tokens():
+    comm = CommCounter(None, world=4, rank=0)               # fails before any message
+    with pytest.raises(ValueError, match="use a sequence length divisible by 4, or sp=False"):
+        my_tokens(torch.zeros(1, 10, CFG.hidden), comm)
