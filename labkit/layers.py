@@ -217,7 +217,8 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
     if c.attention == "gqa":
         Hkv = max(1, c.kv_heads // tp)
         return Saved([
-            Term("input of wq, wk, wv", cdt, d.linear_inputs(3, c.hidden) / sp),
+            # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
+            Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
             Term("q, k, v and attention output", cdt, (2 * H + 2 * Hkv) * c.head_dim * d.compute),
             Term("attention log-sum-exp", "fp32", 4 * H), rope])
     qk, r = c.qk_head_dim, c.kv_lora_rank
@@ -242,7 +243,8 @@ def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved
     """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block)."""
     cdt = d.name
     if not moe:
-        return Saved([Term("input of w_gate, w_up", cdt, d.linear_inputs(2, c.hidden) / sp),
+        return Saved([Term("input of w_gate, w_up", cdt,
+                           d.linear_inputs(2 if sp == 1 else 1, c.hidden) / sp),
                       Term("SwiGLU gate, silu, up, product", cdt, _swiglu_saved(c.ffn // tp, d))])
     k, E, shared = c.top_k, c.routed_experts, c.shared_experts
     sorted_tokens = 2 * d.linear_inputs(1, k * c.hidden) if d.mixed else k * c.hidden * d.compute
