@@ -458,6 +458,9 @@ class _Step:
                        "model states": {"params": states["params"],
                                         "grads": 0 if self.offload else self.grads(),
                                         "optimizer": states["optimizer"]}}
+        if self.zero:        # what one collective sends at most: the largest flat unit
+            out.details["largest unit (elements)"] = max(zero.padded(u, self.L.dp)
+                                                         for u in self.units)
         if self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
                 self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)

@@ -232,8 +232,8 @@ def test_measuring_tiny_zero2_on_two_processes_matches_the_cpu_estimate():
     assert result.cpu == cpu
     peaks = [r.peak for r in result.measured]
     assert min(peaks) == pytest.approx(cpu.total, rel=0.03)
-    bucket = max(t.nbytes for t in cpu.tensors if t.name.startswith("gradient bucket"))
-    assert max(peaks) <= 1.03 * cpu.total + bucket
+    largest = 4 * cpu.details["largest unit (elements)"]    # a buffer gloo let go of late
+    assert max(peaks) <= 1.03 * cpu.total + largest
     assert all(sum(r.sent.values()) == cpu.details["bytes sent per step"] for r in result.measured)
     text = panel.output.outputs[0]["text"]
     assert "measured on 2 local processes (gloo, last of 3 steps)" in text
