@@ -44,7 +44,7 @@ from ..track import MemoryTracker
 from ..train import make_optimizer, train_step
 from ..units import CATEGORIES, check_choice
 from .steps import RankStep, measure_rank, rank_tokens
-from .zero_step import ZeroOptimizer
+from .zero_step import train_zero
 
 # labkit's ZeroOptimizer defaults (its inner AdamW is a for-loop), with the lab's learning rate
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, foreach=False)
@@ -179,13 +179,10 @@ def fsdp2_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, ste
 
 def labkit_zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
                      steps: int = 3) -> ShardStep:
-    """labkit's ``ZeroOptimizer`` at ``stage`` 1, 2 or 3: flat padded shards, fp32."""
-    model = _seeded_model(model_name, ctx.device)
-    adamw = {k: v for k, v in ADAMW.items() if k != "foreach"}      # it always loops
-    opt = ZeroOptimizer(model, ctx.group, stage, "fp32", **adamw)
-    batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
-    step = measure_rank(ctx, model, model, opt, batches, states=opt.inner,
-                        sent=lambda: opt.last_step)
+    """labkit's ``ZeroOptimizer`` at ``stage`` 1, 2 or 3 (``zero_step``: flat padded shards,
+    fp32, the same AdamW as ``ADAMW``), with what the rank holds after the steps."""
+    step, model, opt = train_zero(ctx, stage, model_name, batch, seq, steps, "fp32",
+                                  lr=ADAMW["lr"])
     masters = [p for group in opt.inner.param_groups for p in group["params"]]
     return ShardStep(**vars(step), param_bytes=_held_bytes([*model.parameters(), *masters]),
                      state_bytes=_state_bytes(opt.inner))

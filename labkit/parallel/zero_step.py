@@ -330,6 +330,14 @@ def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: in
     """Train ``steps`` steps of the course model under ZeRO ``stage`` on this rank's rows
     (``batch`` x ``seq`` per rank); the tracker's figures for the last step, and the bytes sent
     (and, offloaded, copied between host and device) in it."""
+    return train_zero(ctx, stage, model_name, batch, seq, steps, precision, offload, lr)[0]
+
+
+def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
+               steps: int = 3, precision: str = "fp32", offload: bool = False,
+               lr: float = 1e-2) -> tuple:
+    """``zero_step``'s run, with the model and the ``ZeroOptimizer`` it trained: (step, model,
+    optimizer), for callers that read what the rank holds afterwards."""
     from ..config import preset
     from ..model import build_model
 
@@ -340,8 +348,9 @@ def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: in
 
     def sent():
         return {**opt.last_step, **({"host <-> device": opt.last_moved} if offload else {})}
-    return measure_rank(ctx, model, model, opt, batches,
+    step = measure_rank(ctx, model, model, opt, batches,
                         "fp32" if precision == "fp64" else precision, sent=sent)
+    return step, model, opt
 
 
 def zero_steps(ctx, cases) -> list:
