@@ -324,3 +324,26 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     handles = [Patch(color=OP_COLORS[k], label=names[k]) for k in ("FBW" if split else "FB")]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
     return fig
+
+
+def stage_peaks_figure(stages: dict[str, dict], title: str | None = None):
+    """One bar per pipeline stage: its peak per GPU, and inside it the activations it keeps for
+    the backward pass at the end of its forward passes (``estimate(...).details["stages"]``)."""
+    if not stages:
+        raise ValueError("nothing to plot: pass {label: lk.estimate(...).details['stages'][s]}")
+    labels = list(stages)
+    name, scale = _unit(max(s["total"] for s in stages.values()))
+    fig, ax = _new_figure(8, 1.6 + 0.55 * len(labels))
+    peaks = np.array([stages[k]["total"] for k in labels]) / scale
+    kept = np.array([stages[k]["saved_activations"] for k in labels]) / scale
+    ax.barh(labels, peaks, height=0.6, color="#DDDDDD", label="peak per GPU")
+    ax.barh(labels, kept, height=0.3, color=CATEGORY_COLORS["activations"],
+            label="activations kept for the backward pass (end of the forward passes)")
+    for y, label in enumerate(labels):
+        ax.text(peaks[y], y, "  " + fmt_bytes(stages[label]["total"]), va="center")
+    ax.set_xlim(0, peaks.max() * 1.22)           # room for the totals
+    ax.invert_yaxis()                            # stage 0 on top
+    ax.set_xlabel(f"memory per GPU ({name})")
+    ax.set_title(title or "each pipeline stage's peak")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
+    return fig

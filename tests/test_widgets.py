@@ -251,3 +251,115 @@ def test_zero_panel_survives_a_rerun():
         assert panel.result.estimate.model_states < states
         assert "ZeRO-2 over 4 GPUs" in panel.output.outputs[0]["text"]
     assert isinstance(widgets.zero_panel(model="tiny"), widgets.w.VBox)
+
+
+# ---- lab 05: the pipeline panel -----------------------------------------------------------------
+def _pipeline_estimate(model="llama-2-7b", tp=2, pp=4, m=8, schedule="1f1b", v=1, sp=False,
+                       seq=2048):
+    return lk.estimate(lk.preset(model), 1, seq, precision="bf16-master", device="cuda",
+                       layout=lk.Layout(tp=tp, sp=sp, pp=pp, micro_batches=m, schedule=schedule,
+                                        virtual_stages=v))
+
+
+def test_pipeline_report_shows_the_estimates_stages_and_1f1bs_in_flight_micro_batches():
+    result = widgets.pipeline_report("llama-2-7b", tp=2, pp=4, micro_batches=8, schedule="1f1b")
+    est = _pipeline_estimate()
+    assert result.estimate == est and result.stages == est.details["stages"]
+    assert len(result.stages) == 4 and max(s["total"] for s in result.stages) == est.total
+    assert result.in_flight == [4, 3, 2, 1]
+    assert result.summary().splitlines()[0] == (
+        "llama-2-7b, tp=2 x pp=4 = 8 GPUs, 1f1b; batch = micro-batch size 1 x m = 8 sequences "
+        "of 2048 tokens")
+    one = widgets.pipeline_report("small", tp=1, pp=1, micro_batches=2, schedule="1f1b")
+    assert one.stages[0]["total"] == one.estimate.total == _pipeline_estimate(
+        "small", tp=1, pp=1, m=2).total
+
+
+@pytest.mark.parametrize("schedule,p,m", [("gpipe", 4, 8), ("1f1b", 4, 2), ("1f1b", 8, 8),
+                                          ("interleaved", 4, 8), ("zb-h1", 4, 8)])
+def test_pipeline_idle_fraction_is_the_papers_formula(schedule, p, m):
+    result = widgets.pipeline_report("llama-2-7b", tp=1, pp=p, micro_batches=m,
+                                     schedule=schedule)
+    v = 2 if schedule == "interleaved" else 1
+    formula = (p - 1) / ((3 * m if schedule == "zb-h1" else v * m) + p - 1)
+    assert float(result.timeline.idle_fraction) == pytest.approx(formula, abs=1e-12)
+    assert result.bubble == pytest.approx(formula, abs=1e-12)
+    assert (result.timeline.p, result.timeline.m, result.timeline.v) == (p, m, v)
+    # the micro-batches the estimate keeps per stage are what the simulated schedule holds
+    from fractions import Fraction
+    assert result.in_flight == [Fraction(h, v) for h in result.timeline.held]
+    assert f"simulated {formula:.1%}, formula" in result.summary()
+
+
+def test_zb_h1_with_fewer_micro_batches_than_stages_names_the_formulas_assumption():
+    result = widgets.pipeline_report("llama-2-7b", tp=1, pp=4, micro_batches=2,
+                                     schedule="zb-h1")
+    assert float(result.timeline.idle_fraction) > result.bubble == pytest.approx(1 / 3)
+    assert result.summary().endswith("= 33.3% (it assumes m >= p)")
+
+
+def test_pp_schedule_and_micro_batches_change_the_pipeline_report():
+    def report(**change):
+        return widgets.pipeline_report(**{"model": "llama-2-7b", "tp": 2, "pp": 4,
+                                          "micro_batches": 8, "schedule": "1f1b", **change})
+    base = report()
+    deeper, gpipe, more = report(pp=8), report(schedule="gpipe"), report(micro_batches=16)
+    assert deeper.estimate.total < base.estimate.total and len(deeper.stages) == 8
+    first = base.stages[0]["saved_activations"]
+    assert gpipe.stages[0]["saved_activations"] > 1.9 * first          # 8 in flight, not 4
+    assert gpipe.in_flight == [8] * 4 and gpipe.bubble == base.bubble
+    assert more.bubble < base.bubble and more.stages[0]["saved_activations"] == first
+    assert report(sp=True).estimate.total < base.estimate.total
+    assert report(seq=4096).estimate.total > base.estimate.total
+
+
+def test_impossible_pipelines_are_explained_not_raised():
+    def error(model="small", **change):
+        return widgets.pipeline_report(model, **{"tp": 2, "pp": 2, "micro_batches": 4,
+                                                 "schedule": "1f1b", **change}).summary()
+    assert error(schedule="interleaved", pp=3, micro_batches=4, model="llama-2-7b") == (
+        "⚠ interleaved 1F1B runs micro-batches in groups of pp=3: choose micro_batches among "
+        "the multiples of 3")
+    assert error(schedule="interleaved", pp=3, micro_batches=6) == (
+        "⚠ interleaved 1F1B gives each GPU 2 chunks of at least one layer: choose pp <= 2 for "
+        "small's 4 layers")
+    assert error(tp=1, sp=True).startswith("⚠ sequence parallelism (sp=True)")
+    assert "choose tp among the divisors of 8" in error(tp=3)
+    assert error(schedule="interleaved", pp=2, micro_batches=4).startswith("small, tp=2")
+
+
+def test_pipeline_panel_reacts_to_its_controls():
+    panel = widgets.PipelinePanel()
+    assert [c.description for c in (panel.model, panel.tp, panel.pp, panel.micro_batches,
+                                    panel.schedule, panel.seq)] == [
+        "model", "tp", "pp", "micro-batches", "schedule", "seq"]
+    assert panel.tp.options == (1, 2, 4, 8) and panel.pp.max == 16
+    outputs = panel.output.outputs
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data", "display_data"]
+    panel.schedule.value = "gpipe"                          # every stage holds all 8
+    assert "in flight per stage: 8, 8, 8, 8" in panel.output.outputs[0]["text"]
+    assert panel.output.outputs[2]["data"] != outputs[2]["data"]      # another Gantt chart
+    panel.schedule.value = "interleaved"
+    panel.pp.value = 3                                       # 8 micro-batches in groups of 3
+    assert panel.output.outputs[0]["text"].startswith("⚠ interleaved 1F1B runs micro-batches")
+    assert len(panel.output.outputs) == 1
+    panel.pp.value, panel.micro_batches.value = 16, 32       # 512 ops a row: no Gantt chart
+    assert "Gantt chart is drawn for p x m <= 256; here 16 x 32 = 512" in (
+        panel.output.outputs[0]["text"])
+    assert len(panel.output.outputs) == 2
+    panel.schedule.value = "1f1b"
+    panel.model.value = "tiny"                               # 4 heads, 2 layers
+    assert panel.tp.options == (1, 2, 4) and panel.tp.value == 2
+    assert panel.pp.value == panel.pp.max == 2
+    assert panel.result.estimate == _pipeline_estimate("tiny", pp=2, m=32)
+    assert isinstance(widgets.pipeline_panel(model="small", tp=1), widgets.w.VBox)
+
+
+def test_pipeline_panels_default_pp_leaves_the_browser_test_a_step_on_every_model():
+    for model, pp in (("tiny", 1), ("small", 2), ("llama-2-7b", 4)):
+        panel = widgets.PipelinePanel(model=model)
+        assert panel.pp.value == pp < panel.pp.max
+        panel.schedule.value = "zb-h1"                  # PANEL_CONTROLS' option, then pp + 1
+        before = panel.output.outputs
+        panel.pp.value += 1
+        assert panel.result.error is None and panel.output.outputs != before
