@@ -6,7 +6,8 @@ optimizer step). Each moment is a list of named tensors: the model states (by th
 bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
 autocast's weight copies, the transient gradients and the optimizer's temporaries. Each
 mechanism's byte rule sits beside it: ``recipe`` (precisions), ``layers`` (the model),
-``checkpointing`` (recompute policies), ``parallel.zero`` and ``parallel.pipeline``.
+``checkpointing`` (recompute policies), ``parallel.zero``, ``parallel.pipeline`` and
+``parallel.compose`` (expert parallelism inside data parallelism).
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from dataclasses import dataclass, field
 
 from .checkpointing import parse_policy, plan
 from .config import ModelConfig, preset
-from .layers import (ParamCount, Saved, Weight, block_weights, count_params,  # noqa: F401
-                     embedding_weights, head_saved, head_weights, layer_saved)
-from .parallel import pipeline, zero
-from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, state_bytes
+from .layers import (ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
+                     count_params, embedding_weights, head_saved, head_weights, layer_saved)
+from .parallel import compose, pipeline, zero
+from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, compute_bytes, state_bytes
 from .units import CATEGORIES, HOST, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
 
 
@@ -41,11 +42,13 @@ class Estimate(Breakdown):
     tensors: list = field(default_factory=list)
 
     def explain(self) -> str:
-        """The tensors alive at the peak, largest first, one per line."""
+        """The tensors alive at the peak, largest first, one per line; then what the estimate
+        assumes (``details["assumes"]``)."""
         rows = sorted(self.tensors, key=lambda t: -t.nbytes)
         width = max(len(t.name) for t in rows)
-        return "\n".join(f"{t.name:<{width}}  {CATEGORIES.get(t.category, 'host memory'):<22} {t.dtype:<11}"
-                         f"{fmt_bytes(t.nbytes):>12}" for t in rows if t.nbytes)
+        lines = [f"{t.name:<{width}}  {CATEGORIES.get(t.category, 'host memory'):<22} {t.dtype:<11}"
+                 f"{fmt_bytes(t.nbytes):>12}" for t in rows if t.nbytes]
+        return "\n".join(lines + [f"assumes: {a}" for a in self.details.get("assumes", [])])
 
 
 def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
@@ -60,7 +63,9 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     (which then win). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
     "cpu"); a real GPU adds its CUDA context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
-    of a chunked loss (``labkit.loss``), None for the full logits.
+    of a chunked loss (``labkit.loss``), None for the full logits. With ``ep`` > 1 the device is
+    one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
+    loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
     """
     c = preset(cfg) if isinstance(cfg, str) else cfg
     recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every,
@@ -119,7 +124,8 @@ class _Step:
         self.staged = device == "cpu"
         # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
         # gradient_as_bucket_view the gradients are views of them instead of a second copy
-        self.ddp = layout.dp > 1 and layout.zero_stage == 0
+        # (labkit's expert-parallel step averages in place instead: ``Layout.ddp_buckets``)
+        self.ddp = layout.dp > 1 and layout.zero_stage == 0 and layout.keeps_ddp_buckets
         self.in_buckets = self.ddp and layout.gradient_as_bucket_view
 
     # ---- model states ------------------------------------------------------------------------
@@ -171,11 +177,20 @@ class _Step:
         for u in units:
             kept[u.first] = "selective" if name == "selective" else ("full" if u.recompute else "none")
             kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
-        full = [layer_saved(c, p, m, L.tp, "none", L.sp, L.ep) for m in self.moe]
-        saved = [Saved() if kept[j] == "nothing" else
+        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep), m)
+                for m in self.moe]
+        saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
                  layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep) for j, m in enumerate(self.moe)]
         self.kept = kept
         return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}
+
+    def _with_permutations(self, saved: Saved, moe: bool) -> Saved:
+        """Under expert parallelism an MoE layer also keeps the two int64 permutations that
+        regroup the rows its experts received by expert and back (top_k rows per token)."""
+        if not (moe and self.L.ep > 1):
+            return saved
+        return Saved(saved + [Term("expert-parallel permutations (argsort and its inverse)",
+                                   "int64", compose.permutation_bytes(self.c.top_k))])
 
     def tensors_of(self, layers: list[Saved], times: int = 1, label: str = "") -> list[Tensor]:
         """The terms of several layers' ``Saved``, added up by name (x ``times`` micro-batches)."""
@@ -461,7 +476,16 @@ class _Step:
         if self.zero:        # what one collective sends at most: the largest flat unit
             out.details["largest unit (elements)"] = max(zero.padded(u, self.L.dp)
                                                          for u in self.units)
-        if self.L.dp > 1:
+        if self.L.ep > 1 and not self.zero:
+            out.details["bytes sent per step, by message"] = self._expert_messages()
+            out.details["bytes sent per step"] = sum(
+                out.details["bytes sent per step, by message"].values())
+            out.details["assumes"] = [
+                f"balanced routing: each rank's experts receive batch x seq x top_k = "
+                f"{compose.routed_rows(self.c, self.B, self.T):,} rows per MoE layer; a skewed "
+                f"router puts more rows, activations and bytes sent on the busiest rank "
+                f"(labkit.parallel.expert.routing_imbalance measures it)"]
+        elif self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
                 self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)
         if self.offload:
@@ -469,6 +493,17 @@ class _Step:
                                              for _, v in moments.values())
             out.details["host <-> device bytes per step"] = self._offload_traffic()
         return out
+
+    def _expert_messages(self) -> dict[str, int]:
+        """What one of ep x dp ranks sends per step (``parallel.compose``): its all_to_alls
+        (rows in the stream's dtype out, the experts' outputs back in the matmuls'), the
+        replicated gradients all-reduced over every rank, its experts' over their dp copies."""
+        L, c, grads = self.L, self.c, self.bytes.grads
+        routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
+        out = compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
+                                       compute_bytes(self.recipe.precision), sum(self.moe))
+        return out | compose.gradient_bytes_sent((self.n_local - routed) * grads, routed * grads,
+                                                 L.ep, L.dp // L.ep)
 
     def _offload_traffic(self) -> int:
         """Bytes copied each step under offload: every gradient shard down to the host, and

@@ -121,8 +121,14 @@ class Layout:
     in host memory, where the step runs); ``tp`` tensor parallel, with ``sp``
     sequence parallelism over the same group; ``pp`` pipeline stages running
     ``micro_batches`` (None: ``pp``, the fewest that fill a 1F1B pipeline) under
-    ``schedule``; ``ep`` expert parallel (routed experts split over ``ep`` ranks); ``cp``
-    context parallel (the sequence split over ``cp`` ranks).
+    ``schedule``; ``ep`` expert parallel: the routed experts split over groups of ``ep`` of the
+    ``dp`` data-parallel ranks (Megatron-LM's convention; DeepSeek-V3: 64-way inside its data
+    parallelism), so ep divides dp and each expert shard has dp / ep copies; the replicated
+    weights are averaged over all dp ranks (``labkit.parallel.compose``); ``cp`` context
+    parallel (the sequence split over ``cp`` ranks). ``ddp_buckets``: whether data parallelism
+    keeps DDP's flat gradient buckets (True) or averages each gradient in place after the
+    backward pass (False, as labkit.parallel.expert's step does at any ep); None: True for
+    plain data parallelism (ep = 1), False with ep > 1.
     """
 
     dp: int = 1
@@ -137,6 +143,7 @@ class Layout:
     cp: int = 1
     gradient_as_bucket_view: bool = False
     offload: bool = False
+    ddp_buckets: bool | None = None
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp"):
@@ -151,6 +158,13 @@ class Layout:
         if self.gradient_as_bucket_view and self.zero_stage:
             raise ValueError("gradient_as_bucket_view is DDP's option (zero_stage=0); ZeRO "
                              "keeps its own flat gradient buckets")
+        if self.gradient_as_bucket_view and self.ddp_buckets is False:
+            raise ValueError("gradient_as_bucket_view makes the gradients views of DDP's buckets: "
+                             "it needs ddp_buckets=True (or None with ep=1)")
+        if self.ep > 1 and self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} splits the experts over ep of the dp={self.dp} data-"
+                             f"parallel ranks: choose dp among the multiples of {self.ep} (e.g. "
+                             f"Layout(dp={self.ep}, ep={self.ep}))")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
                              "parallel group: it needs tp > 1")
@@ -163,6 +177,11 @@ class Layout:
         if self.schedule == "interleaved" and self.micro_batch_count % self.pp:
             raise ValueError(f"interleaved 1F1B runs micro-batches in groups of pp={self.pp}: "
                              f"choose micro_batches among the multiples of {self.pp}")
+
+    @property
+    def keeps_ddp_buckets(self) -> bool:
+        """``ddp_buckets``, or when None: DDP's buckets for plain data parallelism only."""
+        return self.ep == 1 if self.ddp_buckets is None else self.ddp_buckets
 
     @property
     def micro_batch_count(self) -> int:

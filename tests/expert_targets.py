@@ -1,8 +1,9 @@
 """What the expert-parallel tests run on each rank (spawn imports it by name): every check's
-figures from one start-up of the cluster."""
+figures from one start-up of the cluster (``everything`` for test_expert.py, ``composed`` for
+test_compose.py)."""
 import torch
 
-from labkit.parallel.expert import ep_steps, forward_backward, shard_kept
+from labkit.parallel.expert import ep_dp_step, ep_steps, forward_backward, shard_kept
 
 SEQ = 32          # one row of SEQ tokens per rank
 STEP_SEQ = 64     # training steps: long enough that the peak falls in the backward pass
@@ -20,4 +21,21 @@ def everything(ctx) -> dict:
            for name, dtype, hot in CASES}
     out["steps"] = ep_steps(ctx, [dict(seq=STEP_SEQ, hot=hot) for hot in HOTS])
     out["kept"] = shard_kept(ctx, seq=SEQ)
+    return out
+
+
+# ep x dp on 4 ranks (test_compose.py): the layouts measured, and the step's size
+WORLD = 4
+LAYOUTS = ((2, 2), (4, 1), (1, 4))          # (ep, dp)
+BATCH, STEP_SEQ_4 = 2, 64
+
+
+def composed(ctx) -> dict:
+    """ep 2 x dp 2 against one process (fp64, unbiased and skewed routers), and each layout's
+    steady training step (fp32, for-loop AdamW)."""
+    torch.set_num_threads(1)
+    out = {name: forward_backward(ctx, seq=SEQ, dtype=torch.float64, hot=hot, ep=2)
+           for name, hot in (("fp64", None), ("fp64 skewed", HOT))}
+    out["steps"] = {(ep, dp): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4)
+                    for ep, dp in LAYOUTS}
     return out

@@ -78,7 +78,7 @@ def test_parameter_bytes_per_rank_are_what_layers_give(ranks, n):
     """Routed experts: Weight.local(ep=N) of each, exactly; every parameter: the estimate's."""
     routed, replicated = rank_params(BIASED, n)
     assert routed == CFG.moe_layers * 3 * (CFG.routed_experts // n) * CFG.hidden * CFG.moe_ffn
-    est = lk.estimate(BIASED, 1, SEQ, precision="fp32", device="cpu", layout=lk.Layout(ep=n))
+    est = lk.estimate(BIASED, 1, SEQ, precision="fp32", device="cpu", layout=lk.Layout(dp=n, ep=n))
     for step in steps(ranks, n, 0.0):
         assert step.expert_bytes == 4 * routed
         assert step.param_bytes == 4 * (routed + replicated) == est.params
@@ -138,17 +138,19 @@ def test_a_shard_keeps_what_the_rule_says_for_its_rows(ranks, n):
 
 
 @pytest.mark.parametrize("ep", [2, 4])
-def test_one_rank_on_fake_tensors_is_the_estimate_plus_the_permutation_indices(ep):
-    """Balanced routing (fake tensors): the estimate's peak but for the two int64 permutations
-    an ExpertShard keeps per routed row (and 4 bytes the estimate misses without EP too)."""
+def test_one_rank_on_fake_tensors_is_the_estimate(ep):
+    """Balanced routing (fake tensors): the estimate's peak to the byte, the two int64
+    permutations an ExpertShard keeps per routed row included (but for 4 bytes the estimate
+    misses without EP too)."""
     seq = 64
     out = fake_ep_peak(CFG, ep, seq=seq, precision="fp32")
-    est = lk.estimate(CFG, 1, seq, precision="fp32", device="cuda", layout=lk.Layout(ep=ep))
+    est = lk.estimate(CFG, 1, seq, precision="fp32", device="cuda", layout=lk.Layout(dp=ep, ep=ep))
     assert out["param_bytes"] == est.params and out["expert_bytes"] == 4 * rank_params(CFG, ep)[0]
     assert out["peak_phase"] == est.peak_phase == "backward"
-    indices = CFG.moe_layers * seq * CFG.top_k * 2 * 8
-    assert out["by_category"]["activations"] == est.activations + indices
-    assert out["peak"] == est.total + indices + 4
+    indices = next(t for t in est.tensors if t.name.startswith("expert-parallel permutations"))
+    assert indices.nbytes == CFG.moe_layers * seq * CFG.top_k * 2 * 8
+    assert out["by_category"]["activations"] == est.activations
+    assert out["peak"] == est.total + 4
 
 
 def test_deepseek_v3_routed_experts_per_rank_halve_with_each_doubling_of_ep():

@@ -86,8 +86,10 @@ def test_state_bytes_follow_the_table_of_precisions():
     (lambda: lk.Recipe(precision="fp8"), "unknown precision 'fp8'"),
     (lambda: lk.Recipe(optimizer_impl="cuda-graph"), "unknown optimizer implementation"),
     (lambda: lk.Recipe(weight_format="nf4"), "come with lab 06"),
-    (lambda: lk.estimate("llama-2-7b", layout=lk.Layout(ep=2)), "ep=2 must divide the routed experts"),
-    (lambda: lk.estimate("deepseek-v2-lite", layout=lk.Layout(ep=3)), "ep=3 must divide"),
+    (lambda: lk.estimate("llama-2-7b", layout=lk.Layout(dp=2, ep=2)), "ep=2 must divide the routed experts"),
+    (lambda: lk.Layout(ep=2), r"choose dp among the multiples of 2 \(e.g. Layout\(dp=2, ep=2\)\)"),
+    (lambda: lk.Layout(dp=6, ep=4), "choose dp among the multiples of 4"),
+    (lambda: lk.estimate("deepseek-v2-lite", layout=lk.Layout(dp=3, ep=3)), "ep=3 must divide"),
     (lambda: lk.estimate("llama-2-7b", seq=1000, layout=lk.Layout(cp=3)), "seq=1000 must be divisible"),
     (lambda: lk.estimate("llama-2-7b", device="tpu"), "unknown device 'tpu'"),
 ])
@@ -98,7 +100,7 @@ def test_bad_layouts_and_recipes_name_the_fix(make, message):
 
 def test_expert_parallelism_splits_the_routed_experts_only():
     one = lk.estimate("deepseek-v2-lite", layout=lk.Layout(ep=1)).details["parameters on this device"]
-    eight = lk.estimate("deepseek-v2-lite", layout=lk.Layout(ep=8)).details["parameters on this device"]
+    eight = lk.estimate("deepseek-v2-lite", layout=lk.Layout(dp=8, ep=8)).details["parameters on this device"]
     routed = lk.count_params("deepseek-v2-lite").by_component["routed experts"]
     assert one - eight == routed - routed // 8
 

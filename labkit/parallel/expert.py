@@ -20,13 +20,17 @@ process does. The backward pass runs the two all_to_alls in reverse (``AllToAll`
 Memory on a rank: parameters are the replicated weights plus 1/ep of the routed experts
 (``labkit.layers.Weight.local(ep=...)``). Activations depend on M, the rows routed to the
 rank's experts: N*k on average when routing is balanced, up to ep*N*k when every token picks
-this rank's experts (``routing_imbalance`` measures it).
+this rank's experts (``routing_imbalance`` measures it); the shard also keeps two int64
+permutations of its M rows. ``labkit.estimate(..., layout=Layout(dp=..., ep=...))`` gives a rank
+under balanced routing.
 
-Gradients: an expert's gradient on its rank already sums every rank's rows; with each rank's
-loss the mean over its own rows, it is divided by ep to give the gradient of the mean over all
-rows. The replicated weights are all-reduced and divided by ep, as DDP does
-(``average_gradients``). Here the ep ranks are the whole data-parallel group; with more data-
-parallel ranks than ep, each expert's copies would be all-reduced over its replicas too.
+Gradients: an expert's gradient on its rank already sums the rows of every rank in its ep
+group; with each rank's loss the mean over its own rows, it is divided by ep to give the
+gradient of the mean over all rows. The replicated weights are all-reduced and divided by ep,
+as DDP does (``average_gradients``), but in place after the backward pass: no flat buckets
+beside them. With more data-parallel ranks than ep (``ep_dp_step``: world = ep x dp,
+DeepSeek-V3's layout, its groups in ``labkit.parallel.compose``) each expert's gradient is also
+all-reduced over the dp copies of its shard, and every gradient is divided by the world.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from ..train import make_optimizer, param_dtype, train_step
 from ..units import check_positive
 from .cluster import RankContext, run
 from .comm import CommCounter
+from .compose import dp_degree, new_groups, permutation_bytes
 from .steps import RankStep, measure_rank, rank_tokens
 
 
@@ -150,44 +155,82 @@ class ExpertShard(nn.Module):
         return AllToAll.apply(y, recv, send, self.comm, "combine")            # (N*k, h)
 
 
-def expert_parallel(model: nn.Module, ctx: RankContext) -> ExpertComm:
+@dataclass
+class EPGroups:
+    """This rank's groups (``labkit.parallel.compose``), each counting the bytes it sends:
+    ``experts`` its ep group (the all_to_alls), ``replicas`` its dp group (the other copies of
+    its experts; None when dp = 1 or ep = 1), ``world`` every rank (the replicated weights, and
+    at ep = 1 every expert too)."""
+
+    experts: ExpertComm
+    replicas: CommCounter | None
+    world: CommCounter
+
+    def reset(self):
+        for comm in (self.experts, self.replicas, self.world):
+            if comm is not None:
+                comm.reset()
+
+    def sent(self) -> dict[str, int]:
+        """Bytes sent since ``reset`` by message: the all_to_alls by name, "all_reduce" (the
+        replicated weights, every rank) and "all_reduce (experts, dp group)"."""
+        out = dict(self.experts.sent) | {"all_reduce": self.world.sent["all_reduce"]}
+        if self.replicas is not None:
+            out["all_reduce (experts, dp group)"] = self.replicas.sent["all_reduce"]
+        return out
+
+    def sent_by_group(self) -> dict[str, int]:
+        """Bytes sent since ``reset`` in each group: "ep", "dp" and "world"."""
+        return {"ep": self.experts.total, "world": self.world.total,
+                "dp": self.replicas.total if self.replicas is not None else 0}
+
+
+def expert_parallel(model: nn.Module, ctx: RankContext, ep: int | None = None) -> EPGroups:
     """Turn this rank's copy of a labkit model into its expert-parallel part, in place: each MoE
-    block keeps experts [rank * E/ep, (rank + 1) * E/ep) of the one-process weights, ep =
-    ctx.world_size. Returns the ``ExpertComm`` its all_to_alls count their bytes in."""
-    experts_per_rank(model.cfg, ctx.world_size)                 # ValueError before any message
-    comm = ExpertComm(ctx.group, ctx.world_size, ctx.rank)
+    block keeps the E/ep experts of shard ctx.rank % ep of the one-process weights. ``ep``: ranks
+    per ep group (None: every rank, dp = 1). Makes the groups (every rank must call it)."""
+    ep = ctx.world_size if ep is None else ep
+    experts_per_rank(model.cfg, ep)                             # ValueError before any message
+    dp = dp_degree(ctx.world_size, ep)
+    ep_group, dp_group = new_groups(ctx, ep)
+    groups = EPGroups(ExpertComm(ep_group, ep, ctx.rank % ep),
+                      CommCounter(dp_group, dp, ctx.rank // ep) if dp_group is not None else None,
+                      CommCounter(ctx.group, ctx.world_size, ctx.rank))
     for module in model.modules():
-        if isinstance(module, MoE) and not isinstance(module.experts, ExpertShard):
-            module.experts = ExpertShard(module.experts, comm)
-    return comm
+        if ep > 1 and isinstance(module, MoE) and not isinstance(module.experts, ExpertShard):
+            module.experts = ExpertShard(module.experts, groups.experts)
+    return groups
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The routed experts' weights this rank holds (each held by no other rank)."""
+    """The routed experts' weights this rank holds (each held by no other rank of its ep group)."""
     return [p for m in model.modules() if isinstance(m, ExpertShard) for p in m.parameters()]
 
 
-def average_gradients(model: nn.Module, comm: CommCounter):
-    """Gradients of the mean loss over every rank's rows: replicated weights all-reduced / ep,
-    routed experts / ep (already summed over the ranks by the all_to_alls' backward)."""
+def average_gradients(model: nn.Module, groups: EPGroups):
+    """Gradients of the mean loss over every rank's rows, in place: the replicated weights'
+    all-reduced over the world, the experts' (already summed over the ep group by the
+    all_to_alls' backward) over the dp copies of the shard; then all / world."""
     experts = {id(p) for p in expert_parameters(model)}
     for p in model.parameters():
         if p.grad is None:                         # the router bias: top-k has no gradient
             continue
         if id(p) not in experts:
-            comm.all_reduce(p.grad)
-        p.grad.div_(comm.world)
+            groups.world.all_reduce(p.grad)
+        elif groups.replicas is not None:
+            groups.replicas.all_reduce(p.grad)
+        p.grad.div_(groups.world.world)
 
 
 class AveragingOptimizer:
     """An optimizer that first averages the gradients over the ranks (``average_gradients``),
     as DDP's all-reduce would before it."""
 
-    def __init__(self, optimizer, model: nn.Module, comm: CommCounter):
-        self.optimizer, self.model, self.comm = optimizer, model, comm
+    def __init__(self, optimizer, model: nn.Module, groups: EPGroups):
+        self.optimizer, self.model, self.groups = optimizer, model, groups
 
     def step(self):
-        average_gradients(self.model, self.comm)
+        average_gradients(self.model, self.groups)
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True):
@@ -198,8 +241,8 @@ class AveragingOptimizer:
 def seeded_model(model_name: str = "tiny-moe", ep: int = 1, hot: float | None = None,
                  seed: int = 0, dtype: torch.dtype = torch.float32, device=None):
     """The seed's one-process model. ``hot`` (a float) adds a router bias of ``hot`` to the
-    selection scores of rank 0's experts (the first E/ep): DeepSeek-V3's balancing bias, used
-    here to unbalance. 0.0 routes as no bias does; 1.0 sends every token to rank 0's experts
+    selection scores of shard 0's experts (the first E/ep): DeepSeek-V3's balancing bias, used
+    here to unbalance. 0.0 routes as no bias does; 1.0 sends every token to shard 0's experts
     (when top_k <= E/ep)."""
     cfg = preset(model_name) if hot is None else preset(model_name, router_bias=True)
     per_rank = experts_per_rank(cfg, ep)
@@ -214,64 +257,84 @@ def seeded_model(model_name: str = "tiny-moe", ep: int = 1, hot: float | None = 
 
 
 def build(ctx: RankContext, model_name: str = "tiny-moe", hot: float | None = None,
-          seed: int = 0, dtype: torch.dtype = torch.float32):
-    """This rank's part of ``seeded_model``, and the ``ExpertComm`` its all_to_alls count in."""
-    model = seeded_model(model_name, ctx.world_size, hot, seed, dtype, ctx.device)
-    return model, expert_parallel(model, ctx)
+          seed: int = 0, dtype: torch.dtype = torch.float32, ep: int | None = None):
+    """This rank's part of ``seeded_model`` under ``ep`` (None: every rank) x dp, and its
+    ``EPGroups``."""
+    ep = ctx.world_size if ep is None else ep
+    dp_degree(ctx.world_size, ep)                               # ValueError before building
+    model = seeded_model(model_name, ep, hot, seed, dtype, ctx.device)
+    return model, expert_parallel(model, ctx, ep)
+
+
+def averaging_adamw(model: nn.Module, groups: EPGroups, precision: str):
+    """(for-loop AdamW, the same behind ``average_gradients``): what the steps train with."""
+    inner = make_optimizer(model.parameters(), "adamw", impl="for-loop",
+                           master_weights=precision == "bf16-master")
+    return inner, AveragingOptimizer(inner, model, groups)
 
 
 @dataclass
 class EPStep(RankStep):
     """A rank's ``RankStep`` and its routing in the last step: rows each MoE layer received
-    (its experts' load), the rows it dispatched per layer, and its parameters' bytes."""
+    (its experts' load), the rows it dispatched per layer, its parameters' bytes, the layout
+    and the bytes it sent in each group ("ep", "dp", "world")."""
 
     received: list = field(default_factory=list)
     dispatched: int = 0
     expert_bytes: int = 0
     param_bytes: int = 0
+    ep: int = 1
+    dp: int = 1
+    sent_by_group: dict = field(default_factory=dict)
 
 
-def ep_step(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32, steps: int = 2,
-            precision: str = "fp32", hot: float | None = None, seed: int = 0) -> EPStep:
-    """Train under expert parallelism on this rank's rows (``batch`` of them, for-loop AdamW);
-    the tracker measures the last (steady) step. ``hot``: see ``seeded_model``."""
+def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: int = 1,
+               seq: int = 32, steps: int = 2, precision: str = "fp32", hot: float | None = None,
+               seed: int = 0) -> EPStep:
+    """Train under ``ep`` (None: every rank) x dp = world / ep on this rank's rows (``batch`` of
+    them, for-loop AdamW); the tracker measures the last (steady) step. ``hot``: see
+    ``seeded_model``."""
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         check_positive(name, value)
     if steps < 2:
         raise ValueError(f"steps={steps}: use steps >= 2; the first step creates the optimizer "
                          "state, the second is the first steady one")
-    model, comm = build(ctx, model_name, hot, seed, param_dtype(precision))
-    inner = make_optimizer(model.parameters(), "adamw", impl="for-loop",
-                           master_weights=precision == "bf16-master")
-    optimizer = AveragingOptimizer(inner, model, comm)
+    model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
+    inner, optimizer = averaging_adamw(model, groups, precision)
 
     def forward(tokens, targets):                              # (batch, seq) each
-        comm.reset()                                           # count the last step only
+        groups.reset()                                         # count the last step only
         return model(tokens, targets)
 
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed)
     step = measure_rank(ctx, model, forward, optimizer, batches, precision, states=inner,
-                        sent=lambda: comm.sent)
-    return EPStep(**vars(step), received=list(comm.received),
+                        sent=groups.sent)
+    return EPStep(**vars(step), received=list(groups.experts.received),
                   dispatched=model.cfg.top_k * batch * seq,
                   expert_bytes=sum(p.nbytes for p in expert_parameters(model)),
-                  param_bytes=sum(p.nbytes for p in model.parameters()))
+                  param_bytes=sum(p.nbytes for p in model.parameters()),
+                  ep=groups.experts.world, dp=ctx.world_size // groups.experts.world,
+                  sent_by_group=groups.sent_by_group())
+
+
+def ep_step(ctx, **settings) -> EPStep:
+    """``ep_dp_step`` with one ep group of every rank (dp = 1): the ranks are the expert- and
+    the data-parallel group at once."""
+    return ep_dp_step(ctx, None, **settings)
 
 
 def ep_steps(ctx, settings: list[dict]) -> list[EPStep]:
-    """``ep_step(ctx, **s)`` for each of ``settings`` in one process group (one start-up)."""
-    return [ep_step(ctx, **s) for s in settings]
+    """``ep_dp_step(ctx, **s)`` for each of ``settings`` in one process group (one start-up)."""
+    return [ep_dp_step(ctx, **s) for s in settings]
 
 
 def time_ep_steps(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                   steps: int = 5, precision: str = "fp32", hot: float | None = None,
-                  seed: int = 0) -> list[float]:
+                  seed: int = 0, ep: int | None = None) -> list[float]:
     """Seconds of each of ``steps`` training steps on this rank, no tracker; the ranks start
     each step together (a barrier), so the slowest rank's load shows in every rank's time."""
-    model, comm = build(ctx, model_name, hot, seed, param_dtype(precision))
-    optimizer = AveragingOptimizer(make_optimizer(model.parameters(), "adamw", impl="for-loop",
-                                                  master_weights=precision == "bf16-master"),
-                                   model, comm)
+    model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
+    _, optimizer = averaging_adamw(model, groups, precision)
     seconds = []
     for tokens in rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed):
         dist.barrier(group=ctx.group)
@@ -293,24 +356,25 @@ def _forward_backward(model, ctx, batch: int, seq: int, seed: int):
 
 def forward_backward(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                      dtype: torch.dtype = torch.float64, hot: float | None = None,
-                     seed: int = 0) -> dict:
-    """One forward and backward under expert parallelism on this rank's rows: logits, loss,
-    every gradient by name (averaged: ``average_gradients``) and the bytes sent."""
-    model, comm = build(ctx, model_name, hot, seed, dtype)
+                     seed: int = 0, ep: int | None = None) -> dict:
+    """One forward and backward under ``ep`` (None: every rank) x dp on this rank's rows:
+    logits, loss, every gradient by name (averaged: ``average_gradients``), the bytes sent."""
+    model, groups = build(ctx, model_name, hot, seed, dtype, ep)
     logits, loss = _forward_backward(model, ctx, batch, seq, seed)
-    average_gradients(model, comm)
-    return dict(logits=logits, loss=loss, sent=dict(comm.sent),
+    average_gradients(model, groups)
+    return dict(logits=logits, loss=loss, sent=groups.sent(),
                 grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
 
-def one_process(ep: int, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
+def one_process(ranks: int, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                 dtype: torch.dtype = torch.float64, hot: float | None = None,
-                seed: int = 0) -> dict:
+                seed: int = 0, ep: int | None = None) -> dict:
     """``forward_backward``'s figures for the whole model in this process, on the rows of all
-    ``ep`` ranks (batch * ep of them): what the ranks must equal."""
+    ``ranks`` ranks (batch * ranks of them; ``hot`` biases the first E/ep experts, ep None:
+    ``ranks``): what the ranks must equal."""
     ctx = RankContext(0, 1, None, torch.device("cpu"))
-    model = seeded_model(model_name, ep, hot, seed, dtype)
-    logits, loss = _forward_backward(model, ctx, batch * ep, seq, seed)
+    model = seeded_model(model_name, ranks if ep is None else ep, hot, seed, dtype)
+    logits, loss = _forward_backward(model, ctx, batch * ranks, seq, seed)
     return dict(logits=logits, loss=loss,
                 grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
 
@@ -325,18 +389,19 @@ def shard_kept_bytes(cfg: ModelConfig, rows: int, tokens: int, precision: str = 
         raise ValueError(f"the rule covers fp32, bf16 and bf16-master, got {precision!r}; "
                          f"autocast (-mixed) keeps bf16 copies of the inputs it does not count")
     b = param_dtype(precision).itemsize
-    return rows * ((cfg.hidden + 4 * cfg.moe_ffn) * b + 2 * 8) + tokens * cfg.top_k * cfg.hidden * b
+    return (rows * (cfg.hidden + 4 * cfg.moe_ffn) * b + permutation_bytes(rows)
+            + tokens * cfg.top_k * cfg.hidden * b)
 
 
 def shard_kept(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                hot: float | None = None, seed: int = 0) -> list[tuple[int, int]]:
     """(rows received, bytes kept) of each MoE layer's ``ExpertShard`` in one forward pass
     (``labkit.track.activations_per_module``)."""
-    model, comm = build(ctx, model_name, hot, seed)
+    model, groups = build(ctx, model_name, hot, seed)
     shards = {name: m for name, m in model.named_modules() if isinstance(m, ExpertShard)}
     tokens = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, 1, seed)[0]    # (batch, seq + 1)
     kept = activations_per_module(model, tokens[:, :-1], tokens[:, 1:], shards)
-    return list(zip(comm.received, kept.values()))
+    return list(zip(groups.experts.received, kept.values()))
 
 
 @dataclass
@@ -387,7 +452,7 @@ def rank_params(cfg: ModelConfig, ep: int) -> tuple[int, int]:
 def ep_memory(cfg, eps=(8, 16, 32, 64), batch: int = 1, seq: int = 4096,
               precision: str = "bf16-master", optimizer: str = "adamw") -> list[dict]:
     """Per rank at each ep: routed-expert and replicated parameters, the experts' model-state
-    bytes (weights + grads + optimizer state), and ``labkit.estimate`` with Layout(ep=ep)."""
+    bytes (weights + grads + optimizer state), and ``labkit.estimate`` with Layout(dp=ep, ep=ep)."""
     from ..predict import estimate
 
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
@@ -396,7 +461,7 @@ def ep_memory(cfg, eps=(8, 16, 32, 64), batch: int = 1, seq: int = 4096,
     for ep in eps:
         routed, replicated = rank_params(cfg, ep)
         est = estimate(cfg, batch, seq, precision=precision, optimizer=optimizer,
-                       device="cuda", layout=Layout(ep=ep))
+                       device="cuda", layout=Layout(dp=ep, ep=ep))
         rows.append(dict(ep=ep, experts_per_rank=experts_per_rank(cfg, ep),
                          routed_params=routed, replicated_params=replicated,
                          routed_state_bytes=routed * per_param,
@@ -409,7 +474,8 @@ def ep_memory(cfg, eps=(8, 16, 32, 64), batch: int = 1, seq: int = 4096,
 def fake_ep_peak(cfg, ep: int, batch: int = 1, seq: int = 4096, precision: str = "bf16-master",
                  rank: int = 0) -> dict:
     """One rank of ``ep`` in one steady-state training step on fake tensors (fake process
-    group, routing balanced, CUDA's defaults): peak bytes by category and parameter bytes."""
+    group, routing balanced, CUDA's defaults): peak bytes by category, parameter bytes and the
+    bytes its all_to_alls sent (``sent``)."""
     from ..measure import _batch, _build, _Setup, init_optimizer_state
     from .fsdp import fake_group
 
@@ -420,7 +486,7 @@ def fake_ep_peak(cfg, ep: int, batch: int = 1, seq: int = 4096, precision: str =
         # build on the meta device and slice there: no fake tensor for the other ranks' experts
         model = _build(_Setup(cfg, None, "cuda", torch.device("meta")), precision, "none")
         ctx = RankContext(rank, ep, group, torch.device("cpu"))
-        comm = expert_parallel(model, ctx)
+        groups = expert_parallel(model, ctx)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             inner = make_optimizer(model.parameters(), "adamw", device="cuda",
@@ -433,6 +499,7 @@ def fake_ep_peak(cfg, ep: int, batch: int = 1, seq: int = 4096, precision: str =
             out = dict(ep=ep, peak=mt.peak, by_category=dict(mt.peak_by_category),
                        peak_phase=mt.peak_phase,
                        param_bytes=sum(p.nbytes for p in model.parameters()),
-                       expert_bytes=sum(p.nbytes for p in expert_parameters(model)))
+                       expert_bytes=sum(p.nbytes for p in expert_parameters(model)),
+                       sent=dict(groups.experts.sent))
     out["seconds"] = time.perf_counter() - start
     return out

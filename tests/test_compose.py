@@ -1,0 +1,168 @@
+"""Expert parallelism inside data parallelism (labkit.parallel.compose, expert.ep_dp_step) on 4
+local gloo ranks, tiny-moe: ep 2 x dp 2 trains like one process on all the rows, and each
+layout's per-rank peak and bytes sent are what ``labkit.estimate`` says for it."""
+import pytest
+import torch
+
+import labkit as lk
+from labkit.parallel import cluster
+from labkit.parallel.cluster import RankContext
+from labkit.parallel.compose import (all_to_all_bytes, dp_degree, gradient_bytes_sent,
+                                     group_ranks, permutation_bytes)
+from labkit.parallel.expert import build, fake_ep_peak, one_process, rank_params
+
+from expert_targets import BATCH, HOT, LAYOUTS, SEQ, STEP_SEQ_4, WORLD, composed
+
+CFG = lk.preset("tiny-moe")
+PEAK_TOLERANCE = 0.03      # the estimate assumes balanced routing; these ranks are within 1.5%
+FP64 = 1e-12               # fp64 round-off: sums over rows in another order and grouping
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """[rank 0's figures, ...] (``expert_targets.composed``), one start-up of 4 ranks."""
+    return cluster.run(composed, WORLD, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def one():
+    """name -> the whole model in this process on all 4 ranks' rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: one_process(WORLD, seq=SEQ, dtype=torch.float64, hot=hot, ep=2)
+                for name, hot in (("fp64", None), ("fp64 skewed", HOT))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def estimate(ep: int, dp: int, **kw):
+    """The estimate of one rank of ep x dp (no DDP buckets: the step averages in place)."""
+    layout = lk.Layout(dp=ep * dp, ep=ep, ddp_buckets=False)
+    return lk.estimate(CFG, BATCH, STEP_SEQ_4, precision="fp32", device="cpu", layout=layout, **kw)
+
+
+def test_groups_are_blocks_of_ep_and_strides_of_ep():
+    assert group_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert group_ranks(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert group_ranks(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    assert group_ranks(4, 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])
+
+
+@pytest.mark.parametrize("case", ["fp64", "fp64 skewed"])
+def test_ep2_dp2_output_and_every_gradient_equal_one_process(ranks, one, case):
+    """Rank r's logits are the one-process logits of its rows; after averaging, its replicated
+    gradients are the one-process ones and its experts' are shard r % 2's slice of them (ranks
+    r and r + 2 hold the same shard). "skewed": every token picks shard 0's experts."""
+    ref, per = one[case], CFG.routed_experts // 2
+    for r, got in enumerate(rank[case] for rank in ranks):
+        shard = r % 2
+        assert (got["logits"][0] - ref["logits"][r]).abs().max() <= FP64 * ref["logits"].abs().max()
+        assert len(got["grads"]) == len(ref["grads"])
+        for name, grad in got["grads"].items():
+            if ".experts.local." in name:
+                whole = ref["grads"][name.replace(".experts.local.", ".experts.")]
+                want = whole[shard * per:(shard + 1) * per]
+            else:
+                want = ref["grads"][name]
+            assert (grad - want).abs().max() <= FP64 * want.abs().max(), name
+    mean_loss = sum(rank[case]["loss"] for rank in ranks) / WORLD
+    assert mean_loss == pytest.approx(ref["loss"], rel=FP64)
+
+
+@pytest.mark.parametrize("ep, dp", LAYOUTS)
+def test_each_rank_peak_is_the_estimate_within_3_percent(ranks, ep, dp):
+    """Model states exactly (weights, AdamW moments and step counters of the rank's share);
+    the peak within 3% (the routing of these rows is not quite balanced), in the backward."""
+    est = estimate(ep, dp)
+    for rank in ranks:
+        step = rank["steps"][(ep, dp)]
+        assert (step.ep, step.dp) == (ep, dp)
+        assert step.peak_by_category["params"] == est.params == step.param_bytes
+        assert step.peak_by_category["optimizer"] == est.optimizer
+        assert step.peak_phase == est.peak_phase == "backward"
+        assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (rank["steps"], est)
+
+
+def test_ddp_buckets_stay_out_of_expert_parallel_layouts():
+    """Layout(dp=4, ep=2) is the in-place step by default; plain Layout(dp=4) is DDP, whose
+    buckets add one copy of the gradients (what the in-place ep 1 x dp 4 step does not hold)."""
+    names = {t.name for t in lk.estimate(CFG, BATCH, STEP_SEQ_4, precision="fp32", device="cpu",
+                                         layout=lk.Layout(dp=4, ep=2)).tensors}
+    assert "DDP gradient buckets" not in names
+    assert any(name.startswith("expert-parallel permutations") for name in names)
+    ddp = lk.estimate(CFG, BATCH, STEP_SEQ_4, precision="fp32", device="cpu",
+                      layout=lk.Layout(dp=4))
+    in_place = estimate(1, 4)
+    assert ddp.total - in_place.total == 4 * lk.count_params(CFG).total
+    with pytest.raises(ValueError, match="ddp_buckets=True"):
+        lk.Layout(dp=2, gradient_as_bucket_view=True, ddp_buckets=False)
+
+
+@pytest.mark.parametrize("ep, dp", LAYOUTS)
+def test_gradient_all_reduces_send_what_the_estimate_says(ranks, ep, dp):
+    """Replicated gradients over all 4 ranks, each expert shard's over its dp copies: exactly
+    the estimate's bytes, and the counts message (E/ep int64 to each other rank per layer)."""
+    predicted = estimate(ep, dp).details
+    routed, replicated = rank_params(CFG, ep)
+    for rank in ranks:
+        step = rank["steps"][(ep, dp)]
+        want = gradient_bytes_sent(4 * replicated, 4 * routed, ep, dp) if ep > 1 else {
+            "all_reduce": 2 * (WORLD - 1) * 4 * lk.count_params(CFG).total // WORLD}
+        got = {k: v for k, v in step.sent.items() if k.startswith("all_reduce")}
+        assert got == want
+        assert step.sent_by_group["world"] == want["all_reduce"]
+        assert step.sent_by_group["dp"] == want.get("all_reduce (experts, dp group)", 0)
+        if ep > 1:
+            assert step.sent["counts"] == predicted["bytes sent per step, by message"]["counts"]
+            assert {k: predicted["bytes sent per step, by message"][k] for k in want} == want
+        else:          # one copy of every expert per rank: DDP's all-reduce, nothing else
+            assert step.sent_by_group["ep"] == 0
+            assert predicted["bytes sent per step"] == want["all_reduce"]
+
+
+@pytest.mark.parametrize("ep, dp", [(2, 2), (4, 1)])
+def test_all_to_all_rows_that_leave_come_back(ranks, ep, dp):
+    """Each rank's dispatched rows return as its combine's backward, and within an ep group
+    every row reaches exactly one rank; the rows that go out vary with the routing."""
+    row = CFG.hidden * 4
+    for g in range(dp):
+        group = [ranks[r]["steps"][(ep, dp)] for r in range(g * ep, (g + 1) * ep)]
+        for step in group:
+            assert step.sent["dispatch"] == step.sent["combine (backward)"]
+            assert step.sent["combine"] == step.sent["dispatch (backward)"]
+        assert sum(s.sent["dispatch"] for s in group) == sum(s.sent["combine"] for s in group)
+        for layer in range(CFG.moe_layers):
+            assert sum(s.received[layer] for s in group) == sum(s.dispatched for s in group)
+        assert all(s.sent["dispatch"] % row == 0 for s in group)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-master"])
+def test_balanced_all_to_alls_send_the_estimate_bytes(precision):
+    """Fake tensors route evenly: each data message is the estimate's to the byte (rows out in
+    the stream's dtype, the experts' outputs back in the matmuls'), and so is the peak but for
+    4 bytes the estimate misses without expert parallelism too."""
+    out = fake_ep_peak(CFG, 2, seq=64, precision=precision)
+    est = lk.estimate(CFG, 1, 64, precision=precision, device="cuda", layout=lk.Layout(dp=2, ep=2))
+    messages = est.details["bytes sent per step, by message"]
+    assert out["sent"] == {k: messages[k] for k in out["sent"]}
+    assert out["peak"] - est.total in (0, 4)
+
+
+def test_the_rules_count_what_one_rank_sends_and_keeps():
+    """ep 4, batch 2 x 64 tokens x top 2: 256 rows per MoE layer, 3/4 of them leave."""
+    sent = all_to_all_bytes(CFG, 2, 64, 4, row_bytes=4)
+    assert sent["dispatch"] == sent["combine (backward)"] == 2 * 192 * CFG.hidden * 4
+    assert sent["counts"] == 2 * 3 * 2 * 8
+    assert all_to_all_bytes(CFG, 2, 64, 1, row_bytes=4)["dispatch"] == 0
+    assert permutation_bytes(256) == 4096
+    est = estimate(2, 2)
+    assert "balanced routing" in est.explain() and "routing_imbalance" in est.explain()
+
+
+@pytest.mark.parametrize("ep", [3, 0, 8])
+def test_an_ep_that_does_not_divide_the_ranks_raises(ep):
+    with pytest.raises(ValueError, match="choose ep among"):
+        dp_degree(4, ep)
+    with pytest.raises(ValueError, match="must divide"):     # before any model or message
+        build(RankContext(0, 4, None, torch.device("cpu")), ep=ep)
