@@ -301,16 +301,24 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                           category="weight_cache")] if copies else []))
 
 
-def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None) -> Saved:
+SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"
+
+
+def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None,
+               sp: bool = False) -> Saved:
     """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary - or, with
-    a chunked loss (``labkit.loss``), one fp32 log-sum-exp per token."""
-    d = _Dtypes.of(precision)
+    a chunked loss (``labkit.loss``), one fp32 log-sum-exp per token. Under tensor parallelism
+    the head is vocabulary-parallel (``labkit.parallel.tensor``): each rank keeps the fp32
+    softmax of its vocab / tp logits; with ``sp`` the final norm and the head's input keep only
+    this rank's tokens (the head all-gathers them, and again in its backward pass)."""
+    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    loss = (Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
+                 per_layer=8) if loss_chunk else
+            Term(SOFTMAX, "fp32", 4 * c.vocab_size / tp) if tp > 1 else
+            Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size))
     terms = [Term("final RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _rmsnorm(c.hidden, d.stream)),
-             Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden)),
-             Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
-                  per_layer=8) if loss_chunk else
-             Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size / tp)]
+                  _rmsnorm(c.hidden, d.stream) / split),
+             Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden) / split), loss]
     if d.mixed:
         terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",
                           per_layer=2 * c.vocab_size * c.hidden // tp, category="weight_cache"))

@@ -12,11 +12,11 @@ mechanism's byte rule sits beside it: ``recipe`` (precisions), ``layers`` (the m
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .checkpointing import parse_policy, plan
 from .config import ModelConfig, preset
-from .layers import (ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
+from .layers import (SOFTMAX, ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
                      count_params, embedding_weights, head_saved, head_weights, layer_saved)
 from .parallel import compose, pipeline, zero
 from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, compute_bytes, state_bytes
@@ -230,7 +230,7 @@ class _Step:
         # GPipe's last stage runs every micro-batch's loss before any backward: it keeps m heads
         heads = flight if self.L.schedule == "gpipe" else 1
         head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
-                                            self.recipe.loss_chunk)], heads)
+                                            self.recipe.loss_chunk, self.L.sp)], heads)
                 if self.last else [])
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
@@ -256,6 +256,8 @@ class _Step:
         cache = Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)
         if self.recipe.loss_chunk:
             return self._chunked_loss_moments(kept, head, cache)
+        if tp > 1:
+            return self._vocab_parallel_loss_moments(alive, cache)
         logits = self.N * c.vocab_size // tp * 4
         at_loss = [Tensor("logits", "activations", "fp32", logits),
                    Tensor("bf16 logits", "activations", "bf16", logits // 2 if self.mixed else 0),
@@ -263,6 +265,33 @@ class _Step:
         start = [Tensor("log-softmax gradient and logits gradient", "other", "fp32", 2 * logits)]
         return {"forward: loss": ("forward", alive + at_loss),
                 "backward: start": ("backward", alive + start)}
+
+    def _vocab_parallel_loss_moments(self, alive: list[Tensor], cache: Tensor) -> dict:
+        """Megatron's vocabulary-parallel loss (``parallel.tensor``) works in place: a rank's
+        fp32 (N, V/tp) logits become the softmax it saves (``head_saved``), then the logits'
+        gradient. 16-bit logits are copied to fp32 first and stay alive until the loss is
+        taken; the gradient is cast back to 16 bits, which frees the fp32 one. Then the LM
+        head's backward forms its weight's gradient and its input's; under sp it all-gathers
+        its input again and reduce-scatters the input's gradient to this rank's tokens."""
+        c, tp, sp, cb = self.c, self.L.tp, self.L.sp, (4 if self.cdt == "fp32" else 2)
+        wide = self.N * c.hidden * cb                                          # (N, hidden)
+        logits = self.N * c.vocab_size // tp                                   # (N, V/tp)
+        sixteen = Tensor("16-bit logits (gradient)", "other", self.cdt,
+                         logits * 2 if cb == 2 else 0)
+        # with 16-bit matmuls this micro-batch's fp32 softmax is gone once cast to 16 bits
+        softmax_freed = [replace(t, nbytes=t.nbytes - logits * 4)
+                         if cb == 2 and t.name == SOFTMAX else t for t in alive]
+        head = [sixteen,
+                Tensor("LM head gradient being formed", "other", self.cdt,
+                       c.vocab_size // tp * c.hidden * cb),
+                Tensor("gradient of the LM head's input", "other", self.cdt, wide),
+                Tensor("LM head's input, all-gathered again (sp)", "other", self.cdt,
+                       wide if sp else 0),
+                Tensor("this rank's tokens of its gradient (sp)", "other", self.cdt,
+                       wide // tp if sp else 0)]
+        return {"forward: loss": ("forward", alive + [sixteen, cache]),
+                "backward: loss": ("backward", alive + [sixteen]),
+                "backward: LM head": ("backward", softmax_freed + head)}
 
     def _chunked_loss_moments(self, kept: list[Tensor], head: list[Tensor], cache: Tensor) -> dict:
         """A chunked loss (``labkit.loss``) holds one chunk's fp32 logits (and their bf16

@@ -14,7 +14,8 @@ from labkit.config import preset
 from labkit.model import Block, GroupedQueryAttention, Rotary, SwiGLU, build_model
 from labkit.parallel.comm import CommCounter, gather_from_sequence, my_tokens
 from labkit.parallel.tensor import (STYLES, ParallelAttention, ParallelSwiGLU, parallelize,
-                                    parallelize_block, tensor_parallel_step)
+                                    parallelize_block, tensor_parallel_step,
+                                    vocab_parallel_cross_entropy)
 from labkit.track import MemoryTracker, activations_per_module
 from labkit.train import make_optimizer, train_step
 
@@ -24,6 +25,8 @@ BATCH, SEQ = 2, 16                  # SEQ: a multiple of 4 (sequence parallelism
 MEMORY_SEQ = 256                    # one block's saved activations, measured in fp32
 STEPS = 3                           # AdamW steps of the whole model, fp32
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+SMALL_SEQ = 256                     # ``small``'s step whose per-rank peak the estimate predicts
+IGNORED = 3                         # targets of the first row set to ignore_index (-100)
 PARTS = ("mlp", "attention", "block")
 
 
@@ -79,10 +82,15 @@ def fresh_model(dtype):
     return build_model(CFG, dtype=dtype)
 
 
-def run_model(model):
-    """The loss of one step and every parameter's gradient."""
+def run_model(model, one_process: bool = False):
+    """The loss of one step and every parameter's gradient. One process's loss is taken here
+    from its logits in their own dtype (the model's loss casts them to fp32, fp64 too), as the
+    vocabulary-parallel loss does."""
     rows = tokens()
-    loss = model(rows[:, :-1], rows[:, 1:])
+    if one_process:
+        loss = F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+    else:
+        loss = model(rows[:, :-1], rows[:, 1:])
     loss.backward()
     return dict(loss=loss.detach(), grads={n: p.grad for n, p in model.named_parameters()})
 
@@ -137,9 +145,52 @@ def compare(ctx, precision: str = "fp64") -> dict:
         for precision in ("fp32", "bf16-mixed"):
             out["train", precision, sp] = tensor_parallel_step(ctx, CFG, BATCH, SEQ, sp,
                                                                precision, STEPS)
+        out["small", sp] = tensor_parallel_step(ctx, "small", 1, SMALL_SEQ, sp, "fp32", STEPS)
+    out["loss"] = vocab_loss(ctx, dtype)
+    out["loss memory"] = vocab_loss_memory(ctx)
     out["dtensor"] = dtensor_blocks(ctx, dtype)
     out["memory"] = block_activations(ctx)
     return out
+
+
+def logits_and_targets(dtype):
+    """One process's (B, T, V) logits and (B, T) targets, the first ``IGNORED`` ignored."""
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(BATCH, SEQ, CFG.vocab_size, dtype=dtype)        # (B, T, V)
+    targets = tokens()[:, 1:].clone()                                        # (B, T)
+    targets[0, :IGNORED] = -100
+    return logits, targets
+
+
+def vocab_loss(ctx, dtype) -> dict:
+    """``vocab_parallel_cross_entropy`` on this rank's V/N columns of the logits: the loss and
+    the gradient of its shard, and the bytes it sent."""
+    logits, targets = logits_and_targets(dtype)
+    comm = CommCounter(ctx.group)
+    mine = logits.chunk(ctx.world_size, dim=-1)[ctx.rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine * 1, targets, comm)   # a copy: it works in place
+    loss.backward()
+    return dict(loss=loss.detach(), grad=mine.grad, sent=dict(comm.sent))
+
+
+def vocab_loss_memory(ctx) -> dict:
+    """fp32 bytes around the vocabulary-parallel loss of a column-parallel head's logits, beyond
+    what is alive before it: the forward pass's peak and what it keeps, and the backward
+    pass's peak through the loss and the head's matmul (its weight's and input's gradients)."""
+    torch.manual_seed(0)
+    targets = tokens()[:, 1:]                                                # (B, T)
+    comm = CommCounter(ctx.group)
+    with MemoryTracker() as mt:
+        hidden = torch.randn(BATCH, SEQ, CFG.hidden, requires_grad=True)     # (B, T, h)
+        weight = torch.randn(CFG.vocab_size // ctx.world_size, CFG.hidden,
+                             requires_grad=True)                             # (V/N, h)
+        before = mt.current
+        loss = vocab_parallel_cross_entropy(F.linear(hidden, weight), targets, comm)
+        forward, kept = mt.peak - before, mt.current - before
+        mt.reset_peak()
+        loss.backward()
+        backward = mt.peak - before
+    return dict(forward=forward, kept=kept, backward=backward)
 
 
 def block_activations(ctx) -> dict:

@@ -2,6 +2,7 @@
 Korthikanti et al.'s formula and PyTorch's DTensor tensor parallelism."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import labkit as lk
 from labkit.layers import block_weights, embedding_weights, head_weights, layer_saved
@@ -9,8 +10,9 @@ from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
 from labkit.parallel.comm import CommCounter, my_tokens
 from labkit.parallel.tensor import STYLES, parallelize, parallelize_block
-from tensor_targets import (BATCH, CFG, MEMORY_SEQ, PARTS, SEQ, compare, fresh_model, part,
-                            run_model, run_part, shard_of, tokens, train_one_process)
+from tensor_targets import (BATCH, CFG, MEMORY_SEQ, PARTS, SEQ, SMALL_SEQ, compare, fresh_model,
+                            logits_and_targets, part, run_model, run_part, shard_of, tokens,
+                            train_one_process)
 
 # fp64 on both sides: the ranks add the partial sums of each matmul in another order than one
 # process does, which fp64 leaves at ~1e-16; 1e-12 is far below any real error (a missing
@@ -52,14 +54,50 @@ def test_part_output_and_every_gradient_equal_one_process(ranks, name, sp):
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_whole_model_loss_and_every_gradient_equal_one_process(ranks, sp):
+    """The loss and every gradient (the LM head's rows and the embedding's included) of the
+    whole model split over N ranks, against one process, in fp64."""
     n, results = ranks
-    reference = run_model(fresh_model(torch.float64))
+    reference = run_model(fresh_model(torch.float64), one_process=True)
     for rank, result in enumerate(results):
         got = result["model", sp]
+        assert got["grads"].keys() == reference["grads"].keys()
         torch.testing.assert_close(got["loss"], reference["loss"], **TOL)
         for param, grad in got["grads"].items():
             torch.testing.assert_close(grad, shard_of(param, reference["grads"][param], rank, n),
                                        **TOL, msg=lambda m: f"{param}: {m}")
+
+
+def test_vocab_parallel_loss_and_its_gradient_equal_one_process(ranks):
+    """``vocab_parallel_cross_entropy`` on each rank's V/N columns of the logits gives
+    F.cross_entropy's loss (targets of -100 ignored) and its gradient's columns, in fp64, for
+    three messages of one number per token: the max, the target's logit, the sum of exps."""
+    n, results = ranks
+    logits, targets = logits_and_targets(torch.float64)
+    logits.requires_grad_()
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    expected.backward()
+    for rank, result in enumerate(results):
+        got = result["loss"]
+        torch.testing.assert_close(got["loss"], expected.detach(), **TOL)
+        torch.testing.assert_close(got["grad"], logits.grad.chunk(n, dim=-1)[rank], **TOL)
+        assert got["sent"] == {"all_reduce": 3 * 2 * (n - 1) * BATCH * SEQ * 8 // n}
+
+
+def test_vocab_parallel_loss_works_in_place_in_the_logits(ranks):
+    """Megatron's memory-lean loss, measured: the head's fp32 (B*T, V/N) logits become the
+    softmax the loss keeps (4 bytes per logit, what the estimate counts), with a token's target
+    column, two flags and the token count (10 bytes per token and 8) and the loss beside it;
+    the forward pass makes no second (B*T, V/N) tensor, only numbers per token; the backward
+    pass turns the softmax into the logits' gradient, beside which only the head's weight and
+    input gradients are made (and two fp32 scalars: the loss's seed gradient, its share)."""
+    n, results = ranks
+    tokens_, logits = BATCH * SEQ, BATCH * SEQ * CFG.vocab_size // n * 4       # fp32 bytes
+    grads = (CFG.vocab_size // n + tokens_) * CFG.hidden * 4           # (V/N, h) and (B, T, h)
+    for result in results:
+        memory = result["loss memory"]
+        assert memory["kept"] == logits + 10 * tokens_ + 8 + 4
+        assert memory["kept"] < memory["forward"] < memory["kept"] + 8 * 4 * tokens_
+        assert memory["backward"] == logits + grads + 2 * 4
 
 
 # fp32: round-off in the sums' order; bf16-mixed: bf16 matmuls summed in another order
@@ -123,17 +161,20 @@ def test_bytes_sent_by_one_mlp_step(ranks):
 
 def test_bytes_sent_by_one_training_step(ranks):
     """A step of the whole model (fp32), one (B, T, h) message being u = (N-1)/N of it.
-    Without sp: 4 all-reduces per layer (f, g of attention and MLP, forward and backward) and
-    the embedding's g, 2u each. With sp: per layer 4 all-gathers and 4 reduce-scatters where
-    the all-reduces were, plus 2 all-gathers again in the backward pass; the embedding's
-    reduce-scatter and its backward, and the all-gather before the final norm: u each; and an
-    all-reduce of each norm's weight gradient (2 per layer, h numbers each)."""
+    Without sp: 4 all-reduces per layer (f, g of attention and MLP, forward and backward), the
+    embedding's g and the LM head's f, 2u each. With sp: per layer 4 all-gathers and 4
+    reduce-scatters where the all-reduces were, plus 2 all-gathers again in the backward pass;
+    the embedding's reduce-scatter and its backward, the LM head's all-gather, again in the
+    backward pass, and its input gradient's reduce-scatter: u each; and an all-reduce of each
+    norm's weight gradient (2 per layer and the final one, h numbers each). Both: the loss's
+    3 all-reduces of one fp32 number per token."""
     n, results = ranks
     u, L = 4 * BATCH * SEQ * CFG.hidden * (n - 1) // n, CFG.layers
-    norms = 2 * L * 2 * 4 * CFG.hidden * (n - 1) // n
+    norms = (2 * L + 1) * 2 * 4 * CFG.hidden * (n - 1) // n
+    loss = 3 * 2 * 4 * BATCH * SEQ * (n - 1) // n
     for result in results:
-        assert sum(result["train", "fp32", False].sent.values()) == (4 * L + 1) * 2 * u
-        assert sum(result["train", "fp32", True].sent.values()) == (10 * L + 3) * u + norms
+        assert sum(result["train", "fp32", False].sent.values()) == (4 * L + 2) * 2 * u + loss
+        assert sum(result["train", "fp32", True].sent.values()) == (10 * L + 5) * u + norms + loss
 
 
 # ---- memory ------------------------------------------------------------------------------
@@ -148,26 +189,40 @@ def test_rank_holds_exactly_the_estimates_block_parameters(n):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_rank_parameters_are_the_estimates_but_for_the_lm_head(ranks, sp):
-    """The whole model's parameters on a rank: the estimate's, plus the (N-1)/N of the LM head
-    that the estimate splits (a vocabulary-parallel head) and every rank here holds."""
+def test_rank_parameters_are_the_estimates(ranks, sp):
+    """The whole model's parameters on a rank, the LM head's V/N rows included: the estimate's."""
     n, results = ranks
     est = lk.estimate(CFG, batch=BATCH, seq=SEQ, precision="fp32", tp=n, sp=sp, device="cpu")
-    head = 4 * CFG.vocab_size * CFG.hidden
     for result in results:
         step = result["train", "fp32", sp]
-        assert step.peak_by_category["params"] == est.params + head * (n - 1) // n
+        assert step.peak_by_category["params"] == est.params
         steps = 4 * len(list(fresh_model(torch.float32).parameters()))    # AdamW's step counts
         assert step.peak_by_category["optimizer"] == 2 * step.peak_by_category["params"] + steps
 
 
-def test_styles_are_the_estimates_splits_but_for_the_lm_head():
-    """The estimate splits the LM head's rows too (Megatron's vocabulary-parallel head and
-    loss); here every rank holds it whole (``Transformer.forward`` takes the whole loss)."""
+def test_styles_are_the_estimates_splits():
+    """Each weight is split as the estimate counts it: the LM head's rows by vocabulary too
+    (Megatron's vocabulary-parallel head and loss)."""
     splits = {w.name: w.split for w in block_weights(CFG, False) + embedding_weights(CFG)
               + head_weights(CFG)}
-    assert STYLES == splits | {"lm_head": "replicated"}
+    assert STYLES == splits
     assert splits["lm_head"] == "vocab"
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_rank_peak_of_a_small_step_is_the_estimates(ranks, sp):
+    """``small`` (fp32, AdamW for-loop, batch 1, seq 256): each rank's peak, in the LM head's
+    backward pass (the softmax turned gradient, the head's weight and input gradients), is the
+    estimate's within 1% (the issue's bar is 3%); the per-token bookkeeping of the loss, a few
+    KiB, is all it leaves out."""
+    n, results = ranks
+    est = lk.estimate("small", 1, SMALL_SEQ, precision="fp32", device="cpu", optimizer="adamw",
+                      layout=lk.Layout(tp=n, sp=sp))
+    assert est.details["peak moment"] == "backward: LM head"
+    for result in results:
+        step = result["small", sp]
+        assert step.peak_phase == "backward"
+        assert step.peak == pytest.approx(est.total, rel=0.01)
 
 
 @pytest.mark.parametrize("precision, sp", [("fp32", False), ("fp32", True),
@@ -234,11 +289,29 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tp, what):
 @pytest.mark.parametrize("cfg, match", [
     (lk.preset("deepseek-v2-lite"), "MLA and MoE blocks are not supported"),
     (lk.preset("tiny-moe"), "MLA and MoE blocks are not supported"),
-    (CFG.replace(tie_embeddings=True), "use tie_embeddings=False")])
+    (CFG.replace(tie_embeddings=True), "use tie_embeddings=False"),
+    (CFG.replace(vocab_size=255), r"tp=2 does not divide vocab_size=255 .*choose tp among \[1\], "
+                                  r"or pad the vocabulary to a multiple of 2")])
 def test_models_it_cannot_split_are_refused(cfg, match):
     with pytest.raises(ValueError, match=match):
         parallelize(lk.build_model(cfg, device="meta"),
                     RankContext(0, 2, None, torch.device("cpu")))
+
+
+def test_one_rank_keeps_the_models_own_head_and_loss():
+    """tp = 1 is one process: its loss is F.cross_entropy's, which the estimate counts at tp=1."""
+    model = fresh_model(torch.float32)
+    parallelize(model, RankContext(0, 1, None, torch.device("cpu")))
+    assert type(model) is lk.model.Transformer and type(model.lm_head) is torch.nn.Linear
+
+
+def test_the_chunked_loss_is_refused_with_a_vocabulary_parallel_head():
+    model = fresh_model(torch.float32)
+    parallelize(model, RankContext(0, 2, None, torch.device("cpu")))       # no message yet
+    model.loss_chunk = 8
+    rows = tokens()
+    with pytest.raises(ValueError, match="set model.loss_chunk = None"):
+        model(rows[:, :-1], rows[:, 1:])
 
 
 def test_sequence_parallelism_needs_n_to_divide_the_tokens():

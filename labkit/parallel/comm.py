@@ -10,9 +10,6 @@ tokens between the sub-layers and trades f and g for an all-gather and a reduce-
     g  gather_from_sequence         all-gather along T       reduce-scatter along T
     ḡ  reduce_scatter_to_sequence   reduce-scatter along T   all-gather along T
 
-``gather_from_sequence(..., reduce_grad=False)`` serves a replicated consumer (the final norm
-and the LM head): every rank gets the same gradient, and its backward keeps this rank's tokens.
-
 Every operator takes a ``CommCounter``: the group to talk over, passed explicitly, and the bytes
 this rank has sent on it, per collective. Activations are (B, T, hidden): the sequence is dim 1,
 and the collectives split and join dim 0, so T is moved to the front for the message (a copy
@@ -156,19 +153,17 @@ class ReduceFromParallel(torch.autograd.Function):
 
 
 class GatherFromSequence(torch.autograd.Function):
-    """g (sequence parallel): all-gather the tokens. Backward: reduce-scatter when the consumer is
-    tensor-parallel (its input gradients are partial sums), else keep this rank's tokens."""
+    """g (sequence parallel): all-gather the tokens. Backward: reduce-scatter, since the consumer
+    is tensor-parallel (its input gradients are partial sums over the ranks)."""
 
     @staticmethod
-    def forward(ctx, x, comm, reduce_grad):
-        ctx.comm, ctx.reduce_grad = comm, reduce_grad
+    def forward(ctx, x, comm):
+        ctx.comm = comm
         return all_gather_tokens(x, comm)                                 # (B, T, h)
 
     @staticmethod
     def backward(ctx, grad):                                              # (B, T, h)
-        if ctx.reduce_grad:
-            return reduce_scatter_tokens(grad, ctx.comm), None, None      # (B, T/N, h)
-        return my_tokens(grad, ctx.comm), None, None
+        return reduce_scatter_tokens(grad, ctx.comm), None                # (B, T/N, h)
 
 
 class ReduceScatterToSequence(torch.autograd.Function):
@@ -192,8 +187,8 @@ def reduce_from_parallel(x, comm: CommCounter):
     return ReduceFromParallel.apply(x, comm)
 
 
-def gather_from_sequence(x, comm: CommCounter, reduce_grad: bool = True):
-    return GatherFromSequence.apply(x, comm, reduce_grad)
+def gather_from_sequence(x, comm: CommCounter):
+    return GatherFromSequence.apply(x, comm)
 
 
 def reduce_scatter_to_sequence(x, comm: CommCounter):

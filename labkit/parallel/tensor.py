@@ -8,7 +8,7 @@ its MLP width; two messages per sub-layer put the pieces together (``comm``: f a
                        y_i = attention(q, k, v) Wo_i  --g (all-reduce)--> y (B, T, h)
     x (B, T, h) --f--> silu(x Wgate_i) * (x Wup_i) Wdown_i  --g--> (B, T, h)
 
-Which weight gets which split (``STYLES``; ``labkit.layers`` also splits the LM head's rows):
+Which weight gets which split (``STYLES``, as ``labkit.layers`` counts them for the estimate):
 
     attn.wq, attn.wk, attn.wv     column   outputs split: heads (and kv heads) over the ranks
     attn.wo                       row      inputs split: each rank's heads, partial sums
@@ -16,7 +16,8 @@ Which weight gets which split (``STYLES``; ``labkit.layers`` also splits the LM 
     mlp.w_down                    row      ffn / N inputs, partial sums
     attn_norm, mlp_norm           replicated  (each rank normalises its T/N tokens under sp)
     embed                         vocab    rows split: each rank looks up the tokens it holds
-    norm, lm_head                 replicated  (every rank computes all the logits and the loss)
+    norm                          replicated  (on each rank's T/N tokens under sp)
+    lm_head                       vocab    rows split: each rank computes vocab / N logits
 
 Without sequence parallelism every rank holds the norms, the residual stream and the inputs of
 the column-parallel projections whole: N copies of the same bytes. With ``sp=True`` each rank
@@ -29,9 +30,14 @@ Korthikanti et al., section 4.2.2), so every saved tensor is 1/N of one process'
 on every rank into this rank's part, slicing the one-process weights, so the results can be
 compared with one process. GQA attention and dense SwiGLU blocks only (no MLA, no MoE).
 
-The LM head is not vocabulary-parallel: ``Transformer.forward`` takes the loss of the whole
-(B, T, vocab) logits, where Megatron's head leaves each rank vocab/N logits and a parallel
-cross-entropy all-reduces the softmax's max and sum.
+The LM head is column-parallel over the vocabulary, as Megatron's: rank i holds rows
+[i V/N, (i + 1) V/N) and computes only those (B, T, V/N) logits (under sp from the tokens
+all-gathered just before it, keeping only its own T/N for the backward pass). No rank ever holds
+the whole softmax: ``vocab_parallel_cross_entropy`` all-reduces each token's max, sum of exps and
+target logit, three (B*T,) messages, and works in place in the logits, as Megatron's
+``vocab_parallel_cross_entropy`` does: 4 bytes per logit from the head's matmul to the end of
+its backward pass. A vocabulary that N does not divide is refused (Megatron pads it with unused
+rows instead: ``make_vocab_size_divisible_by``); every preset's vocabulary divides by 8.
 """
 from __future__ import annotations
 
@@ -40,23 +46,24 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig, preset
 from ..model import (Block, GroupedQueryAttention, SwiGLU, Transformer, attention_core,
                      build_model)
 from ..train import make_optimizer, param_dtype, train_step
-from .comm import (CommCounter, all_gather_tokens, copy_to_parallel, gather_from_sequence,
-                   reduce_from_parallel, reduce_scatter_to_sequence, reduce_scatter_tokens,
-                   sum_grad_over_ranks)
+from .comm import (CommCounter, all_gather_tokens, copy_to_parallel, reduce_from_parallel,
+                   reduce_scatter_to_sequence, reduce_scatter_tokens, sum_grad_over_ranks)
 from .steps import RankStep, measure_rank, rank_tokens
 
 # weight -> how tensor parallelism splits it (the table in the docstring)
 STYLES = {"attn_norm": "replicated", "attn.wq": "column", "attn.wk": "column",
           "attn.wv": "column", "attn.wo": "row", "mlp_norm": "replicated",
           "mlp.w_gate": "column", "mlp.w_up": "column", "mlp.w_down": "row",
-          "embed": "vocab", "norm": "replicated", "lm_head": "replicated"}
+          "embed": "vocab", "norm": "replicated", "lm_head": "vocab"}
 
 
 def check_tp(cfg: ModelConfig, tp: int):
@@ -66,15 +73,18 @@ def check_tp(cfg: ModelConfig, tp: int):
                          "SwiGLU blocks; MLA and MoE blocks are not supported (use a dense GQA "
                          "model such as 'small')")
     if cfg.tie_embeddings:
-        raise ValueError(f"{cfg.name} ties its embedding to the LM head, which stays replicated "
-                         "while the embedding's rows are split: use tie_embeddings=False")
+        raise ValueError(f"{cfg.name} ties its embedding to the LM head: one weight that the "
+                         "embedding's lookup and the head's matmul would split and send "
+                         "separately; use tie_embeddings=False")
     sizes = (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("ffn", cfg.ffn),
              ("vocab_size", cfg.vocab_size))
     for what, n in sizes:
         if n % tp:
             fits = [t for t in range(1, cfg.kv_heads + 1) if all(n % t == 0 for _, n in sizes)]
+            pad = (f", or pad the vocabulary to a multiple of {tp} (as Megatron-LM does)"
+                   if what == "vocab_size" else "")
             raise ValueError(f"tp={tp} does not divide {what}={n} of {cfg.name}: each rank takes "
-                             f"an equal share; choose tp among {fits}")
+                             f"an equal share; choose tp among {fits}{pad}")
 
 
 # ---- the two linear layers --------------------------------------------------------------------
@@ -233,6 +243,93 @@ class ParallelSwiGLU(nn.Module):
         return self.w_down(F.silu(gate) * up)                   # (B, T, h), (B, T/N, h) if sp
 
 
+# ---- the LM head and the loss -----------------------------------------------------------------
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head with its rows (the vocabulary) split: rank i computes the logits of the
+    vocabulary entries [i V/N, (i + 1) V/N) only. Its input enters the parallel region as q, k,
+    v's does: f, or under sp the all-gather of the tokens, keeping this rank's T/N for backward."""
+
+    def __init__(self, lm_head: nn.Linear, comm: CommCounter, sp: bool = False):
+        super().__init__(lm_head, comm.rank, comm.world)                     # weight (V/N, h)
+        self.comm, self.sp = comm, sp
+
+    def forward(self, x):                                       # x (B, T, h), (B, T/N, h) if sp
+        if self.sp:
+            return GatheredLinears.apply(x, self.comm, self.weight, self.bias)[0]  # (B, T, V/N)
+        return super().forward(copy_to_parallel(x, self.comm))                 # (B, T, V/N)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean over the tokens of -log softmax(z)[target], the logits z split over the ranks by
+    vocabulary (Megatron-LM's ``vocab_parallel_cross_entropy``). For each token,
+    -log softmax(z)[t] = log sum_v exp(z_v - m) - (z_t - m) with m = max_v z_v: the max, the sum
+    of exps and z_t (held by one rank) are each all-reduced, one number per token apiece.
+
+    In place, as Megatron: the logits become z - m, then exp(z - m), then the softmax, which is
+    all it saves; backward turns that into the logits' gradient, (softmax - one_hot) / count.
+    4 bytes per logit from the head's matmul to the end of the loss's backward pass. (Autograd
+    is not told: the matmul that made the logits does not keep them.)
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, ignore_index):     # logits (BT, V/N), targets (BT,)
+        width = logits.shape[1]
+        counted = targets != ignore_index                                     # (BT,)
+        column = targets - comm.rank * width                                  # (BT,)
+        elsewhere = (column < 0) | (column >= width) | ~counted               # not on this rank
+        column = column.masked_fill(elsewhere, 0)
+        top = comm.all_reduce(logits.amax(dim=1), op=dist.ReduceOp.MAX)      # (BT,) m
+        shifted = logits.sub_(top[:, None])                                   # (BT, V/N) z - m
+        target_logit = shifted.gather(1, column[:, None])[:, 0].masked_fill(elsewhere, 0.0)
+        target_logit = comm.all_reduce(target_logit)                          # (BT,) z_t - m
+        exps = shifted.exp_()                                                 # (BT, V/N)
+        total = comm.all_reduce(exps.sum(dim=1))                              # (BT,)
+        count = counted.sum()
+        loss = torch.where(counted, total.log() - target_logit, 0.0).sum() / count
+        softmax = exps.div_(total[:, None])                                   # (BT, V/N)
+        ctx.save_for_backward(softmax, column, elsewhere, counted, count)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        softmax, column, elsewhere, counted, count = ctx.saved_tensors
+        grad = softmax                                # (BT, V/N): the gradient, in place
+        rows = torch.arange(len(column), device=grad.device)
+        grad[rows, column] -= (~elsewhere).to(grad.dtype)                     # - one_hot(target)
+        grad.mul_(torch.where(counted, grad_loss / count, 0.0)[:, None])
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, comm: CommCounter, ignore_index: int = -100):
+    """``F.cross_entropy`` of (B, T, V) logits held V/N columns per rank: ``logits`` is this
+    rank's (B, T, V/N) shard, ``targets`` (B, T) the same on every rank (mean over the targets
+    not equal to ``ignore_index``). 16-bit logits are copied to fp32 first, as the model's loss
+    does; fp32 and fp64 logits are overwritten (with the softmax)."""
+    if logits.dim() != 3 or logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits must be this rank's (B, T, V/N) and targets (B, T), got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    logits = logits.flatten(0, 1)                                             # (B*T, V/N)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()           # the softmax in fp32 whatever the matmuls' dtype
+    return VocabParallelCrossEntropy.apply(logits, targets.flatten(), comm, ignore_index)
+
+
+class VocabParallelTransformer(Transformer):
+    """A ``Transformer`` with a vocabulary-parallel LM head: its own forward gives this rank's
+    (B, T, V/N) logits and the loss is ``vocab_parallel_cross_entropy``'s. ``parallelize``
+    turns a model into one by swapping its class (as FSDP2's ``fully_shard`` does)."""
+
+    def forward(self, tokens, targets=None, **packing):
+        if self.loss_chunk:
+            raise ValueError("the chunked loss (loss_chunk) multiplies by the whole LM head; "
+                             "with a vocabulary-parallel head set model.loss_chunk = None")
+        logits = super().forward(tokens, None, **packing)                     # (B, T, V/N)
+        if targets is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_comm)
+
+
 # ---- a whole block, a whole model -------------------------------------------------------------
 def parallelize_block(block: Block, comm: CommCounter, sp: bool = False) -> Block:
     """Make ``block`` this rank's tensor-parallel part, in place. Its forward is unchanged: under
@@ -250,18 +347,25 @@ def parallelize(model: Transformer, ctx, sp: bool = False) -> CommCounter:
     """Turn ``model`` (the same weights on every rank) into rank ``ctx.rank``'s tensor-parallel
     part, in place; returns the ``CommCounter`` that counts what its messages send.
 
-    Every rank must be given the same tokens. The embedding's rows are split (under sp it
-    leaves each rank its T/N tokens); the final norm and the LM head stay replicated, and
-    under sp the tokens are gathered again before the final norm.
+    Every rank must be given the same tokens. The embedding's and the LM head's rows are split
+    (``model(tokens)`` then returns this rank's (B, T, V/N) logits, ``model(tokens, targets)``
+    the vocabulary-parallel loss); under sp the embedding leaves each rank its T/N tokens, which
+    the final norm normalises before the head all-gathers them. On one rank the head and the
+    loss stay the model's own (``F.cross_entropy``), as ``labkit.estimate`` counts them at tp=1.
     """
+    if type(model) is not Transformer:
+        raise ValueError(f"parallelize splits a labkit.model.Transformer (build_model), got "
+                         f"{type(model).__name__}")
     check_tp(model.cfg, ctx.world_size)
     comm = CommCounter(ctx.group, world=ctx.world_size, rank=ctx.rank)
     model.embed = VocabParallelEmbedding(model.embed, comm, sp)
     for block in model.blocks:
         parallelize_block(block, comm, sp)
-    if sp:
-        model.norm.register_forward_pre_hook(   # the norm and LM head see every token
-            lambda module, args: (gather_from_sequence(args[0], comm, reduce_grad=False),))
+    if sp:                                  # the final norm, like the blocks', on T/N tokens
+        sum_grad_over_ranks(model.norm.weight, comm)
+    if ctx.world_size > 1:    # one rank keeps the model's own head and loss, as one process does
+        model.lm_head = VocabParallelHead(model.lm_head, comm, sp)
+        model.__class__, model.tp_comm = VocabParallelTransformer, comm
     return comm
 
 
