@@ -759,9 +759,11 @@ def _1f1b_in_flight():
 
 
 def _fewest_micro_batches(p: int, schedule: str, v: int = 1, under: float = 0.05) -> int:
-    """The fewest m whose idle fraction lk.pipeline_bubble(p, m, schedule, v) is below ``under``."""
+    """The fewest m whose idle fraction lk.pipeline_bubble(p, m, schedule, v) is below ``under``
+    (interleaved 1F1B runs micro-batches in groups of p: m a multiple of p, as Megatron-LM asks)."""
     from .papers import pipeline_bubble
-    return next(m for m in range(1, 100_000) if pipeline_bubble(p, m, schedule, v) < under)
+    step = p if schedule == "interleaved" else 1
+    return next(m for m in range(step, 100_000, step) if pipeline_bubble(p, m, schedule, v) < under)
 
 
 @register(
@@ -775,7 +777,8 @@ that brings the idle fraction under 5%?""",
     solution="""7/(m + 7) < 0.05 needs m + 7 > 140: m = {answer} (idle {at:.2%}; m = {before}
 idles exactly {before_at:.0%}): a step of at least {answer} micro-batches per pipeline, {answer}
 sequences at one per micro-batch. Interleaved 1F1B with v = 2 chunks per stage shrinks the
-bubble to (p - 1)/(v m + p - 1): m = {interleaved} ({interleaved_at:.2%}). ZB-H1, which defers the
+bubble to (p - 1)/(v m + p - 1) and runs micro-batches in groups of p: m = {interleaved}, the
+first multiple of 8 under 5% ({interleaved_at:.2%}). ZB-H1, which defers the
 weight gradients into the bubble (Qi et al., 2023), idles (p - 1)/(3m + p - 1): m =
 {zb} ({zb_at:.2%}), at the cost of holding p micro-batches on every stage
 (lk.pipeline_bubble(8, m, schedule, v)).""",
@@ -792,28 +795,27 @@ def _bubble_m():
 
 @register(
     "05-v3-experts-per-gpu",
-    question="""DeepSeek-V3 (preset "deepseek-v3") trains with 64-way expert parallelism: each
-GPU holds 1/64 of the routed experts of every MoE layer. How many routed-expert parameters
-does one GPU hold?""",
+    question="""DeepSeek-V3 (preset "deepseek-v3") spread over 256-way expert parallelism: one
+routed expert of every MoE layer per GPU. How many routed-expert parameters does one GPU hold?""",
     unit="billion parameters",
-    hint="Routed experts per GPU: routed_experts / 64 per MoE layer; each is a SwiGLU MLP of "
-         "3 x hidden x moe_ffn. Check with labkit.parallel.expert.rank_params(cfg, 64).",
-    solution="""{E} routed experts / 64 = {per_rank} per GPU in each of {layers} MoE layers, each
+    hint="Routed experts per GPU: routed_experts / 256 per MoE layer; each is a SwiGLU MLP of "
+         "3 x hidden x moe_ffn. Check with labkit.parallel.expert.rank_params(cfg, 256).",
+    solution="""{E} routed experts / 256 = {per_rank} per GPU in each of {layers} MoE layers, each
 3 x {h} x {f} = {expert:,} parameters: {routed:,} = {answer:.2f} billion
 (labkit.parallel.expert.rank_params). With mixed-precision AdamW (bf16-master, 16 bytes per
 parameter) their model states take {routed_gib:.1f} GiB per GPU; the replicated rest
 (attention, the {dense} dense MLPs, shared experts, routers, norms, embedding, head:
-{replicated:.2f} billion) adds {replicated_gib:.1f} GiB. Expert parallelism alone does not fit
-an 80 GiB GPU: DeepSeek-V3 also splits its layers over 16 pipeline stages and shards the
-optimizer state over its data-parallel ranks (ZeRO-1).""",
+{replicated:.2f} billion) adds {replicated_gib:.1f} GiB. From ep = 64 on the replicated rest is most
+of a GPU's model states, and no ep divides it: DeepSeek-V3 (on 80 GB H800s) pairs 64-way expert
+parallelism with 16 pipeline stages, which split every layer's weights, and ZeRO-1.""",
 )
 def _v3_experts_per_gpu():
     from .parallel.expert import experts_per_rank, rank_params
     c = preset("deepseek-v3")
-    routed, replicated = rank_params(c, 64)
+    routed, replicated = rank_params(c, 256)
     per_param = state_bytes("bf16-master", "adamw").total
     return {"answer": routed / BILLION, "E": c.routed_experts,
-            "per_rank": experts_per_rank(c, 64), "layers": c.moe_layers, "h": c.hidden,
+            "per_rank": experts_per_rank(c, 256), "layers": c.moe_layers, "h": c.hidden,
             "f": c.moe_ffn, "expert": 3 * c.hidden * c.moe_ffn, "routed": routed,
             "dense": c.dense_layers,
             "routed_gib": routed * per_param / GiB, "replicated": replicated / BILLION,

@@ -59,8 +59,8 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              layout: Layout | None = None) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
-    Give the step as keywords or as ``recipe=lk.Recipe(...)`` and ``layout=lk.Layout(...)``
-    (which then win). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
+    Give the step as keywords or as ``recipe=lk.Recipe(...)`` (which then wins) and
+    ``layout=lk.Layout(...)`` (never with layout keywords: a ValueError says so). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
     "cpu"); a real GPU adds its CUDA context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
     of a chunked loss (``labkit.loss``), None for the full logits. With ``ep`` > 1 the device is
@@ -70,7 +70,11 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     c = preset(cfg) if isinstance(cfg, str) else cfg
     recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every,
                               loss_chunk=loss_chunk)
-    layout = layout or Layout(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
+    keywords = dict(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
+    if layout is not None and keywords != dict(dp=1, zero_stage=0, tp=1, sp=False, pp=1):
+        raise ValueError("give the layout either as keywords (dp=, zero_stage=, tp=, sp=, pp=) or "
+                         "as layout=lk.Layout(...), not both: put them all in the Layout")
+    layout = layout or Layout(**keywords)
     check_positive("batch", batch)
     check_positive("seq", seq)
     check_choice("device", device, DEVICES)

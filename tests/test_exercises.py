@@ -125,5 +125,6 @@ def test_the_lab_05_answers_agree_with_the_closed_forms_and_the_estimate():
     assert ex.get("05-1f1b-in-flight").answer() == 8             # min(m, p - s) at s = 0
     assert ex.get("05-bubble-m").answer() == 134                 # 7/(m + 7) < 0.05: m > 133
     assert not ex.check("05-bubble-m", 133)                      # 7/140 is 5%, not under
-    v3 = 58 * (256 // 64) * 3 * 7168 * 2048                      # DeepSeek-V3's config
+    assert ex.get("05-bubble-m").compute()["interleaved"] == 72  # groups of p = 8: 72, not 67
+    v3 = 58 * (256 // 256) * 3 * 7168 * 2048                     # DeepSeek-V3's config
     assert ex.get("05-v3-experts-per-gpu").answer() == v3 / 1e9

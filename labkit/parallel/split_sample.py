@@ -80,8 +80,10 @@ def as_written(ctx) -> SplitResult:
 
 
 def split_over_ranks(ctx) -> SplitResult:
-    """``part1`` on rank 0 and ``part2`` on rank 1 (the other part's weights are never made:
-    meta tensors); the activation and its gradient cross between them."""
+    """``part1`` kept on rank 0 and ``part2`` on rank 1; the activation and its gradient cross
+    between them. Each rank builds the model from the shared seed (one process's initial weights,
+    to compare with) and frees the other part at once (to meta); a real job builds each stage on
+    the meta device and loads its own part from a checkpoint, never holding the whole model."""
     if ctx.world_size != 2:
         raise ValueError(f"split_over_ranks splits two layers over 2 ranks, got "
                          f"world_size={ctx.world_size}: run it with cluster.run(fn, 2)")
