@@ -2,7 +2,8 @@
 the simulator's: with equal op costs (the papers' formulas) and with the ops' measured median
 durations (unequal stages, messages free). Idle: the median of 3 untracked runs after a
 warm-up. Memory: one tracked run, the activations each stage held at most (exact bytes,
-beside ``predicted_held``) and the tracker's peak.
+beside ``predicted_held``) and the tracker's peak beside the estimate's for that stage (the
+executor runs forward and backward, no optimizer step: the estimate with optimizer="sgd").
 
     python benchmarks/pipeline_schedules.py [p ...]        # default: 2 4
 """
@@ -10,6 +11,7 @@ import dataclasses
 import statistics
 import sys
 
+import labkit as lk
 from labkit.config import preset
 from labkit.papers import pipeline_bubble
 from labkit.parallel.pipeline import measure_schedules, predicted_held
@@ -40,7 +42,7 @@ if __name__ == "__main__":      # spawn re-imports this file in every rank: run 
         print(f"\nsmall with 8 layers, {p} stages, micro-batch {BATCH} x {SEQ} tokens, "
               f"idle: median of {RUNS} runs")
         print(f"{'schedule':12s} {'m':>2s} {'v':>2s} | {'idle':>6s} {'sim':>6s} {'formula':>7s} "
-              f"| held KiB per stage (= predicted) | peak KiB per stage")
+              f"| held KiB per stage (= predicted) | peak KiB per stage (estimate, off by)")
         for i, (name, m, v) in enumerate(cases):
             repeats = timed[i::len(cases)]
             idle = statistics.median(float(r.timeline.idle_fraction) for r in repeats)
@@ -49,6 +51,11 @@ if __name__ == "__main__":      # spawn re-imports this file in every rank: run 
             run = tracked[i]
             held = [s.held for s in run.stages]
             same = "=" if held == predicted_held(run.schedule, CFG, BATCH, SEQ) else "!="
+            est = lk.estimate(CFG, BATCH, SEQ, precision="fp32", device="cpu",   # no step:
+                              optimizer="sgd", layout=lk.Layout(                   # no state
+                                  pp=p, micro_batches=m, schedule=name, virtual_stages=v))
+            peaks = ", ".join(f"{s.peak / 1024:.0f} ({e['total'] / 1024:.0f}, "
+                              f"{(e['total'] - s.peak) / s.peak:+.1%})"
+                              for s, e in zip(run.stages, est.details["stages"]))
             print(f"{name:12s} {m:2d} {v:2d} | {idle:6.1%} {sim:6.1%} "
-                  f"{formula(name, p, m, v):7.1%} | {kib(held):>24s} ({same}) | "
-                  f"{kib(s.peak for s in run.stages)}")
+                  f"{formula(name, p, m, v):7.1%} | {kib(held):>24s} ({same}) | {peaks}")

@@ -12,6 +12,7 @@ mechanism's byte rule sits beside it: ``recipe`` (precisions), ``layers`` (the m
 from __future__ import annotations
 
 from collections import defaultdict
+from fractions import Fraction
 from dataclasses import dataclass, field, replace
 
 from .checkpointing import parse_policy, plan
@@ -99,7 +100,7 @@ class _Step:
         self.B, self.T = batch, seq // layout.cp                 # tokens on this rank
         self.N = self.B * self.T
         self.layers = list(layers)
-        self.first, self.last = stage == 0, stage == layout.pp - 1
+        self.stage, self.first, self.last = stage, stage == 0, stage == layout.pp - 1
         self.in_flight = pipeline.in_flight(stage, layout.pp, layout.micro_batch_count,
                                             layout.schedule, layout.virtual_stages)
         # AdamW's implementation: the device's default; offloaded, the step runs on the host,
@@ -207,14 +208,14 @@ class _Step:
         return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v))
                 for k, v in total.items()]
 
-    def _sent_outputs(self) -> list[Tensor]:
+    def _sent_outputs(self, flight=None) -> list[Tensor]:
         """A pipeline stage keeps each (B, T, hidden) output it sent until that micro-batch's
         backward, as torch.distributed.pipelining and labkit's executor do (Megatron-LM frees
         the data once sent): one per chunk in flight, but the model's last."""
         if self.L.pp == 1:
             return []
         v = self.L.virtual_stages
-        chunks = self.in_flight * (v if not self.last else v - 1)
+        chunks = (self.in_flight if flight is None else flight) * (v if not self.last else v - 1)
         return [Tensor("stage outputs sent, kept until their backward", "activations",
                        self.wdt, int(self.N * self.c.hidden * self.bytes.weights * chunks))]
 
@@ -239,6 +240,7 @@ class _Step:
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
+                   **self._later_micro_batch_moments(always, saved, label),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always)}
         if self.zero == 3:
@@ -372,13 +374,94 @@ class _Step:
                 "backward", worst_reduce[1])
         return out
 
-    def _kept_up_to(self, saved, i: int) -> list[Tensor]:
+    def _kept_up_to(self, saved, i: int, flight=None) -> list[Tensor]:
         """What layers 0..i keep for the backward pass (and, in a pipeline, every layer of the
-        earlier micro-batches still in flight)."""
-        flight = self.in_flight
+        other micro-batches in flight: ``flight`` in all, by default the most the stage holds)."""
+        flight = self.in_flight if flight is None else flight
         return self.tensors_of(saved[:i + 1], flight, f"layers up to {i}") + (
-            self.tensors_of(saved[i + 1:], flight - 1, "earlier micro-batches")
-            if flight > 1 else []) + self._sent_outputs()
+            self.tensors_of(saved[i + 1:], flight - 1, "other micro-batches in flight")
+            if flight > 1 else []) + self._sent_outputs(flight)
+
+    def _later_micro_batch_moments(self, always, saved, label: str) -> dict:
+        """With m > 1 micro-batches (a pipeline, or accumulation) every backward after the first
+        runs with all of the stage's gradients formed by the earlier ones: in 1F1B's steady state
+        with as many micro-batches in flight as its warm-up left (GPipe: one fewer). The last
+        stage's loss, and each layer's backward, then add their transients (new gradients are
+        accumulated in place). Measured per stage (benchmarks/pipeline_schedules.py): within 3%
+        for every schedule once m > p; at m = p, where no stage reaches a steady state, ZB-H1's
+        and interleaved 1F1B's estimates run up to 10% high."""
+        m, flight = self.L.micro_batch_count, self.in_flight
+        # interleaved with every forward first (m <= its warm-up): a chunk's gradients are all
+        # formed only once the stage's last chunk has run its backward, by then mostly freed
+        if m == 1 or self.zero or (self.L.virtual_stages > 1 and flight == m):
+            return {}
+        later = flight if flight < m else flight - 1
+        grads = Tensor("gradients of every layer of the stage (earlier micro-batches)", "grads",
+                       self.wdt, self.grads())
+        out = {}
+        if self.last:
+            kept = self.tensors_of(saved, later, label) + self._sent_outputs(later)
+            heads = later if self.L.schedule == "gpipe" else 1
+            head = self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
+                                               self.recipe.loss_chunk, self.L.sp)], heads)
+            out = {f"{name}, a later micro-batch": moment for name, moment in
+                   self._loss_moments(always + kept + [grads], head).items()}
+            if self.L.tp == 1 and not self.recipe.loss_chunk:   # (vocab-parallel: its own)
+                logits, wide = self.N * self.c.vocab_size, self.N * self.c.hidden
+                # this micro-batch's log-softmax is used up; GPipe's other heads keep theirs
+                saved_head = [replace(t, nbytes=int(t.nbytes * (heads - 1) / heads))
+                              if t.name.startswith("log-softmax") else t for t in head]
+                out["backward: LM head, a later micro-batch"] = ("backward", always + kept + saved_head + [
+                    grads, Tensor("logits gradient", "other", "fp32", 4 * logits),
+                    Tensor("the LM head's new gradient, before it is added", "other", self.wdt,
+                           self.c.vocab_size * self.c.hidden * self.bytes.weights),
+                    Tensor("gradient of the LM head's input", "other", self.cdt,
+                           wide * compute_bytes(self.recipe.precision))])
+        if self.first:       # the embedding's backward forms a whole new (V, h) gradient
+            others = later - Fraction(1, self.L.virtual_stages)     # this one's chunk 0 is done
+            out["backward: embedding, a later micro-batch"] = ("backward", always + (
+                self.tensors_of(saved, others, "other micro-batches in flight")
+                if others > 0 else []) + self._sent_outputs(later) + [grads,
+                Tensor("the embedding's new gradient, before it is added", "other", self.wdt,
+                       self.c.vocab_size * self.c.hidden * self.bytes.weights // self.L.tp),
+                Tensor("gradient of the residual stream", "other", self.wdt,
+                       self.N * self.c.hidden * self.bytes.weights)])
+        worst = None
+        for i in reversed(range(len(self.layers))):
+            tensors = always + self._kept_up_to(saved, i, later) + [grads,
+                Tensor("this layer's new gradient, before it is added", "other", self.wdt,
+                       self._first_grad(self.moe[i])),
+                Tensor("activation gradients in flight", "other", self.cdt,
+                       self._layer_backward_transient(self.moe[i])
+                       + self.N * self.c.hidden * self.bytes.weights)]
+            if worst is None or _total(tensors) > _total(worst[1]):
+                worst = (i, tensors)
+        out[f"backward: layer {self.layers[worst[0]]}, a later micro-batch"] = ("backward",
+                                                                                worst[1])
+        if self.L.schedule == "zb-h1":
+            # the deferred W's micro-batches are among those in flight: all of them at a W
+            out.update(self._weight_gradient_moment(always, saved, label, grads, flight))
+        return out
+
+    def _weight_gradient_moment(self, always, saved, label: str, grads: Tensor, flight) -> dict:
+        """ZB-H1's W of a later micro-batch: a split backward (B) leaves the gradient of each
+        weight's output until W forms the weights' gradients from it, and keeps the micro-batch's
+        saved tensors (the graph) until then. Stage s defers s W's: s + 1 micro-batches' output
+        gradients alive at a W, beside the ``flight`` micro-batches in flight, whole."""
+        c, tp = self.c, self.L.tp
+        width = {True: 0, False: 0}                 # per token: matmul outputs, other outputs
+        for w in self.weights:
+            width[w.matmul] += w.out_width(tp)
+        per_micro_batch = self.N * (width[True] * compute_bytes(self.recipe.precision)
+                                    + width[False] * self.bytes.weights)
+        pending = min(self.stage + 1, self.L.micro_batch_count)
+        largest = max(w.local(tp, self.L.ep) for w in self.weights) * self.bytes.grads
+        kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
+        return {"backward: weight gradients (W), a later micro-batch": ("backward", always + kept + [
+            grads,
+            Tensor(f"output gradients kept for W ({pending} micro-batches)", "other", self.cdt,
+                   pending * per_micro_batch),
+            Tensor("a weight's new gradient, before it is added", "other", self.wdt, largest)])}
 
     def _embedding_moment(self, always) -> dict:
         """Backward ends in the embedding: every other gradient is done, its own is forming."""
