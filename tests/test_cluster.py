@@ -67,6 +67,9 @@ def test_a_rank_that_dies_silently_fails_the_call_with_its_exit_code():
 
 
 def test_ctrl_c_in_the_parent_ends_every_rank():
+    # Python's own Ctrl-C handler: a shell that starts a job in the background (cmd &) leaves
+    # SIGINT ignored, and the test would wait for the timeout instead
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -74,6 +77,7 @@ def test_ctrl_c_in_the_parent_ends_every_rank():
             run(targets.sleep_on_rank, 2, 1, 60, timeout_s=30)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert no_children_left()
 
 
