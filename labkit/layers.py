@@ -95,6 +95,19 @@ def block_weights(c: ModelConfig, moe: bool) -> list[Weight]:
             + [_vector("mlp_norm", c.hidden)] + mlp_weights(c, moe))
 
 
+def lora_targets(c: ModelConfig, moe: bool) -> list[Weight]:
+    """The weights "all-linear" LoRA adapts in a block (``labkit.lora``): every linear layer
+    but the MoE router; the routed experts are one stacked tensor, not linear layers."""
+    return [w for w in block_weights(c, moe)
+            if w.matmul and w.copies == 1 and w.name != "mlp.router"]
+
+
+def lora_weights(c: ModelConfig, moe: bool, r: int) -> list[Weight]:
+    """A block's trainable LoRA tensors, in model order: A (in -> r) and B (r -> out) per target."""
+    return [ab for w in lora_targets(c, moe) for ab in
+            (Weight(w.name + ".lora_A", w.fan_in, r), Weight(w.name + ".lora_B", r, w.fan_out))]
+
+
 def embedding_weights(c: ModelConfig) -> list[Weight]:
     return [Weight("embed", c.vocab_size, c.hidden, "vocab", matmul=False)]
 
@@ -200,10 +213,11 @@ class _Dtypes:
         return consumers * width * 2 if self.mixed else width * self.compute
 
 
-def _rmsnorm(width: float, input_bytes: int) -> float:
+def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
     """``labkit.model.RMSNorm`` keeps x in fp32 (x itself, or its fp32 copy), rstd (fp32), and
-    the normalised x in x's dtype for the weight's product: 8w + 4 in fp32, 6w + 4 in bf16."""
-    return 4 * width + 4 + input_bytes * width
+    the normalised x in x's dtype for the weight's product: 8w + 4 in fp32, 6w + 4 in bf16.
+    A frozen weight needs no gradient, so autograd keeps no normalised x: 4w + 4."""
+    return 4 * width + 4 + (0 if frozen else input_bytes * width)
 
 
 def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
@@ -277,16 +291,23 @@ def weight_copies(c: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
 
 
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
-                recompute: str = "none", sp: bool = False, ep: int = 1) -> Saved:
+                recompute: str = "none", sp: bool = False, ep: int = 1, lora_rank: int = 0,
+                first: bool = False) -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
     ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
     input plus the matmul and attention outputs. With sequence parallelism (``sp``) the
     tensors every rank would hold whole (norms, the residual stream, the inputs of
     column-parallel projections) are split over the ranks too. Under autocast the bf16
-    weight copies are a term of their own (category "weight_cache").
+    weight copies are a term of their own (category "weight_cache"). ``lora_rank`` > 0: the
+    block is frozen with rank-``lora_rank`` adapters (``labkit.lora``); ``first``: it is the
+    model's first block.
     """
     d, split = _Dtypes.of(precision), (tp if sp else 1)
+    if lora_rank and (recompute != "none" or d.mixed or tp > 1 or ep > 1):
+        raise ValueError("LoRA's saved tensors are modelled without recompute, autocast or "
+                         "tensor/expert parallelism; use recompute='none', tp=ep=1 and a "
+                         "precision other than the -mixed ones")
     block_input = Saved([Term("block input (residual stream)", d.stream_name,
                               c.hidden * d.stream / split)])
     if recompute == "full":
@@ -294,31 +315,41 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     if recompute == "selective":
         return Saved(block_input + _matmul_outputs(c, d, moe, tp))
     copies = weight_copies(c, moe, tp, ep) if d.mixed else 0
-    return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 else "fp32 + bf16",
-                       2 * _rmsnorm(c.hidden, d.stream) / split)]
+    # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
+    # (its input, the frozen embedding's output, needs no gradient)
+    frozen, norms = lora_rank > 0, 1 if first else 2
+    return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
+                       else "fp32 + bf16", norms * _rmsnorm(c.hidden, d.stream, frozen) / split)]
                  + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
-                          category="weight_cache")] if copies else []))
+                          category="weight_cache")] if copies else [])
+                 # each adapter keeps x A^T (N, r) for B's gradient; a frozen linear keeps
+                 # nothing, its input (kept for A's gradient) is the one it kept before
+                 + ([Term("LoRA adapters' x A^T", d.name,
+                          len(lora_targets(c, moe)) * lora_rank * d.compute)] if frozen else []))
 
 
 SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"
 
 
 def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None,
-               sp: bool = False) -> Saved:
+               sp: bool = False, frozen: bool = False) -> Saved:
     """Final norm, the LM head's input, and the fp32 log-softmax over the vocabulary - or, with
     a chunked loss (``labkit.loss``), one fp32 log-sum-exp per token. Under tensor parallelism
     the head is vocabulary-parallel (``labkit.parallel.tensor``): each rank keeps the fp32
     softmax of its vocab / tp logits; with ``sp`` the final norm and the head's input keep only
-    this rank's tokens (the head all-gathers them, and again in its backward pass)."""
+    this rank's tokens (the head all-gathers them, and again in its backward pass). ``frozen``
+    (LoRA): the head's weight needs no gradient, so its input is not kept, nor the final
+    norm's normalised x."""
     d, split = _Dtypes.of(precision), (tp if sp else 1)
     loss = (Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
                  per_layer=8) if loss_chunk else
             Term(SOFTMAX, "fp32", 4 * c.vocab_size / tp) if tp > 1 else
             Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size))
     terms = [Term("final RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _rmsnorm(c.hidden, d.stream) / split),
-             Term("input of the LM head", d.name, d.linear_inputs(1, c.hidden) / split), loss]
+                  _rmsnorm(c.hidden, d.stream, frozen) / split),
+             Term("input of the LM head", d.name,
+                  0 if frozen else d.linear_inputs(1, c.hidden) / split), loss]
     if d.mixed:
         terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",
                           per_layer=2 * c.vocab_size * c.hidden // tp, category="weight_cache"))

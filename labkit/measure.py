@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .recipe import DEVICES, check_loss_chunk, default_optimizer_impl
+from .recipe import DEVICES, Recipe, check_loss_chunk, default_optimizer_impl
 from .track import MemoryTracker, Timeline
 from .train import device as default_device, make_optimizer, param_dtype, train_step
 from .units import Breakdown, check_choice, check_positive
@@ -89,10 +89,11 @@ def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
     return _Setup(cfg, mode, whose, here)
 
 
-def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None = None):
-    """The module to train: labkit's model built from its config (with ``recompute`` and
-    ``loss_chunk``), the given module, or what the given function builds in the precision's
-    weight dtype."""
+def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None = None,
+           trainable: str = "all", lora_rank: int = 16, weight_format: str | None = None):
+    """The module to train: labkit's model built from its config (with ``recompute``,
+    ``loss_chunk`` and LoRA adapters), the given module, or what the given function builds in
+    the precision's weight dtype."""
     from .checkpointing import apply_recompute
     from .config import ModelConfig
     from .model import Transformer, build_model
@@ -126,6 +127,12 @@ def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None
                              f"another module a chunked loss through loss_fn (labkit.loss."
                              f"chunked_cross_entropy) and leave loss_chunk None")
         model.loss_chunk = loss_chunk
+    if trainable == "lora":
+        from .lora import apply_lora
+        if not isinstance(model, Transformer):
+            raise ValueError(f"trainable='lora' adapts labkit's model only; give another module "
+                             f"its adapters (PEFT) and pass trainable='all'")
+        apply_lora(model, lora_rank, 2 * lora_rank, weight_format=weight_format)
     return model.train()
 
 
@@ -169,7 +176,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  optimizer: str = "adamw", recompute: str = "none", fake: bool | None = None,
                  device: str | None = None, optimizer_impl: str | None = None,
                  warmup: bool = True, seed: int = 0, loss_fn=None,
-                 loss_chunk: int | None = None) -> Measurement:
+                 loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
+                 weight_format: str | None = None) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -179,7 +187,9 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     dtype as the default. ``recompute`` applies to labkit's model; another module brings its
     own. Only parameters with ``requires_grad`` train; a given module takes the step.
     ``loss_chunk``: labkit's model computes its loss that many tokens at a time
-    (``labkit.loss``); None keeps the full logits.
+    (``labkit.loss``); None keeps the full logits. ``trainable="lora"`` freezes labkit's model
+    and trains rank-``lora_rank`` adapters (alpha = 2 r) on every linear of its blocks, on an
+    NF4 base with ``weight_format="nf4"`` (QLoRA; ``labkit.lora``).
 
     ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
     ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
@@ -196,6 +206,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     param_dtype(precision)
     parse_policy(recompute)
     check_loss_chunk(loss_chunk)
+    Recipe(precision, optimizer, recompute=recompute, trainable=trainable, lora_rank=lora_rank,
+           weight_format=weight_format)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
         raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
@@ -207,7 +219,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     impl = optimizer_impl or default_optimizer_impl(setup.whose)
     torch.manual_seed(seed)
     with setup.mode or contextlib.nullcontext():
-        model = _build(setup, precision, recompute, loss_chunk)
+        model = _build(setup, precision, recompute, loss_chunk, trainable, lora_rank,
+                       weight_format)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer, impl, device=setup.runs_on,
                              master_weights=precision == "bf16-master")

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 from .checkpointing import parse_policy, plan
 from .config import ModelConfig, preset
 from .layers import (SOFTMAX, ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
-                     count_params, embedding_weights, head_saved, head_weights, layer_saved)
+                     count_params, embedding_weights, head_saved, head_weights, layer_saved,
+                     lora_targets, lora_weights)
+from .quant import nf4_bits_per_param
 from .parallel import compose, pipeline, zero
 from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, compute_bytes, state_bytes
 from .units import CATEGORIES, HOST, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
@@ -118,6 +120,17 @@ class _Step:
                                       + [w for m in self.moe for w in block_weights(c, m)]
                                       + (head_weights(c) if self.last else []))
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
+        # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``)
+        self.lora = recipe.trainable == "lora"
+        if self.lora and layout != Layout():
+            raise ValueError("trainable='lora' is estimated on one device so far; use the "
+                             "default Layout() (no dp, tp, pp, ep or cp)")
+        self.lora_rank = recipe.lora_rank if self.lora else 0
+        self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
+                        if self.lora else self.weights)
+        self.n_train = sum(w.local(tp, ep) for w in self.trained)
+        self.block_trained = ([sum(w.local() for w in lora_weights(c, m, self.lora_rank))
+                               for m in self.moe] if self.lora else self.block_params)
         # ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of the
         # model (embedding, final norm, LM head), then each block; stage 1: the whole model
         self.zero = layout.zero_stage if layout.dp > 1 or layout.offload else 0
@@ -135,7 +148,7 @@ class _Step:
 
     # ---- model states ------------------------------------------------------------------------
     def states(self) -> list[Tensor]:
-        c, L, b, n = self.c, self.L, self.bytes, self.n_local
+        c, L, b, n = self.c, self.L, self.bytes, self.n_train
         wdt = self.wdt
         numbers = STATE_NUMBERS[self.recipe.optimizer]
         moments = zero.per_rank(n * (b.optimizer - (4 if self.master else 0)), "optimizer",
@@ -144,8 +157,9 @@ class _Step:
         # offloaded, the shard AdamW steps lives on the host (fp32 master, or the weights');
         # at stage 3 it is the only copy of the parameters between gathers
         on_device = 0 if self.offload and self.zero == 3 else 1
-        out = [Tensor("weights", "params", wdt,
+        out = [Tensor("LoRA adapters A and B" if self.lora else "weights", "params", wdt,
                       on_device * zero.per_rank(n * b.weights, "params", L.zero_stage, L.dp)),
+               *self._frozen_weights(),
                Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
                       state, "int8" if self.recipe.optimizer == "adamw-8bit" else
                       ("fp32" if self.master else wdt), moments),
@@ -159,11 +173,29 @@ class _Step:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
         if self.recipe.optimizer.startswith("adamw"):   # on CUDA torch keeps them on the host
             out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
-                              4 * (len(self.units) if self.zero else len(self.weights))))
+                              4 * (len(self.units) if self.zero else len(self.trained))))
         return out
 
+    def _frozen_weights(self) -> list[Tensor]:
+        """LoRA's frozen model: the targeted linears in ``weight_format`` (NF4: packed codes and
+        double-quantised scales, ``quant.nf4_bits_per_param``, plus one fp32 mean of the scales
+        per tensor), everything else (embedding, norms, router, routed experts, LM head) in the
+        precision's dtype. No gradients, no optimizer state."""
+        if not self.lora:
+            return []
+        targets = [w for m in self.moe for w in lora_targets(self.c, m)]
+        numel = sum(w.numel for w in targets)
+        rest = (self.n_local - numel) * self.bytes.weights
+        if self.recipe.weight_format == "nf4":
+            stored = sum(round(w.numel * nf4_bits_per_param() / 8) + 4 for w in targets)
+            return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
+                           "nf4", stored),
+                    Tensor("frozen embedding, norms, LM head (not quantised)", "params",
+                           self.wdt, rest)]
+        return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
+
     def grads(self) -> int:
-        return self._done(self.n_local * self.bytes.grads)
+        return self._done(self.n_train * self.bytes.grads)
 
     def _done(self, grad_bytes: int) -> int:
         """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
@@ -182,8 +214,10 @@ class _Step:
         for u in units:
             kept[u.first] = "selective" if name == "selective" else ("full" if u.recompute else "none")
             kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
-        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep), m)
-                for m in self.moe]
+        lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0) if self.lora else {}
+                for j in range(len(self.moe))]
+        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j]),
+                                        m) for j, m in enumerate(self.moe)]
         saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
                  layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep) for j, m in enumerate(self.moe)]
         self.kept = kept
@@ -235,14 +269,15 @@ class _Step:
         # GPipe's last stage runs every micro-batch's loss before any backward: it keeps m heads
         heads = flight if self.L.schedule == "gpipe" else 1
         head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
-                                            self.recipe.loss_chunk, self.L.sp)], heads)
-                if self.last else [])
+                                            self.recipe.loss_chunk, self.L.sp, frozen=self.lora)],
+                                heads) if self.last else [])
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
                    **self._later_micro_batch_moments(always, saved, label),
                    **(self._embedding_moment(always) if self.first else {}),
-                   **self._optimizer_moment(always)}
+                   **self._optimizer_moment(always),
+                   **self._dequantise_moment(always, saved)}
         if self.zero == 3:
             moments.update(self._gather_moments(always, saved, kept + head))
             for phase, tensors in moments.values():   # the root unit stays gathered throughout
@@ -328,7 +363,8 @@ class _Step:
         through x^2, its mean and rsqrt), with the LM head's gradients done."""
         c, split = self.c, (self.L.tp if self.L.sp else 1)
         fp32_wide = self.N * c.hidden * 4 // split                               # (N, hidden) fp32
-        done = sum(w.local(self.L.tp) for w in head_weights(c)) * self.bytes.weights
+        done = (0 if self.lora else
+                sum(w.local(self.L.tp) for w in head_weights(c)) * self.bytes.weights)
         return {"backward: final norm": ("backward", alive + [
             Tensor("final RMSNorm's input", "activations", "fp32", fp32_wide),
             Tensor("final RMSNorm's backward temporaries", "other", "fp32", 5 * fp32_wide),
@@ -340,7 +376,8 @@ class _Step:
         """Inside each layer's backward (last layer first): what the layers below still keep,
         the gradients done so far, the layer's transients and what recomputation rebuilt."""
         c, B, T, stream, flight = self.c, self.B, self.T, self.bytes.weights, self.in_flight
-        head_grads = sum(w.local(self.L.tp) for w in head_weights(c)) * stream if self.last else 0
+        head_grads = (sum(w.local(self.L.tp) for w in head_weights(c)) * stream
+                      if self.last and not self.lora else 0)
         worst, worst_reduce = None, None
         for i in reversed(range(len(self.layers))):
             a = unit_start[i]
@@ -348,7 +385,7 @@ class _Step:
                        - sum(s.bytes(B, T) for s in saved[a:i + 1]))
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
-                             self._done(sum(self.block_params[i + 1:]) * stream + head_grads))])
+                             self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
             this_block = ([self._bucket("this block", self.block_params[i])] if self.zero >= 2
                           else []) + ([self._gathered("this block", self.block_params[i])]
                                       if self.zero == 3 else [])
@@ -463,15 +500,33 @@ class _Step:
                    pending * per_micro_batch),
             Tensor("a weight's new gradient, before it is added", "other", self.wdt, largest)])}
 
+    def _dequantise_moment(self, always, saved) -> dict:
+        """QLoRA dequantises each NF4 weight in its forward and again in its backward
+        (``quant.QuantLinear``). The largest, in the last layer's backward (every layer kept,
+        the residual stream's gradient in flight), makes and frees per weight: the unpacked
+        codes (1 byte), their int64 indices into the codebook (8), the fp32 values (4), and the
+        fp32 block scales (1/16) and the 16-level codebook once."""
+        if self.recipe.weight_format != "nf4":
+            return {}
+        c, last = self.c, len(self.layers) - 1
+        largest = max(w.numel for w in lora_targets(c, self.moe[last]))
+        return {f"backward: dequantising layer {self.layers[last]}'s largest weight": (
+            "backward", always + self._kept_up_to(saved, last) + [
+                Tensor("gradient of the residual stream", "other", self.wdt,
+                       self.N * c.hidden * self.bytes.weights),
+                Tensor("dequantised NF4 weight (codes, int64 indices, fp32 values, scales)",
+                       "other", "fp32", 13 * largest + 4 * (largest // 64) + 64)])}
+
     def _embedding_moment(self, always) -> dict:
         """Backward ends in the embedding: every other gradient is done, its own is forming."""
         c, stream = self.c, self.bytes.weights
-        embedding_grad = c.vocab_size * c.hidden * stream // self.L.tp
+        # LoRA: the backward pass never reaches the frozen embedding
+        embedding_grad = 0 if self.lora else c.vocab_size * c.hidden * stream // self.L.tp
         residual = Tensor("gradient of the residual stream", "other", self.wdt,
-                          self.N * c.hidden * stream)
+                          0 if self.lora else self.N * c.hidden * stream)
         grads = (self._grads_in_backward(range(len(self.layers))) if self.zero else
                  [Tensor("every other gradient", "grads", self.wdt,
-                         self._done(self.n_local * self.bytes.grads - embedding_grad))])
+                         self._done(self.n_train * self.bytes.grads - embedding_grad))])
         out = {"backward: embedding": ("backward", always + grads + [
             Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
             residual])}
@@ -494,7 +549,7 @@ class _Step:
             Tensor("gradients", "grads", self.wdt,
                    0 if self.master or self.in_buckets else self.grads()),
             Tensor("fp32 copies of the gradients", "other", "fp32",
-                   self.n_local * 4 if self.master else 0),
+                   self.n_train * 4 if self.master else 0),
             temporaries])}
 
     # ---- ZeRO over dp ranks: buckets, shards, gathered units, collectives ---------------------
@@ -631,6 +686,8 @@ class _Step:
     def _first_grad(self, moe: bool) -> int:
         """The gradient autograd accumulates first in a block's backward: the MLP's down projection."""
         c = self.c
+        if self.lora:        # its LoRA B (hidden x r)
+            return c.hidden * self.lora_rank * self.bytes.weights
         width = (max(1, c.shared_experts) * c.moe_ffn if moe else c.ffn) // self.L.tp
         return c.hidden * width * self.bytes.weights
 
@@ -661,9 +718,9 @@ class _Step:
             return 0
         number = 4 if self.master else self.bytes.weights
         if self.impl == "foreach":
-            return zero.per_rank(self.n_local * number, "optimizer", self.L.zero_stage, self.L.dp)
+            return zero.per_rank(self.n_train * number, "optimizer", self.L.zero_stage, self.L.dp)
         sizes = ([zero.shard(n, self.L.dp) for n in self.units] if self.zero else
-                 [w.local(self.L.tp, self.L.ep) for w in self.weights])
+                 [w.local(self.L.tp, self.L.ep) for w in self.trained])
         return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,7 +146,8 @@ def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
     if codes.numel() % 2:
         raise ValueError(f"pack_4bit needs an even number of codes, got {codes.numel()}; "
                          "pad with one zero code and remember the true length")
-    if codes.numel() and (codes.min() < 0 or codes.max() > 15):
+    has_values = not isinstance(codes, FakeTensor)       # fake tensors: shapes, no values
+    if has_values and codes.numel() and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("4-bit codes must lie in 0..15; quantise to 16 levels before packing")
     pairs = codes.to(torch.uint8).reshape(-1, 2)                            # (N/2, 2)
     return (pairs[:, 0] << 4) | pairs[:, 1]                                 # (N/2,)
@@ -277,7 +279,10 @@ class QuantLinear(nn.Module):
     """A frozen linear layer whose weight lives as packed NF4 codes and (double-quantised)
     scales, dequantised to the input's dtype in every forward: y = x W~^T + b.
 
-    No floating-point weight is kept: the buffers are the whole state (``nbytes``).
+    No floating-point weight is kept: the packed codes and scales are the whole state
+    (``nbytes``), frozen ``nn.Parameter``s as bitsandbytes' ``Params4bit`` stores them, so that
+    ``model.parameters()``, ``state_dict`` and the tracker's "params" see the weight in the
+    format it has, and an optimizer skips it (``requires_grad=False``).
     """
 
     def __init__(self, linear: nn.Linear, block: int = 64, double_quant: bool = True,
@@ -288,19 +293,19 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q = quantize_nf4(linear.weight, block, double_quant, dq_block)
         self.block, self.double_quant = block, double_quant
-        self.register_buffer("codes", q.codes)                              # (out * in / 2,)
+        frozen = lambda t: nn.Parameter(t, requires_grad=False)             # noqa: E731
+        self.codes = frozen(q.codes)                                        # (out * in / 2,)
         if double_quant:
             self.dq_block = q.scales.block
-            self.register_buffer("scale_codes", q.scales.codes)             # int8 (G,)
-            self.register_buffer("scale_scales", q.scales.scales)           # fp32 (G/dq_block,)
-            self.register_buffer("scales_mean", q.scales_mean)              # fp32 ()
+            self.scale_codes = frozen(q.scales.codes)                       # int8 (G,)
+            self.scale_scales = frozen(q.scales.scales)                     # fp32 (G/dq_block,)
+            self.scales_mean = frozen(q.scales_mean)                        # fp32 ()
         else:
-            self.register_buffer("scales", q.scales)                        # fp32 (G,)
-        bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.register_buffer("bias", bias)
+            self.scales = frozen(q.scales)                                  # fp32 (G,)
+        self.bias = None if linear.bias is None else frozen(linear.bias.detach().clone())
 
     def quantized(self) -> Quantized:
-        """The stored weight as a ``Quantized`` (its tensors are this module's buffers)."""
+        """The stored weight as a ``Quantized`` (its tensors are this module's parameters)."""
         shape = (self.out_features, self.in_features)
         if not self.double_quant:
             return Quantized(self.codes, self.scales, None, None, shape, "nf4", "block",
@@ -312,8 +317,8 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every buffer: packed codes, scales and the bias."""
-        return sum(_bytes(b) for b in self.buffers())
+        """Bytes of the stored weight: packed codes, scales and the bias."""
+        return sum(_bytes(p) for p in self.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

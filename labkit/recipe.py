@@ -22,7 +22,9 @@ PRECISIONS = ("fp32", "bf16", "bf16-master", "fp16-master", "bf16-mixed", "fp16-
 OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 DEVICES = ("cuda", "cpu")
-TRAINABLE = ("all",)             # which parameters train; LoRA adapters come with lab 06
+TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
+WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
+LORA_TARGETS = ("all-linear",)
 # optimizer-state numbers kept per parameter, and the bytes of one when not the precision's
 STATE_NUMBERS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1, "adamw-8bit": 2}
 EIGHT_BIT = {"adamw-8bit"}
@@ -80,8 +82,10 @@ class Recipe:
 
     ``optimizer_impl``: AdamW's implementation; None takes the device's default.
     ``recompute``: a ``labkit.checkpointing`` policy (``every`` is k of "every-k").
-    ``trainable``: which parameters train ("all"). ``weight_format``: how frozen weights are
-    stored (None: the precision's own). ``loss_chunk``: None computes the (tokens, vocab)
+    ``trainable``: which parameters train: "all", or "lora" (``labkit.lora``: the model frozen,
+    rank-``lora_rank`` adapters on ``lora_targets``). ``weight_format``: how the frozen targeted
+    weights are stored: None (the precision's own) or "nf4" (QLoRA; only with "lora").
+    ``loss_chunk``: None computes the (tokens, vocab)
     logits at once; n runs the LM head and the loss n tokens at a time (``labkit.loss``).
     """
 
@@ -93,6 +97,8 @@ class Recipe:
     trainable: str = "all"
     weight_format: str | None = None
     loss_chunk: int | None = None
+    lora_rank: int = 16
+    lora_targets: str = "all-linear"
 
     def __post_init__(self):
         from .checkpointing import parse_policy      # the policies live with the mechanism
@@ -101,9 +107,19 @@ class Recipe:
             check_choice("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
         parse_policy(self.recompute, self.every)
         check_choice("trainable", self.trainable, TRAINABLE)
-        if self.weight_format is not None:
-            raise ValueError(f"weight_format={self.weight_format!r}: stored formats other than "
-                             f"the precision's come with lab 06; leave it None")
+        check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
+        check_positive("lora_rank", self.lora_rank)
+        check_choice("lora_targets", self.lora_targets, LORA_TARGETS)
+        if self.weight_format is not None and self.trainable != "lora":
+            raise ValueError(f"weight_format={self.weight_format!r} stores the frozen weights "
+                             f"under trainable adapters: pass trainable='lora' (QLoRA), or leave "
+                             f"weight_format None")
+        if self.trainable == "lora" and (self.precision.endswith("-mixed") or
+                                         self.recompute != "none"):
+            raise ValueError(f"trainable='lora' is estimated and measured without autocast or "
+                             f"recompute so far (got precision={self.precision!r}, recompute="
+                             f"{self.recompute!r}): use precision 'fp32', 'bf16' or 'bf16-master' "
+                             f"and recompute='none'")
         check_loss_chunk(self.loss_chunk)
 
     def impl(self, device: str) -> str:

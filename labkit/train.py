@@ -175,12 +175,15 @@ def bigram_corpus(vocab_size: int, n_tokens: int, seed: int = 0, branching: int 
 
 def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: int = 64,
           lr: float = 3e-3, seed: int = 0, scaler=None, loss_factor: float = 1.0,
-          progress: bool = True) -> list[float]:
+          progress: bool = True, trainable: str = "all", lora_rank: int = 16,
+          weight_format: str | None = None) -> list[float]:
     """A short real training run of ``labkit.model`` on ``bigram_corpus``; the loss per step.
 
     Same seed, same initial weights and batches for every precision, so curves compare.
     ``scaler`` (a GradScaler or labkit's DynamicLossScaler) is used for fp16. AdamW ignores
     the gradients' overall size, so ``loss_factor`` changes nothing unless gradients underflow.
+    ``trainable="lora"`` trains rank-``lora_rank`` adapters on the frozen model (QLoRA with
+    ``weight_format="nf4"``; ``labkit.lora``), the optimizer over the adapters only.
     """
     from tqdm.auto import trange
     from .config import preset
@@ -190,8 +193,14 @@ def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: in
     if steps <= 0 or batch <= 0 or seq <= 0:
         raise ValueError(f"steps, batch and seq must be positive, got {steps}, {batch}, {seq}")
     torch.manual_seed(seed)
+    from .recipe import Recipe
+    Recipe(precision, trainable=trainable, lora_rank=lora_rank, weight_format=weight_format)
     model = build_model(cfg, param_dtype(precision))
-    opt = make_optimizer(model.parameters(), "adamw", lr=lr,
+    if trainable == "lora":
+        from .lora import apply_lora
+        apply_lora(model, lora_rank, 2 * lora_rank, weight_format=weight_format)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, "adamw", lr=lr,
                          master_weights=precision == "bf16-master")
     corpus = bigram_corpus(cfg.vocab_size, steps * batch * (seq + 1), seed)
     rows = corpus.view(steps, batch, seq + 1)                                # (steps, B, T+1)

@@ -85,7 +85,7 @@ def test_state_bytes_follow_the_table_of_precisions():
      "multiples of 4"),
     (lambda: lk.Recipe(precision="fp8"), "unknown precision 'fp8'"),
     (lambda: lk.Recipe(optimizer_impl="cuda-graph"), "unknown optimizer implementation"),
-    (lambda: lk.Recipe(weight_format="nf4"), "come with lab 06"),
+    (lambda: lk.Recipe(weight_format="nf4"), "pass trainable='lora'"),
     (lambda: lk.estimate("llama-2-7b", layout=lk.Layout(dp=2, ep=2)), "ep=2 must divide the routed experts"),
     (lambda: lk.Layout(ep=2), r"choose dp among the multiples of 2 \(e.g. Layout\(dp=2, ep=2\)\)"),
     (lambda: lk.Layout(dp=6, ep=4), "choose dp among the multiples of 4"),

@@ -1,0 +1,55 @@
+"""LoRA and QLoRA on labkit's model: freeze it, then put a trainable low-rank adapter beside
+every linear layer of the blocks (Hu et al., 2021), on an NF4 base for QLoRA (Dettmers et al.,
+2023). The layers themselves (``LoRALinear``, ``QuantLinear``) live in ``labkit.quant``.
+
+What is targeted ("all-linear", as QLoRA and PEFT do): every ``nn.Linear`` of every block -
+attention projections, dense and shared-expert SwiGLUs - but the MoE router, which PEFT's
+"all-linear" leaves alone too (Hugging Face's DeepSeek gate is no ``nn.Linear``). The embedding,
+the norms, the router and the LM head stay frozen in the precision's dtype, unquantised, as
+QLoRA keeps them; labkit's routed experts are one stacked tensor, not ``nn.Linear`` layers,
+so they stay frozen and unquantised too. ``labkit.layers.lora_targets`` is the same rule on
+the estimate's side.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .quant import LoRALinear, QuantLinear
+from .units import check_choice, check_positive
+
+TARGETS = ("all-linear",)
+WEIGHT_FORMATS = (None, "nf4")
+
+
+def is_target(name: str, module: nn.Module) -> bool:
+    """Whether "all-linear" adapts this module of a block: an ``nn.Linear``, not the router."""
+    return isinstance(module, nn.Linear) and name.split(".")[-1] != "router"
+
+
+def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, targets: str = "all-linear",
+               weight_format: str | None = None, dtype: torch.dtype | None = None) -> int:
+    """Freeze ``model`` (labkit's ``Transformer``) and wrap each targeted linear of its blocks
+    in a ``LoRALinear`` - over a ``QuantLinear`` base when ``weight_format="nf4"``
+    (QLoRA). Adapters A, B take ``dtype`` (default: the embedding's, the precision's weight
+    dtype). Returns the number of trainable parameters."""
+    check_positive("r", r)
+    check_choice("lora targets", targets, TARGETS)
+    check_choice("weight_format", weight_format, WEIGHT_FORMATS)
+    if not hasattr(model, "blocks"):
+        raise ValueError(f"apply_lora adapts labkit's Transformer (model.blocks), got "
+                         f"{type(model).__name__}; for another model use its own LoRA (PEFT)")
+    dtype = dtype or model.embed.weight.dtype
+    model.requires_grad_(False)
+    for block in model.blocks:
+        for name, module in list(block.named_modules()):
+            if not is_target(name, module):
+                continue
+            base = QuantLinear(module) if weight_format == "nf4" else module
+            lora = LoRALinear(base, r, alpha)
+            if lora.A.dtype != dtype:     # an NF4 base has no float weight: LoRALinear picks fp32
+                lora.A = nn.Parameter(lora.A.detach().to(dtype))
+                lora.B = nn.Parameter(lora.B.detach().to(dtype))
+            parent, _, child = name.rpartition(".")
+            setattr(block.get_submodule(parent) if parent else block, child, lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,87 @@
+"""LoRA and QLoRA (lab 06): the frozen model and its adapters, measured against the estimate
+on `small`, and a QLoRA fine-tune whose loss goes down."""
+import pytest
+import torch
+
+import labkit as lk
+from labkit.lora import apply_lora
+from labkit.quant import QuantLinear
+from labkit.quant import LoRALinear
+from labkit.train import bigram_corpus, make_optimizer, train_step
+from labkit.units import CATEGORIES
+
+B, T = 4, 64
+
+
+def test_apply_lora_adapts_every_linear_of_the_blocks_and_freezes_the_rest():
+    cfg = lk.preset("small")
+    model = lk.build_model(cfg)
+    trainable = apply_lora(model, r=16, weight_format="nf4")
+    per_block = 16 * (4 * cfg.hidden + 2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_heads
+                      * cfg.head_dim + 3 * (cfg.hidden + cfg.ffn))       # r (in + out) each
+    assert trainable == cfg.layers * per_block
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(adapters) == 7 * cfg.layers
+    assert all(isinstance(m.base, QuantLinear) for m in adapters)
+    assert not model.embed.weight.requires_grad and not model.lm_head.weight.requires_grad
+    # the packed codes are frozen parameters, not buffers: the tracker counts them as "params"
+    codes = adapters[0].base.codes
+    assert isinstance(codes, torch.nn.Parameter) and codes.dtype == torch.uint8
+
+
+def test_nf4_base_bytes_are_the_estimates_frozen_weights():
+    model = lk.build_model(lk.preset("small"))
+    apply_lora(model, weight_format="nf4")
+    stored = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))
+    est = lk.estimate("small", B, T, device="cpu",
+                      recipe=lk.Recipe("fp32", trainable="lora", weight_format="nf4"))
+    nf4 = [t for t in est.tensors if t.dtype == "nf4"]
+    assert [t.nbytes for t in nf4] == [stored]
+
+
+CASES = [(p, trainable, fmt) for p in ("fp32", "bf16-master")
+         for trainable, fmt in (("all", None), ("lora", None), ("lora", "nf4"))]
+
+
+@pytest.mark.parametrize("precision, trainable, weight_format", CASES)
+def test_measured_step_matches_the_estimate_per_category(precision, trainable, weight_format):
+    torch.set_num_threads(1)
+    m = lk.measure_step("small", B, T, precision, fake=False, device="cpu",
+                        trainable=trainable, weight_format=weight_format)
+    e = lk.estimate("small", B, T, device="cpu", recipe=lk.Recipe(
+        precision, trainable=trainable, weight_format=weight_format))
+    assert abs(e.total - m.total) <= 0.01 * m.total
+    for c in CATEGORIES:     # each within 1% of itself, or a speck (0.1% of the peak)
+        assert abs(getattr(e, c) - getattr(m, c)) <= max(0.01 * getattr(m, c), 0.001 * m.total), c
+
+
+def test_qlora_holds_a_fraction_of_full_fine_tuning():
+    full, qlora = (lk.estimate("llama-2-7b", 1, 2048, recipe=lk.Recipe(
+        "bf16-master", trainable=t, weight_format=f)) for t, f in (("all", None), ("lora", "nf4")))
+    assert qlora.total < full.total / 8
+    assert qlora.grads < 100 * 2**20 and qlora.optimizer < 500 * 2**20
+
+
+def test_qlora_fine_tune_lowers_the_loss():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("small"))
+    apply_lora(model, weight_format="nf4")
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rows = bigram_corpus(model.cfg.vocab_size, B * (T + 1)).view(B, T + 1)      # (B, T + 1)
+    frozen = model.embed.weight.clone()
+    losses = [train_step(model, opt, rows[:, :-1], rows[:, 1:]).loss for _ in range(30)]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.3
+    assert torch.equal(model.embed.weight, frozen)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: lk.Recipe("fp32", weight_format="nf4"), "pass trainable='lora'"),
+    (lambda: lk.Recipe("bf16-mixed", trainable="lora"), "use precision 'fp32'"),
+    (lambda: lk.Recipe("fp32", trainable="lora", weight_format="int3"), "unknown weight_format"),
+    (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
+                         layout=lk.Layout(dp=2)), "default Layout"),
+])
+def test_bad_lora_recipes_name_the_fix(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
