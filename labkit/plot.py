@@ -3,6 +3,8 @@ and predicted vs measured. Each returns a ``Figure`` that pyplot does not keep o
 or save it; nothing accumulates when a notebook or a test draws hundreds."""
 from __future__ import annotations
 
+import re
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.transforms import blended_transform_factory
@@ -347,3 +349,84 @@ def stage_peaks_figure(stages: dict[str, dict], title: str | None = None):
     ax.set_title(title or "each pipeline stage's peak")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2, frameon=False)
     return fig
+
+
+# ---- lab 06: bits per parameter against quantisation error ---------------------------------------
+FAMILY_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#999999"]
+
+
+def _bits_error_row(row) -> tuple[str, float, float]:
+    """(label, bits per parameter, error) of a tuple, or of an object with ``bits_per_param``
+    and ``error`` or ``weight_error`` (``gptq.CompareRow``) and ``label`` or ``method``."""
+    if isinstance(row, tuple):
+        return row
+    label = getattr(row, "label", None) or getattr(row, "method")
+    error = getattr(row, "error", None)
+    return label, row.bits_per_param, row.weight_error if error is None else error
+
+
+def bits_error_figure(rows, title: str | None = None, highlight: int | None = None,
+                      ylabel: str = "relative error ||W - W~|| / ||W||"):
+    """Error (log scale) against stored bits per parameter, one labelled point per row; rows of
+    one family (labels equal but for the bit width: "rtn int2 g64", "rtn int4 g64") are joined
+    in order of bits. ``highlight``: the index of a row drawn larger (the panel's setting)."""
+    rows = [_bits_error_row(row) for row in rows]
+    if not rows:
+        raise ValueError("no rows to plot: pass [(label, bits per parameter, error), ...] or "
+                         "gptq.compare()'s rows")
+    for label, _, error in rows:
+        if not error > 0:
+            raise ValueError(f"{label!r} has error {error}, which a log scale cannot show: leave "
+                             "it out (fp32 is exact)")
+    families: dict[str, list[int]] = {}
+    for i, (label, _, _) in enumerate(rows):
+        families.setdefault(re.sub(r"int\d+", "int", label), []).append(i)
+    fig, ax = _new_figure(8, 4.8)
+    for k, members in enumerate(families.values()):
+        color = FAMILY_COLORS[k % len(FAMILY_COLORS)]
+        members = sorted(members, key=lambda i: rows[i][1])
+        bits, errors = [rows[i][1] for i in members], [rows[i][2] for i in members]
+        if len(members) > 1:
+            ax.plot(bits, errors, color=color, linewidth=1, alpha=0.6, zorder=1)
+        ax.scatter(bits, errors, color=color, zorder=2)
+    if highlight is not None:
+        _, bits, error = rows[highlight]
+        ax.scatter([bits], [error], s=220, facecolor="none", edgecolor="black", linewidth=2,
+                   zorder=3, label="this setting")
+        ax.legend(loc="upper right", frameon=False)
+    ax.set_yscale("log")
+    ax.set_xlim(min(r[1] for r in rows) - 0.5, max(r[1] for r in rows) + 1.5)   # room to label
+    errors = [r[2] for r in rows]
+    ax.set_ylim(min(errors) / 2, max(errors) * 2)
+    _place_labels(ax, rows, highlight)
+    ax.set_xlabel("stored bits per parameter (scales and zero points included)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or "fewer bits, more error")
+    return fig
+
+
+LABEL_OFFSETS = [(6, 3, "left"), (6, -11, "left"), (-6, 3, "right"), (-6, -11, "right"),
+                 (6, 13, "left"), (6, -21, "left"), (-6, 13, "right"), (-6, -21, "right")]
+
+
+def _place_labels(ax, rows, highlight, fontsize: float = 8):
+    """Label each point beside it, on the first side (of LABEL_OFFSETS) where the text covers no
+    point and no label placed before it: close points (nf4 and rtn int4) stay legible."""
+    to_points = 72 / ax.figure.dpi
+    centres = [ax.transData.transform((bits, error)) * to_points for _, bits, error in rows]
+    placed = [(x - 3, y - 3, x + 3, y + 3) for x, y in centres]    # (x0, y0, x1, y1) in points
+    for i, ((label, bits, error), (x, y)) in enumerate(zip(rows, centres)):
+        width, height = 0.58 * fontsize * len(label), fontsize
+        for dx, dy, ha in LABEL_OFFSETS:
+            x0 = x + dx - (width if ha == "right" else 0)
+            box = (x0, y + dy, x0 + width, y + dy + height)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                       for b in placed):
+                break
+        else:                                                   # crowded: the first side
+            dx, dy, ha = LABEL_OFFSETS[0]
+            x0 = x + dx
+            box = (x0, y + dy, x0 + width, y + dy + height)
+        placed.append(box)
+        ax.annotate(label, (bits, error), xytext=(dx, dy), textcoords="offset points", ha=ha,
+                    fontsize=fontsize, fontweight="bold" if i == highlight else "normal")

@@ -147,3 +147,35 @@ def test_exponent_figure_shades_the_format_ranges_and_shifts_by_the_loss_scale()
     assert centres == [-20, -4]
     labels = [t.get_text() for t in ax.get_figure().legends[0].get_texts()]
     assert any("normal range" in t for t in labels) and any("subnormal" in t for t in labels)
+
+
+def test_bits_error_figure_draws_one_labelled_point_per_row_on_a_log_scale():
+    from labkit.gptq import CompareRow
+    from labkit.plot import bits_error_figure
+    rows = [("rtn int2 g64", 2.28125, 0.45), ("rtn int4 g64", 4.3125, 0.09),
+            ("gptq int2 g64", 2.28125, 0.56), ("gptq int4 g64", 4.3125, 0.11),
+            CompareRow("nf4", 4.127, 0.092, 1.8, 0.1)]            # an object: weight_error
+    ax = bits_error_figure(rows, highlight=4).axes[0]
+    points = np.concatenate([c.get_offsets() for c in ax.collections[:-1]])   # last: the ring
+    assert sorted(map(tuple, points.tolist())) == sorted(
+        [(2.28125, 0.45), (4.3125, 0.09), (2.28125, 0.56), (4.3125, 0.11), (4.127, 0.092)])
+    assert ax.collections[-1].get_offsets().tolist() == [[4.127, 0.092]]   # the highlight
+    assert sorted(t.get_text() for t in ax.texts) == sorted(
+        ["rtn int2 g64", "rtn int4 g64", "gptq int2 g64", "gptq int4 g64", "nf4"])
+    assert ax.get_yscale() == "log" and "bits per parameter" in ax.get_xlabel()
+    lines = sorted(line.get_xydata().tolist() for line in ax.lines)   # rtn and gptq joined
+    assert lines == [[[2.28125, 0.45], [4.3125, 0.09]], [[2.28125, 0.56], [4.3125, 0.11]]]
+
+
+def test_bits_error_figure_keeps_close_labels_apart_and_refuses_what_it_cannot_show():
+    from labkit.plot import bits_error_figure
+    rows = [("nf4 b64", 4.5, 0.0416), ("nf4 b64 dq", 4.127, 0.0416), ("rtn int4 g64", 4.3125,
+                                                                       0.0408)]
+    fig = bits_error_figure(rows)
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in fig.axes[0].texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    with pytest.raises(ValueError, match="log scale cannot show"):
+        bits_error_figure([("fp32", 32.0, 0.0)])
+    with pytest.raises(ValueError, match="no rows to plot"):
+        bits_error_figure([])

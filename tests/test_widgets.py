@@ -1,5 +1,6 @@
 """The memory panel's callbacks are plain functions; impossible settings are explained, not raised."""
 import pytest
+import torch
 
 import labkit as lk
 from labkit import widgets
@@ -363,3 +364,105 @@ def test_pipeline_panels_default_pp_leaves_the_browser_test_a_step_on_every_mode
         before = panel.output.outputs
         panel.pp.value += 1
         assert panel.result.error is None and panel.output.outputs != before
+
+
+# ---- lab 06: quantisation panel -------------------------------------------------------------------
+SEVEN_B_PARAMS = 6_738_415_616                          # llama-2-7b, count_params(...).total
+
+
+@pytest.fixture
+def one_thread():
+    """GPTQ's column loop is many small ops: on 2 shared cores, two threads take 10x longer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("setting, nbytes", [
+    (("nf4", 4, 64, True), 256 * 1024 // 2 + 4096 + 16 * 4 + 4),   # codes, int8 scales, dq, mean
+    (("nf4", 4, 64, False), 256 * 1024 // 2 + 4096 * 4),           # codes, fp32 scales
+    (("int8 absmax", 8, "channel"), 256 * 1024 + 256 * 4),
+    (("int8 zero-point", 8, 128), 256 * 1024 + 2048 * 5),         # fp32 scale + uint8 zero
+    (("rtn", 4, 64), 256 * 1024 // 2 + 4096 * 2 + 4096 // 2),     # fp16 scale, 4-bit zero
+    (("gptq", 3, 128), 256 * 1024 * 3 // 8 + 2048 * 2 + 2048 * 3 // 8),
+])
+@pytest.mark.usefixtures("one_thread")
+def test_quant_report_bits_per_parameter_are_the_stored_bytes(setting, nbytes):
+    result = widgets.quant_report(*setting)
+    assert result.error is None and (result.nbytes, result.numel) == (nbytes, 256 * 1024)
+    assert result.bits_per_param == 8 * nbytes / (256 * 1024)
+    assert result.model_bytes == pytest.approx(SEVEN_B_PARAMS * result.bits_per_param / 8)
+    assert f"{result.bits_per_param:.4f} bits" in result.summary()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_quant_report_errors_sit_where_the_grids_put_them():
+    report = {s: widgets.quant_report(*s) for s in [
+        ("int8 absmax", 8, "tensor"), ("int8 absmax", 8, "channel"), ("nf4", 4, 64, True),
+        ("nf4", 4, 64, False), ("rtn", 4, 64), ("gptq", 4, 64), ("rtn", 2, 64)]}
+    int8_tensor, int8_channel, nf4_dq, nf4, rtn4, gptq4, rtn2 = report.values()
+    # absmax int8 on N(0, s): step ~ 3.3 s / 127 (channel max), rounding error step / sqrt(12)
+    assert 0.006 < int8_channel.weight_error < 0.009 < int8_tensor.weight_error < 0.012
+    # measured: NF4 b64 0.092, RTN int4 g64 0.091; double quantisation costs < 0.1% of it
+    assert 0.085 < nf4.weight_error < 0.1 and 0.085 < rtn4.weight_error < 0.1
+    assert nf4_dq.weight_error == pytest.approx(nf4.weight_error, rel=1e-3)
+    assert nf4_dq.bits_per_param < nf4.bits_per_param
+    assert rtn2.weight_error > 4 * rtn4.weight_error
+    # GPTQ moves the weights further (0.108) and the outputs much less: measured 0.19 of RTN's
+    assert gptq4.weight_error > rtn4.weight_error
+    assert gptq4.output_error < 0.3 * rtn4.output_error
+    assert "calibrated on 1024 other seeded inputs" in gptq4.summary()
+
+
+@pytest.mark.parametrize("setting, message", [
+    (("nf4", 3, 64), "nf4 stores 4-bit codes: set bits to 4"),
+    (("int8 absmax", 4, 64), "int8 absmax stores 8-bit codes: set bits to 8"),
+    (("rtn", 4, "channel"), "one scale per channel is an int8 option here"),
+    (("gptq", 4, 64, True), "double quantisation stores NF4's block scales"),
+    (("rtn", 1, 64), "bits must lie in 2..8"),
+    (("int4", 4, 64), "unknown scheme 'int4'"),
+    (("nf4", 4, 48), "block=48 does not divide the 262144 values"),
+    (("gptq", 4, 48), "group=48 must divide the 1024 input columns"),
+])
+@pytest.mark.usefixtures("one_thread")
+def test_impossible_quant_settings_are_explained_not_raised(setting, message):
+    result = widgets.quant_report(*setting)
+    assert message in result.error and result.summary().startswith("⚠")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_quant_report_takes_any_weight_and_explains_one_it_cannot_block():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(3))
+    result = widgets.quant_report("nf4", 4, 64, False, weight=weight)
+    assert result.numel == 64 * 128 and result.nbytes == 64 * 128 // 2 + 128 * 4
+    assert "block=64 does not divide the 1000 values" in widgets.quant_report(
+        "nf4", 4, 64, weight=torch.ones(10, 100)).error
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_quant_panel_reacts_to_its_controls():
+    panel = widgets.QuantPanel()
+    assert [c.description for c in (panel.scheme, panel.bits, panel.block)] == [
+        "scheme", "bits", "block"]
+    assert panel.result.label == "nf4 b64 dq" and not panel.double_quant.disabled
+    outputs = panel.output.outputs
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data"]
+    panel.scheme.value = "rtn"                              # bits stay 4: rtn int4 g64
+    assert panel.output.outputs[0]["text"].startswith("rtn int4 g64: 141,312 bytes")
+    assert panel.double_quant.disabled and panel.output.outputs[1]["data"] != outputs[1]["data"]
+    panel.bits.value = 3
+    assert panel.result.label == "rtn int3 g64"
+    panel.scheme.value = "int8 absmax"                      # bits set to 8, per-row scales offered
+    assert panel.bits.value == 8 and "channel" in panel.block.options
+    panel.block.value = "channel"
+    assert panel.result.bits_per_param == 8 + 32 / 1024
+    panel.scheme.value = "nf4"                              # "channel" is not an NF4 block
+    assert (panel.bits.value, panel.block.value, panel.result.label) == (4, 64, "nf4 b64 dq")
+    panel.bits.value = 5
+    assert panel.output.outputs[0]["text"].startswith("⚠ nf4 stores 4-bit codes")
+    assert len(panel.output.outputs) == 1
+    assert isinstance(widgets.quant_panel(scheme="gptq", bits=3), widgets.w.VBox)
+    assert widgets.QuantPanel(scheme="int8 zero-point").result.bits_per_param == 8 + 40 / 64
+    with pytest.raises(ValueError, match="unknown block for nf4 'channel'"):
+        widgets.QuantPanel(block="channel")
