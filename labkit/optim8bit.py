@@ -16,7 +16,9 @@ plus the two 256-value maps (2 KiB per optimizer; their lookup tables, 130 KiB, 
 as "other": they speed up encoding and hold no state). As bitsandbytes (whose 0.50 optimizers this
 follows: block 256, ``min_8bit_size`` 4096), the first moment uses the signed map and the
 second (never negative) the unsigned one, and parameters under 4096 numbers (norm weights)
-keep fp32 moments: their codes would save little and cost the most accuracy.
+keep fp32 moments: their codes would save little and cost the most accuracy. The step runs
+``chunk`` numbers (whole blocks) at a time, so its fp32 temporaries are 17 bytes per number of
+one chunk (``step_temporary_bytes``), not of the largest parameter.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .track import MemoryTracker
 from .units import check_positive
 
 BLOCK = 256                # numbers per absmax: bitsandbytes 0.50's optimizers (the paper: 2048)
 MIN_8BIT_SIZE = 4096       # smaller parameters keep fp32 moments (bitsandbytes' min_8bit_size)
+CHUNK = 2 ** 24            # numbers updated at once: the step's temporaries scale with it
 EXPONENT_BITS = 7          # the dynamic map spans 7 decades: 1e-6 ... 1
 
 
@@ -113,15 +115,15 @@ def _codebook(code) -> Codebook:
     return code if isinstance(code, Codebook) else Codebook.of(code)
 
 
-def quantize_blockwise(x: torch.Tensor, code, block: int = BLOCK):
+def quantize_blockwise(x: torch.Tensor, code, block: int = BLOCK, overwrite: bool = False):
     """(uint8 codes shaped as ``x``, fp32 absmax per block): each number divided by its block's
     largest magnitude, then replaced by the index of the nearest value of ``code`` (a 256-value
-    map or its ``Codebook``)."""
+    map or its ``Codebook``). ``overwrite``: an fp32 ``x`` may be divided in place (no copy)."""
     check_positive("block", block)
     blocked = _blocks(x.detach().reshape(-1).float(), block)                 # (blocks, block)
     absmax = blocked.abs().amax(dim=1)                                       # (blocks,)
-    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))         # all-zero block: 0s
-    normed = (blocked / scale[:, None]).view(-1)[:x.numel()]                 # (n,) in [-1, 1]
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))[:, None]   # 0s stay 0
+    normed = (blocked.div_(scale) if overwrite else blocked / scale).view(-1)[:x.numel()]
     return _codebook(code).nearest(normed).view(x.shape), absmax
 
 
@@ -138,6 +140,31 @@ def state_bytes(numel: int, block: int = BLOCK, min_8bit_size: int = MIN_8BIT_SI
     if numel < min_8bit_size:
         return 2 * 4 * numel                                                 # fp32 m and v
     return 2 * (numel + 4 * math.ceil(numel / block))                        # codes + absmax
+
+
+MAP_BYTES = 2 * 256 * 4                  # the two maps' fp32 values: optimizer state
+LOOKUP_BYTES = 2 * (256 * 4 + 2 ** 16)   # their midpoints and prefix tables: "other"
+
+
+def step_temporary_bytes(numel: int, weight_bytes: int = 4, block: int = BLOCK,
+                         min_8bit_size: int = MIN_8BIT_SIZE, chunk: int = CHUNK) -> int:
+    """Peak bytes AdamW8bit's step allocates and frees for one parameter of ``numel`` numbers
+    whose weights and gradient take ``weight_bytes`` each (fp32 copies of them when 2).
+
+    Per number of a chunk: the fp32 m and v (8), then requantising one of them (normalised in
+    place): its 16-bit prefix (4), the lower code (1), that code widened (4) and its midpoint
+    (4), 17 in all, plus the chunk's absmax and scales (8 per block). Before requantising,
+    m, v and sqrt(v) (12), with 16-bit weights and the fp32 weights and gradient (20).
+    fp32 moments (``numel`` < ``min_8bit_size``) are updated in place: sqrt(v) (+ the copies).
+    A chunk ending in a partial block also pads a copy of the moment (exact to ~1 KB).
+    """
+    size = min(numel, chunk)
+    copies = 0 if weight_bytes == 4 else 8
+    if numel < min_8bit_size:
+        return (4 + copies) * size
+    blocks = math.ceil(size / block)
+    padded = 4 * blocks * block if size % block else 0
+    return max((12 + copies) * size, 17 * size + 8 * blocks + padded)
 
 
 def _constant_codebook(signed: bool) -> Codebook:
@@ -167,7 +194,7 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, block: int = BLOCK,
-                 min_8bit_size: int = MIN_8BIT_SIZE):
+                 min_8bit_size: int = MIN_8BIT_SIZE, chunk: int = CHUNK):
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, "
                              f"{weight_decay}; e.g. lr=1e-3, eps=1e-8, weight_decay=0.01")
@@ -176,9 +203,12 @@ class AdamW8bit(torch.optim.Optimizer):
                              f"e.g. (0.9, 0.999)")
         check_positive("block", block)
         check_positive("min_8bit_size", min_8bit_size)
+        if not isinstance(chunk, int) or chunk <= 0 or chunk % block:
+            raise ValueError(f"chunk must be a positive multiple of block={block} (whole blocks "
+                             f"are requantised), got {chunk!r}; e.g. chunk={CHUNK}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        self.block, self.min_8bit_size = block, min_8bit_size
+        self.block, self.min_8bit_size, self.chunk = block, min_8bit_size, chunk
         self.signed_map = _constant_codebook(signed=True)         # first moment: any sign
         self.unsigned_map = _constant_codebook(signed=False)      # second moment: >= 0
 
@@ -200,61 +230,71 @@ class AdamW8bit(torch.optim.Optimizer):
             state[f"{name}_codes"] = torch.zeros_like(p, dtype=torch.uint8)
             state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
 
-    def _moments(self, state: dict):
-        """fp32 (m, v): the stored ones, or new tensors dequantised from their codes."""
+    def _moments(self, state: dict, lo: int, hi: int):
+        """fp32 (m, v) of numbers lo ... hi: views of the stored ones, or new tensors
+        dequantised from their codes (lo at a block boundary)."""
         if "m" in state:
-            return state["m"], state["v"]
-        return (dequantize_blockwise(state["m_codes"], state["m_absmax"], self.signed_map,
-                                     self.block),
-                dequantize_blockwise(state["v_codes"], state["v_absmax"], self.unsigned_map,
-                                     self.block))
+            return state["m"].view(-1)[lo:hi], state["v"].view(-1)[lo:hi]
+        blocks = slice(lo // self.block, math.ceil(hi / self.block))
+        return (dequantize_blockwise(state["m_codes"].view(-1)[lo:hi], state["m_absmax"][blocks],
+                                     self.signed_map, self.block),
+                dequantize_blockwise(state["v_codes"].view(-1)[lo:hi], state["v_absmax"][blocks],
+                                     self.unsigned_map, self.block))
 
-    def _store(self, state: dict, m: torch.Tensor, v: torch.Tensor):
-        """Requantise the updated moments into the state's own buffers (no new storages)."""
+    def _store(self, state: dict, lo: int, hi: int, m: torch.Tensor, v: torch.Tensor):
+        """Requantise numbers lo ... hi into the state's own buffers (no new storages)."""
         if "m" in state:
             return                                           # fp32 moments: updated in place
+        blocks = slice(lo // self.block, math.ceil(hi / self.block))
         for name, moment, code in (("m", m, self.signed_map), ("v", v, self.unsigned_map)):
-            codes, absmax = quantize_blockwise(moment, code, self.block)
-            state[f"{name}_codes"].copy_(codes)
-            state[f"{name}_absmax"].copy_(absmax)
+            codes, absmax = quantize_blockwise(moment, code, self.block, overwrite=True)
+            state[f"{name}_codes"].view(-1)[lo:hi].copy_(codes)
+            state[f"{name}_absmax"][blocks].copy_(absmax)
+            del codes, absmax                                # before the next moment's codes
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step for each parameter with a gradient."""
+        """One AdamW step for each parameter with a gradient, ``chunk`` numbers at a time."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                weights, grad = p.view(-1), p.grad.reshape(-1)                # (n,) each
+                for lo in range(0, p.numel(), self.chunk):
+                    hi = min(lo + self.chunk, p.numel())
+                    self._update(weights[lo:hi], grad[lo:hi], state, lo, hi, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict):
-        """Dequantise, update in fp32, requantise (a method: its fp32 temporaries die with it)."""
+    def _update(self, weights, grad, state: dict, lo: int, hi: int, group: dict):
+        """Dequantise, update in fp32, requantise numbers lo ... hi of one parameter (a method:
+        its fp32 temporaries, a few bytes per number of the chunk, die with it)."""
         lr, (beta1, beta2) = group["lr"], group["betas"]
-        state = self.state[p]
-        if not state:
-            self._init_state(p, state)
-        state["step"] += 1
-        m, v = self._moments(state)                            # fp32, p's shape
-        grad = p.grad.float()
+        m, v = self._moments(state, lo, hi)                    # fp32, (hi - lo,)
+        grad = grad.float()
         m.lerp_(grad, 1 - beta1)                               # as torch.optim.AdamW's for-loop
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        weights = p.float()                                    # p itself when p is fp32
-        weights.mul_(1 - lr * group["weight_decay"])
+        updated = weights.float()                              # weights itself when fp32
+        updated.mul_(1 - lr * group["weight_decay"])
         bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
         denom = v.sqrt().div_(math.sqrt(bias2)).add_(group["eps"])
-        weights.addcdiv_(m, denom, value=-lr / bias1)
-        if weights is not p:
-            p.copy_(weights)
-        del grad, weights, denom                               # before requantising: a lower peak
-        self._store(state, m, v)
+        updated.addcdiv_(m, denom, value=-lr / bias1)
+        if updated is not weights:
+            weights.copy_(updated)
+        del grad, updated, denom                               # before requantising: a lower peak
+        self._store(state, lo, hi, m, v)
 
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of ``optimizer``'s state as ``MemoryTracker`` counts them (category "optimizer")."""
+    from .track import MemoryTracker           # not at the top: labkit.estimate imports this module
     with MemoryTracker(optimizer=optimizer) as mt:
         pass
     return mt.by_category["optimizer"]
@@ -313,7 +353,7 @@ def compare_with_adamw(model_name: str = "small", steps: int = 50, batch: int = 
                         for i in range(steps)]
         seconds[name] = (time.perf_counter() - start) / steps
         state[name] = optimizer_state_bytes(opt)
-    expected = sum(state_bytes(p.numel(), block) for p in model.parameters()) + 2 * 256 * 4
+    expected = sum(state_bytes(p.numel(), block) for p in model.parameters()) + MAP_BYTES
     estimated = estimate(cfg, batch, seq, precision="fp32", optimizer="adamw-8bit",
                          device="cpu").optimizer
     return Comparison(losses["fp32"], losses["8bit"], state["fp32"], state["8bit"], expected,

@@ -20,6 +20,8 @@ from .config import ModelConfig, preset
 from .layers import (SOFTMAX, ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
                      count_params, embedding_weights, head_saved, head_weights, layer_saved,
                      lora_targets, lora_weights)
+from .optim8bit import LOOKUP_BYTES, MAP_BYTES, step_temporary_bytes
+from .optim8bit import state_bytes as eight_bit_state_bytes
 from .quant import nf4_bits_per_param
 from .parallel import compose, pipeline, zero
 from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, compute_bytes, state_bytes
@@ -113,6 +115,7 @@ class _Step:
         self.wdt = "fp32" if self.bytes.weights == 4 else "bf16"          # weights, grads, stream
         self.cdt = "fp32" if recipe.precision == "fp32" else "bf16"       # what matmuls produce
         self.master = recipe.precision.endswith("-master")
+        self.eight_bit = recipe.optimizer == "adamw-8bit"                   # labkit's AdamW8bit
         tp, ep = layout.tp, layout.ep
         self.moe = [i >= c.dense_layers for i in self.layers]
         self.block_params = [sum(w.local(tp, ep) for w in block_weights(c, m)) for m in self.moe]
@@ -153,6 +156,8 @@ class _Step:
         numbers = STATE_NUMBERS[self.recipe.optimizer]
         moments = zero.per_rank(n * (b.optimizer - (4 if self.master else 0)), "optimizer",
                                 L.zero_stage, L.dp)
+        if self.eight_bit:          # per stepped tensor: codes + fp32 block absmax, or fp32
+            moments = sum(eight_bit_state_bytes(size) for size in self._stepped_sizes())
         state = HOST if self.offload else "optimizer"
         # offloaded, the shard AdamW steps lives on the host (fp32 master, or the weights');
         # at stage 3 it is the only copy of the parameters between gathers
@@ -164,6 +169,9 @@ class _Step:
                       state, "int8" if self.recipe.optimizer == "adamw-8bit" else
                       ("fp32" if self.master else wdt), moments),
                Tensor("RoPE cos and sin tables", "other", "fp32", 2 * c.max_seq * c.rope_dim * 4)]
+        if self.eight_bit:
+            out += [Tensor("8-bit maps (2 x 256 values)", state, "fp32", MAP_BYTES),
+                    Tensor("8-bit maps' lookup tables", "other", "fp32", LOOKUP_BYTES)]
         if self.master or self.offload:
             out.append(Tensor("fp32 master weights" if self.master else "weights' shard",
                               state, "fp32" if self.master else wdt,
@@ -171,7 +179,7 @@ class _Step:
                                             L.zero_stage, L.dp)))
         if self.ddp:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
-        if self.recipe.optimizer.startswith("adamw"):   # on CUDA torch keeps them on the host
+        if self.recipe.optimizer == "adamw":   # on CUDA torch keeps them on the host
             out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
                               4 * (len(self.units) if self.zero else len(self.trained))))
         return out
@@ -540,7 +548,8 @@ class _Step:
         """The optimizer step: every gradient and state, and the step's temporaries. With
         master weights each rank swaps the bf16 gradients it updates for fp32 copies: all of
         them, or from ZeRO-1 on its shard (ZeRO-1 keeps the whole all-reduced bf16 gradients)."""
-        temporaries = Tensor(f"optimizer temporaries ({self.impl})",
+        temporaries = Tensor("AdamW8bit step temporaries (one chunk)" if self.eight_bit else
+                             f"optimizer temporaries ({self.impl})",
                              HOST if self.offload else "other",
                              "fp32" if self.master else self.wdt, self._optimizer_temporaries())
         if self.zero:
@@ -713,15 +722,22 @@ class _Step:
         foreach makes them for every parameter at once. The for-loop makes two for each
         parameter in turn (sqrt(v), then / bc2) while the previous parameter's last one is
         still alive: the worst pair of neighbours in the model's order, 2 n_i + n_(i-1).
+        AdamW8bit (any impl) steps each tensor a chunk at a time: its largest chunk's.
         """
+        number = 4 if self.master else self.bytes.weights
+        if self.eight_bit:
+            return max(step_temporary_bytes(n, number) for n in self._stepped_sizes())
         if not self.recipe.optimizer.startswith("adamw") or self.impl == "fused":
             return 0
-        number = 4 if self.master else self.bytes.weights
         if self.impl == "foreach":
             return zero.per_rank(self.n_train * number, "optimizer", self.L.zero_stage, self.L.dp)
-        sizes = ([zero.shard(n, self.L.dp) for n in self.units] if self.zero else
-                 [w.local(self.L.tp, self.L.ep) for w in self.trained])
+        sizes = self._stepped_sizes()
         return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
+
+    def _stepped_sizes(self) -> list[int]:
+        """Numbers of each tensor the optimizer steps on this rank, in the model's order."""
+        return ([zero.shard(n, self.L.dp) for n in self.units] if self.zero else
+                [w.local(self.L.tp, self.L.ep) for w in self.trained])
 
 
 def _total(tensors: list[Tensor]) -> int:

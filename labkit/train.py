@@ -89,6 +89,10 @@ class MasterWeights:
         for p, master in zip(self.params, self.masters):
             p.grad = master.grad = None
 
+    def memory_tags(self) -> list:
+        """What the inner optimizer tags for the tracker itself (AdamW8bit: its maps)."""
+        return list(getattr(self.inner, "memory_tags", list)())
+
 
 def make_optimizer(params, optimizer: str = "adamw", impl: str | None = None, lr: float = 1e-3,
                    device: str | torch.device = "cpu", master_weights: bool = False):
@@ -108,8 +112,8 @@ def make_optimizer(params, optimizer: str = "adamw", impl: str | None = None, lr
         return torch.optim.SGD(params, lr=lr, **flags)
     if optimizer == "sgd-momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    raise ValueError("adamw-8bit is modelled by labkit.estimate only: measuring it needs "
-                     "bitsandbytes (lab 06); use optimizer='adamw' to measure")
+    from .optim8bit import AdamW8bit                # "adamw-8bit": labkit's blockwise 8-bit
+    return AdamW8bit(params, lr=lr, weight_decay=0.1)
 
 
 @dataclass
