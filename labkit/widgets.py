@@ -3,6 +3,10 @@
     lk.widgets.memory_panel()     # pick a model and a step, see the predicted breakdown;
                                   # a button measures the same step on fake tensors
     lk.widgets.states_panel()     # lab 01: bytes per parameter of each state, sharded by ZeRO
+    lk.widgets.recompute_panel()  # lab 03: a checkpointing policy's memory and recompute cost
+    lk.widgets.zero_panel()       # lab 04: ZeRO stage and GPUs -> each rank's memory, measured
+    lk.widgets.pipeline_panel()   # lab 05: tp, pp, micro-batches, schedule -> stages, Gantt
+    lk.widgets.quant_panel()      # lab 06: scheme, bits, block -> bits per parameter, error
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Shared pytest hooks: a closing summary of how long each notebook took to execute."""
+"""Shared pytest hooks: a closing summary of how long each notebook took to execute, and a
+one-thread fixture for tests of many small ops."""
 import pytest
+import torch
 
 NOTEBOOK_SECONDS = "notebook_seconds"
 
@@ -20,3 +22,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "notebook execution times")
         for seconds, nodeid in sorted(rows, reverse=True):
             terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: small ops (GPTQ's column loop, 8-bit blocks) only wait on
+    a second thread, and on 2 shared cores two threads make them many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

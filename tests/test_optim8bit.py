@@ -223,13 +223,6 @@ def test_tracker_counts_codes_absmax_and_maps_as_optimizer_state():
     assert mt.by_category["optimizer"] == expected
 
 
-@pytest.fixture
-def one_thread():
-    """Small matmuls: a second thread only waits, and a busy machine makes it far slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_small_trains_like_fp32_adamw_with_a_quarter_of_the_state(one_thread):

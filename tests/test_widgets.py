@@ -370,13 +370,6 @@ def test_pipeline_panels_default_pp_leaves_the_browser_test_a_step_on_every_mode
 SEVEN_B_PARAMS = 6_738_415_616                          # llama-2-7b, count_params(...).total
 
 
-@pytest.fixture
-def one_thread():
-    """GPTQ's column loop is many small ops: on 2 shared cores, two threads take 10x longer."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("setting, nbytes", [
