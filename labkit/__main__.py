@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     est.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: pp)")
     est.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
-    est.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides --dp: the experts split over ep of the dp ranks)")
+    est.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree (divides --dp: the experts split over ep of "
+                          "the dp ranks)")
     est.add_argument("--cp", type=int, default=1, help="context-parallel degree")
     est.add_argument("--bucket-view", action="store_true",
                      help="DDP's gradient_as_bucket_view (with --zero-stage 0)")

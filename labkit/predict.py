@@ -65,8 +65,9 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     """Predicted peak bytes per device of one steady-state training step, by category.
 
     Give the step as keywords or as ``recipe=lk.Recipe(...)`` (which then wins) and
-    ``layout=lk.Layout(...)`` (never with layout keywords: a ValueError says so). ``device``: whose defaults (AdamW is foreach on "cuda", a for-loop on
-    "cpu"); a real GPU adds its CUDA context, allocator rounding and library workspaces.
+    ``layout=lk.Layout(...)`` (never with layout keywords: a ValueError says so). ``device``:
+    whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU adds its CUDA
+    context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
     of a chunked loss (``labkit.loss``), None for the full logits. With ``ep`` > 1 the device is
     one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
@@ -250,6 +251,12 @@ class _Step:
         return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v))
                 for k, v in total.items()]
 
+    def _head(self, heads) -> list[Tensor]:
+        """What the last stage's final norm, LM head and loss keep, for ``heads`` micro-batches."""
+        return self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
+                                           self.recipe.loss_chunk, self.L.sp, frozen=self.lora)],
+                               heads)
+
     def _sent_outputs(self, flight=None) -> list[Tensor]:
         """A pipeline stage keeps each (B, T, hidden) output it sent until that micro-batch's
         backward, as torch.distributed.pipelining and labkit's executor do (Megatron-LM frees
@@ -276,9 +283,7 @@ class _Step:
             always.append(Tensor("loss", "activations", "fp32", 4))
         # GPipe's last stage runs every micro-batch's loss before any backward: it keeps m heads
         heads = flight if self.L.schedule == "gpipe" else 1
-        head = (self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
-                                            self.recipe.loss_chunk, self.L.sp, frozen=self.lora)],
-                                heads) if self.last else [])
+        head = self._head(heads) if self.last else []
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
@@ -447,8 +452,7 @@ class _Step:
         if self.last:
             kept = self.tensors_of(saved, later, label) + self._sent_outputs(later)
             heads = later if self.L.schedule == "gpipe" else 1
-            head = self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
-                                               self.recipe.loss_chunk, self.L.sp)], heads)
+            head = self._head(heads)
             out = {f"{name}, a later micro-batch": moment for name, moment in
                    self._loss_moments(always + kept + [grads], head).items()}
             if self.L.tp == 1 and not self.recipe.loss_chunk:   # (vocab-parallel: its own)
@@ -456,7 +460,8 @@ class _Step:
                 # this micro-batch's log-softmax is used up; GPipe's other heads keep theirs
                 saved_head = [replace(t, nbytes=int(t.nbytes * (heads - 1) / heads))
                               if t.name.startswith("log-softmax") else t for t in head]
-                out["backward: LM head, a later micro-batch"] = ("backward", always + kept + saved_head + [
+                alive = always + kept + saved_head
+                out["backward: LM head, a later micro-batch"] = ("backward", alive + [
                     grads, Tensor("logits gradient", "other", "fp32", 4 * logits),
                     Tensor("the LM head's new gradient, before it is added", "other", self.wdt,
                            self.c.vocab_size * self.c.hidden * self.bytes.weights),
@@ -502,7 +507,8 @@ class _Step:
         pending = min(self.stage + 1, self.L.micro_batch_count)
         largest = max(w.local(tp, self.L.ep) for w in self.weights) * self.bytes.grads
         kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
-        return {"backward: weight gradients (W), a later micro-batch": ("backward", always + kept + [
+        name = "backward: weight gradients (W), a later micro-batch"
+        return {name: ("backward", always + kept + [
             grads,
             Tensor(f"output gradients kept for W ({pending} micro-batches)", "other", self.cdt,
                    pending * per_micro_batch),
@@ -675,7 +681,7 @@ class _Step:
         return out
 
     def _expert_messages(self) -> dict[str, int]:
-        """What one of ep x dp ranks sends per step (``parallel.compose``): its all_to_alls
+        """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls
         (rows in the stream's dtype out, the experts' outputs back in the matmuls'), the
         replicated gradients all-reduced over every rank, its experts' over their dp copies."""
         L, c, grads = self.L, self.c, self.bytes.grads

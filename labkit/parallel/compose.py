@@ -3,7 +3,8 @@
 
 ``world = ep x dp`` ranks, each training on its own rows (``labkit.Layout(dp=world, ep=ep)``:
 there dp counts every data-parallel rank, Megatron-LM's convention; here dp is world / ep, the
-copies of each expert shard, Megatron's expert-data-parallel size). Rank r holds expert shard r % ep (the
+copies of each expert shard, Megatron's expert-data-parallel size). Rank r holds expert shard
+r % ep (the
 routed experts [s * E/ep, (s + 1) * E/ep)) and belongs to three groups:
 
     ep group r // ep   ranks [g * ep, (g + 1) * ep)   the all_to_alls: one copy of every expert
