@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .compress import compress_weight
 from .config import preset
 from .model import build_model
 from .quant import dequantize, quantize_int8, quantize_nf4
@@ -148,8 +149,11 @@ def gptq_quantize(weight: torch.Tensor, inputs: torch.Tensor, bits: int = 4, gro
 def quantize_weight(method: str, weight: torch.Tensor,
                     inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(dequantised weight, stored bytes) of one weight by a scheme named as in ``METHODS``;
-    "rtn intB gG" / "gptq intB gG" take any bits B in 2..8 and group G."""
+    "rtn intB gG" / "gptq intB gG" take any bits B in 2..8 and group G; "2:4 fp16" and
+    "low-rank 25% fp16" (``labkit.compress``) store fewer values instead of fewer bits."""
     weight = weight.detach().float()
+    if method.startswith(("2:4", "low-rank")):
+        return compress_weight(method, weight)
     if method == "fp32":
         return weight.clone(), weight.numel() * 4
     if method == "int8 absmax per channel":
@@ -161,7 +165,7 @@ def quantize_weight(method: str, weight: torch.Tensor,
     match = re.fullmatch(r"(rtn|gptq) int(\d+) g(\d+)", method)
     if match is None:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS} (any bits and group "
-                         "in 'rtn int3 g128' / 'gptq int3 g128')")
+                         "in 'rtn int3 g128' / 'gptq int3 g128', or labkit.compress.METHODS)")
     kind, bits, group = match[1], int(match[2]), int(match[3])
     if kind == "rtn":
         q = rtn_quantize(weight, bits, group)
@@ -217,6 +221,10 @@ class QuantizedModel:
         return math.sqrt(self.error_sq / self.norm_sq)
 
 
+def _block_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.blocks.modules() if isinstance(m, nn.Linear)]
+
+
 def quantize_model(model: nn.Module, method: str, calibration_tokens: torch.Tensor
                    ) -> QuantizedModel:
     """Quantise every nn.Linear inside ``model.blocks`` of a copy (LM head, embeddings fp32).
@@ -225,7 +233,7 @@ def quantize_model(model: nn.Module, method: str, calibration_tokens: torch.Tens
     the copy as quantised so far, so a layer's rounding can correct its predecessors' errors.
     """
     quantized = copy.deepcopy(model).eval()
-    linears = [m for m in quantized.blocks.modules() if isinstance(m, nn.Linear)]
+    linears = _block_linears(quantized)
     nbytes = numel = 0
     error_sq = norm_sq = 0.0
     for linear in linears:
@@ -270,6 +278,20 @@ def trained_small(steps: int = 100, seed: int = 0, batch: int = 8, seq: int = 32
                         rows[n_train + n_calibration:])
 
 
+def output_error(model: nn.Module, quantized: nn.Module, tokens: torch.Tensor) -> float:
+    """Relative error of the quantised block linears' outputs on what the original model feeds
+    them: sqrt(sum ||X (W - W~)^T||^2 / sum ||X W^T||^2) over layers, GPTQ's objective."""
+    error_sq = norm_sq = 0.0
+    pairs = zip(_block_linears(model), _block_linears(quantized))
+    for linear, approx in pairs:
+        x = layer_inputs(model, linear, tokens)                             # (B * T, in)
+        with torch.no_grad():
+            exact = x @ linear.weight.T                                     # (B * T, out)
+            error_sq += (exact - x @ approx.weight.T).pow(2).sum().item()
+            norm_sq += exact.pow(2).sum().item()
+    return math.sqrt(error_sq / norm_sq)
+
+
 def eval_loss(model: nn.Module, tokens: torch.Tensor) -> float:
     """Mean next-token loss of model on tokens (B, T + 1)."""
     with torch.no_grad():
@@ -281,17 +303,21 @@ class CompareRow:
     method: str
     bits_per_param: float       # exact: 8 x stored bytes / parameters of the quantised linears
     weight_error: float         # relative Frobenius error over the quantised linears
+    output_error: float         # their outputs' relative error on held-out inputs (output_error)
     loss: float                 # held-out loss of the quantised model
     loss_increase: float        # loss - the fp32 model's loss
 
 
 def compare(methods=METHODS, trained: TrainedModel | None = None) -> list[CompareRow]:
-    """One row per scheme on the trained ``small`` model: bits, weight error, held-out loss."""
+    """One row per scheme on the trained ``small`` model: bits, weight and layer-output error,
+    held-out loss."""
     trained = trained or trained_small()
     base = eval_loss(trained.model, trained.held_out)
     rows = []
     for method in methods:
         q = quantize_model(trained.model, method, trained.calibration[:, :-1])
         loss = eval_loss(q.model, trained.held_out)
-        rows.append(CompareRow(method, q.bits_per_param, q.weight_error, loss, loss - base))
+        outputs = output_error(trained.model, q.model, trained.held_out[:, :-1])
+        rows.append(CompareRow(method, q.bits_per_param, q.weight_error, outputs, loss,
+                               loss - base))
     return rows

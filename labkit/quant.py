@@ -389,3 +389,64 @@ class LoRALinear(nn.Module):
             if self.base.bias is not None:
                 merged.bias.copy_(self.base.bias)
         return merged
+
+
+# ----------------------------------------------------------------------------- a model's weights
+
+WEIGHT_STORAGE = ("bf16", "fp8 block 128", "int8 per channel", "nf4", "int4 group 128")
+
+
+def stored_bytes(storage: str, fan_out: int, fan_in: int) -> int:
+    """Exact bytes of one (fan_out, fan_in) weight stored as ``storage`` (WEIGHT_STORAGE).
+
+    int8 per channel and nf4 as ``quantize_int8`` / ``quantize_nf4`` store them; int4 group
+    128 as ``gptq``'s grid (codes and zero points 4 bits, fp16 scales); fp8 block 128 as
+    DeepSeek-V3's checkpoint: e4m3 values and one fp32 scale per 128 x 128 tile.
+    """
+    check_choice("storage", storage, WEIGHT_STORAGE)
+    check_positive("fan_out", fan_out)
+    check_positive("fan_in", fan_in)
+    n = fan_out * fan_in
+    if storage == "bf16":
+        return 2 * n
+    if storage == "fp8 block 128":
+        return n + 4 * math.ceil(fan_out / 128) * math.ceil(fan_in / 128)
+    if storage == "int8 per channel":
+        return n + 4 * fan_out                                  # int8 codes, fp32 scale per row
+    if storage == "nf4":                                        # block 64, double quantisation
+        blocks = math.ceil(n / 64)
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
+    groups = fan_out * math.ceil(fan_in / 128)                  # int4 group 128
+    return math.ceil(n / 2) + 2 * groups + math.ceil(groups / 2)
+
+
+@dataclass
+class WeightBytes:
+    """A model's weights in one storage: the quantised matmul weights and what stays bf16."""
+
+    storage: str
+    quantised: int      # bytes of the blocks' matmul weights (attention, MLPs, experts)
+    kept: int           # bytes of the embedding, LM head, norms and routers, in bf16
+
+    @property
+    def total(self) -> int:
+        return self.quantised + self.kept
+
+
+def model_weight_bytes(cfg, storage: str) -> WeightBytes:
+    """Bytes of a model's weights with every matmul weight of its blocks (each routed expert
+    on its own) in ``storage``, and the embedding, LM head, norms and routers in bf16: what
+    QLoRA, GPTQ and DeepSeek-V3's FP8 checkpoint quantise and what they keep."""
+    from .layers import block_weights, embedding_weights, head_weights
+    from .config import preset
+
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    weights = (embedding_weights(c) + head_weights(c)
+               + [w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)])
+    quantised = kept = 0
+    for w in weights:
+        if w.matmul and w.name.startswith(("attn.", "mlp.")) and w.name != "mlp.router":
+            quantised += w.copies * stored_bytes(storage, w.fan_out, w.fan_in)
+        else:
+            kept += 2 * w.numel
+    return WeightBytes(storage, quantised, kept)

@@ -125,3 +125,6 @@ def test_compare_on_trained_small_gptq_loss_is_not_above_rtn():
     assert rows["gptq int4 g64"].loss <= rows["rtn int4 g64"].loss + 1e-3
     assert all(abs(row.loss_increase) < 0.05 for row in rows.values())
     assert rows["gptq int4 g64"].weight_error > rows["rtn int4 g64"].weight_error
+    # what GPTQ minimises: measured 0.0046 against RTN's 0.0200 on the held-out inputs
+    assert rows["gptq int4 g64"].output_error < 0.5 * rows["rtn int4 g64"].output_error
+    assert rows["fp32"].output_error == 0 < rows["int8 absmax per channel"].output_error

@@ -154,7 +154,7 @@ def test_bits_error_figure_draws_one_labelled_point_per_row_on_a_log_scale():
     from labkit.plot import bits_error_figure
     rows = [("rtn int2 g64", 2.28125, 0.45), ("rtn int4 g64", 4.3125, 0.09),
             ("gptq int2 g64", 2.28125, 0.56), ("gptq int4 g64", 4.3125, 0.11),
-            CompareRow("nf4", 4.127, 0.092, 1.8, 0.1)]            # an object: weight_error
+            CompareRow("nf4", 4.127, 0.092, 0.05, 1.8, 0.1)]            # an object: weight_error
     ax = bits_error_figure(rows, highlight=4).axes[0]
     points = np.concatenate([c.get_offsets() for c in ax.collections[:-1]])   # last: the ring
     assert sorted(map(tuple, points.tolist())) == sorted(

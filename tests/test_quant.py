@@ -283,3 +283,36 @@ def test_lora_names_the_fix_for_bad_arguments():
         LoRALinear(nn.Conv1d(4, 4, 1), r=8, alpha=8)
     with pytest.raises(ValueError, match="nn.Linear"):
         QuantLinear(nn.Conv1d(4, 4, 1))
+
+
+# ---- a model's weights in each storage ---------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(128, 128), (256, 512), (96, 384)])
+def test_stored_bytes_equal_what_the_quantisers_store(shape):
+    from labkit.gptq import rtn_quantize
+    from labkit.quant import stored_bytes
+    w = torch.randn(*shape)
+    assert stored_bytes("bf16", *shape) == w.bfloat16().nbytes
+    assert stored_bytes("int8 per channel", *shape) == quantize_int8(w, "absmax", "channel").nbytes
+    assert stored_bytes("int4 group 128", *shape) == rtn_quantize(w, 4, 128).nbytes
+    if w.numel() % (64 * 256) == 0:                          # double quantisation's whole blocks
+        assert stored_bytes("nf4", *shape) == quantize_nf4(w).nbytes
+    tiles = -(-shape[0] // 128) * -(-shape[1] // 128)
+    assert stored_bytes("fp8 block 128", *shape) == shape[0] * shape[1] + 4 * tiles
+
+
+def test_model_weight_bytes_quantise_the_blocks_matmuls_and_keep_the_rest():
+    import labkit as lk
+    from labkit.quant import model_weight_bytes
+    for name in ("llama-2-7b", "deepseek-v2-lite"):
+        total = lk.count_params(name).total
+        assert model_weight_bytes(name, "bf16").total == 2 * total
+        parts = lk.count_params(name).by_component
+        kept = sum(parts.get(k, 0) for k in ("embedding", "lm head", "norms", "router"))
+        cfg = lk.preset(name)
+        if cfg.attention == "mla":                  # the latent's norm gains, in "attention"
+            kept += cfg.layers * (cfg.kv_lora_rank + (cfg.q_lora_rank or 0))
+        assert model_weight_bytes(name, "nf4").kept == 2 * kept
+        assert 4.12 < 8 * model_weight_bytes(name, "nf4").quantised / (total - kept) < 4.13
+    with pytest.raises(ValueError, match="storage"):
+        model_weight_bytes("llama-2-7b", "int3")
