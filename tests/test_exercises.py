@@ -128,3 +128,24 @@ def test_the_lab_05_answers_agree_with_the_closed_forms_and_the_estimate():
     assert ex.get("05-bubble-m").compute()["interleaved"] == 72  # groups of p = 8: 72, not 67
     v3 = 58 * (256 // 256) * 3 * 7168 * 2048                     # DeepSeek-V3's config
     assert ex.get("05-v3-experts-per-gpu").answer() == v3 / 1e9
+
+
+def test_the_lab_06_answers_agree_with_the_closed_forms_and_the_estimate():
+    c, n = lk.preset("llama-2-7b"), lk.count_params("llama-2-7b").total
+    assert ex.get("06-nf4-bits").answer() == 4 + 8 / 64 + 32 / (64 * 256)   # QLoRA: 4.127
+    assert ex.check("06-nf4-bits", 4.127) and not ex.check("06-nf4-bits", 4.5)
+    # r (in + out) per target: wq, wo (h <-> heads x head_dim), wk, wv, and the three SwiGLU ones
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    per_layer = 16 * (2 * (c.hidden + q) + 2 * (c.hidden + kv) + 3 * (c.hidden + c.ffn))
+    share = ex.get("06-lora-share").compute()
+    assert share["answer"] == pytest.approx(100 * c.layers * per_layer / n, rel=1e-12)
+    assert share["qv"] == c.layers * 8 * (2 * c.hidden + q + kv)
+    # every LLaMA-2-7B tensor holds a multiple of 256 numbers and none is under 4096
+    assert ex.get("06-adamw8bit-state").answer() * GiB == n * (2 + 2 * 4 / 256)
+    eight_bit = lk.estimate(c, precision="fp32", optimizer="adamw-8bit").optimizer
+    assert ex.get("06-adamw8bit-state").answer() * GiB == eight_bit - 2 * 256 * 4  # less the maps
+    assert not ex.check("06-adamw8bit-state", 2 * n / GiB)       # the absmax scales forgotten
+    qlora = lk.estimate(c, 1, 2048, recipe=lk.Recipe("bf16-master", trainable="lora",
+                                                     weight_format="nf4"))
+    assert ex.get("06-qlora-7b-peak").answer() == qlora.total / GiB
+    assert not ex.check("06-qlora-7b-peak", ex.get("06-qlora-7b-peak").compute()["lora"])
