@@ -53,3 +53,29 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, targets: str = 
             parent, _, child = name.rpartition(".")
             setattr(block.get_submodule(parent) if parent else block, child, lora)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int = 16,
+             weight_format: str | None = None, lr: float = 3e-3, seed: int = 1, batch: int = 8,
+             seq: int = 32) -> list[float]:
+    """Fine-tune a copy of ``model`` (``gptq.trained_small()``'s, say) on a new task - the
+    bigram corpus of another seed, whose successors differ - fully (``trainable="all"``) or
+    through rank-``r`` adapters on a float or NF4 base; the loss per step (fp32 AdamW)."""
+    import copy
+
+    from .gptq import CORPUS_VOCAB
+    from .train import bigram_corpus, make_optimizer, train_step
+
+    check_choice("trainable", trainable, ("all", "lora"))
+    check_positive("steps", steps)
+    model = copy.deepcopy(model).train()
+    if trainable == "lora":
+        apply_lora(model, r, 2 * r, weight_format=weight_format)
+    elif weight_format is not None:
+        raise ValueError("weight_format stores frozen weights: pass trainable='lora' with it")
+    torch.manual_seed(seed)                                 # the adapters' A start alike
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, "adamw", lr=lr)
+    rows = bigram_corpus(CORPUS_VOCAB, steps * batch * (seq + 1), seed)
+    batches = rows.view(steps, batch, seq + 1)                              # (steps, B, T+1)
+    return [train_step(model, optimizer, b[:, :-1], b[:, 1:]).loss for b in batches]

@@ -75,6 +75,20 @@ def test_qlora_fine_tune_lowers_the_loss():
     assert torch.equal(model.embed.weight, frozen)
 
 
+@pytest.mark.parametrize("trainable, weight_format", [("all", None), ("lora", "nf4")])
+def test_finetune_trains_a_copy_and_lowers_the_loss(trainable, weight_format):
+    from labkit.lora import finetune
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("small"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = finetune(model, steps=15, trainable=trainable, weight_format=weight_format)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5       # measured: 8.39 -> 7.43 (LoRA on NF4)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="trainable='lora'"):
+        finetune(model, trainable="all", weight_format="nf4")
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: lk.Recipe("fp32", weight_format="nf4"), "pass trainable='lora'"),
     (lambda: lk.Recipe("bf16-mixed", trainable="lora"), "use precision 'fp32'"),
