@@ -130,8 +130,7 @@ class MemoryPanel:
         self.batch = w.BoundedIntText(value=batch, min=1, max=4096, description="batch",
                                       layout=w.Layout(width="190px"))
         self.precision = w.Dropdown(options=PRECISIONS, value=precision, description="precision")
-        self.optimizer = w.Dropdown(options=[o for o in OPTIMIZERS if o != "adamw-8bit"],
-                                    value=optimizer, description="optimizer")
+        self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
         self.button = w.Button(description="measure on fake tensors", icon="play",
                                layout=w.Layout(width="220px"))
         self.status = w.HTML()

@@ -45,6 +45,13 @@ def test_panel_updates_when_a_control_changes_and_survives_a_rerun():
         assert panel.result.error and "heads=7" in panel.status.value
 
 
+def test_memory_panel_offers_8bit_adamw_and_shrinks_the_optimizer_state():
+    panel = widgets.MemoryPanel(model="small", seq=512)
+    fp32_moments = panel.result.estimate.optimizer
+    panel.optimizer.value = "adamw-8bit"
+    assert panel.result.estimate.optimizer < fp32_moments / 3       # 8 -> ~2 bytes per number
+
+
 def test_choosing_a_preset_loads_its_shape():
     panel = widgets.MemoryPanel(model="small", seq=512)
     panel.model.value = "tiny"
