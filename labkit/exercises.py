@@ -875,12 +875,13 @@ decimals.""",
          "labkit.layers.lora_weights(cfg, False, 16) over the 32 layers and divide by "
          "lk.count_params('llama-2-7b').total.",
     solution="""Per layer, r x (in + out) over the {targets} targets: {per_layer:,} parameters at
-rank 16; x {layers} layers = {trained:,} of {total:,} = {answer:.2f}%. The LoRA paper's setting,
-rank 8 on wq and wv only: {qv:,} = {qv_share:.3f}%; rank 64 on all-linear: {r64:,} =
+rank 16 (a common PEFT setting); x {layers} layers = {trained:,} of {total:,} base parameters =
+{answer:.2f}%. Rank 8 on wq and wv only (the LoRA paper's RoBERTa/DeBERTa setting; GPT-3 used
+rank 4): {qv:,} = {qv_share:.3f}%; rank 64 on all-linear, QLoRA's own setting: {r64:,} =
 {r64_share:.2f}%. Common advice says "LoRA trains 0.1-1% of the parameters" (claim 15): true of
-the usual rank-16 all-linear adapters, but the share is r (in + out) / (in x out) per matrix,
-so it scales with the rank and the targets: {qv_share:.3f}% to {r64_share:.2f}% in these three
-settings.""",
+rank-16 all-linear adapters and of attention-only ones, not of QLoRA's rank 64. The share is
+r (in + out) / (in x out) per matrix, so it scales with the rank and the targets:
+{qv_share:.3f}% to {r64_share:.2f}% in these three settings.""",
 )
 def _lora_share():
     from .layers import lora_targets, lora_weights

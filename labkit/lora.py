@@ -56,11 +56,13 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, targets: str = 
 
 
 def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int = 16,
-             weight_format: str | None = None, lr: float = 3e-3, seed: int = 1, batch: int = 8,
-             seq: int = 32) -> list[float]:
+             weight_format: str | None = None, modules_to_save: tuple[str, ...] = (),
+             lr: float = 3e-3, seed: int = 1, batch: int = 8, seq: int = 32) -> list[float]:
     """Fine-tune a copy of ``model`` (``gptq.trained_small()``'s, say) on a new task - the
     bigram corpus of another seed, whose successors differ - fully (``trainable="all"``) or
-    through rank-``r`` adapters on a float or NF4 base; the loss per step (fp32 AdamW)."""
+    through rank-``r`` adapters on a float or NF4 base; the loss per step (fp32 AdamW).
+    ``modules_to_save`` (as PEFT's): modules trained whole beside the adapters, e.g.
+    ("embed", "lm_head")."""
     import copy
 
     from .gptq import CORPUS_VOCAB
@@ -71,8 +73,11 @@ def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int 
     model = copy.deepcopy(model).train()
     if trainable == "lora":
         apply_lora(model, r, 2 * r, weight_format=weight_format)
-    elif weight_format is not None:
-        raise ValueError("weight_format stores frozen weights: pass trainable='lora' with it")
+    elif weight_format is not None or modules_to_save:
+        raise ValueError("weight_format and modules_to_save go with adapters: pass "
+                         "trainable='lora' with them")
+    for name in modules_to_save:
+        model.get_submodule(name).requires_grad_(True)      # AttributeError names a bad one
     torch.manual_seed(seed)                                 # the adapters' A start alike
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, "adamw", lr=lr)

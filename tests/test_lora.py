@@ -89,6 +89,18 @@ def test_finetune_trains_a_copy_and_lowers_the_loss(trainable, weight_format):
         finetune(model, trainable="all", weight_format="nf4")
 
 
+def test_finetune_trains_modules_to_save_beside_the_adapters():
+    from labkit.lora import finetune
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = lk.build_model(lk.preset("small"))
+    adapters_only = finetune(model, steps=6)
+    with_head = finetune(model, steps=6, modules_to_save=("embed", "lm_head"))
+    assert with_head[0] == adapters_only[0] and with_head[-1] != adapters_only[-1]
+    with pytest.raises(ValueError, match="trainable='lora'"):
+        finetune(model, trainable="all", modules_to_save=("embed",))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: lk.Recipe("fp32", weight_format="nf4"), "pass trainable='lora'"),
     (lambda: lk.Recipe("bf16-mixed", trainable="lora"), "use precision 'fp32'"),
