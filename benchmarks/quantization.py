@@ -10,24 +10,13 @@ against torch's AdamW on ``small``; GPTQ against round-to-nearest on one layer.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from tracker import median_seconds          # benchmarks/tracker.py: the median of repeated calls
 
 import labkit as lk
 from labkit import gptq, lora, optim8bit, quant
 from labkit.train import bigram_corpus, make_optimizer, train_step
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()                                                        # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def lora_step(weight_format, batch=4, seq=64):
