@@ -1,7 +1,7 @@
 """labkit: the mechanisms behind GPU Memory Labs, importable from notebooks and scripts."""
 from .config import ModelConfig, preset, presets
 from .hf import from_hf_config
-from .model import Transformer, build_model
+from .model import Transformer, build_model, use_attention
 from .layers import ParamCount, count_params
 from .predict import Estimate, estimate, kv_cache_bytes
 from .recipe import Layout, Recipe

@@ -4,11 +4,17 @@ each part and the tensors each sub-layer saves for its backward pass.
 ``count_params`` and ``labkit.estimate`` read only this module (it imports no model).
 Korthikanti et al. (2022) count sbh(34 + 5as/h) bytes per GPT-3 layer in fp16; ours differ in
 RMSNorm (fp32 statistics), SwiGLU (4 ffn-wide tensors instead of 2), no dropout masks, and
-SDPA's fused kernel, which keeps no (T, T) matrix: no 5as/h term.
+SDPA's fused kernel, which keeps no (T, T) matrix: no 5as/h term. The tiled core
+(``labkit.attention``) keeps what SDPA keeps. The naive core brings the term back: its
+(B, H, T, T) probabilities, b a s^2 numbers per layer (Korthikanti: 2 bytes of softmax output,
+1 of dropout mask, 2 of dropout output, 5as/h per token and hidden unit), are 4 bytes each in
+fp32, 2 in pure bf16 and 6 under autocast (the softmax's fp32 output and the bf16 copy the
+next matmul keeps): 6as/h for bf16-mixed. It also keeps its repeated key and value heads
+(4 head-wide tensors per token instead of 2 H + 2 Hkv) and no log-sum-exp.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import ModelConfig, preset
 from .recipe import compute_bytes, state_bytes
@@ -159,7 +165,8 @@ def count_params(cfg: ModelConfig | str) -> ParamCount:
 # ---- what autograd saves, per sub-layer -------------------------------------------------------
 @dataclass(frozen=True)
 class Term:
-    """A named kind of tensor and its bytes: per token (x B*T), per position (x T), per layer."""
+    """A named kind of tensor and its bytes: per token (x B*T), per position (x T), per layer,
+    per (query, key) pair of a sequence (x B*T*T: naive attention's matrices)."""
 
     name: str
     dtype: str
@@ -167,9 +174,11 @@ class Term:
     per_position: float = 0
     per_layer: float = 0
     category: str = "activations"
+    per_pair: float = 0
 
     def bytes(self, batch: int, seq: int) -> int:
-        return round(self.per_token * batch * seq + self.per_position * seq + self.per_layer)
+        return round(self.per_token * batch * seq + self.per_position * seq + self.per_layer
+                     + self.per_pair * batch * seq * seq)
 
 
 class Saved(list):
@@ -220,8 +229,29 @@ def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
     return 4 * width + 4 + (0 if frozen else input_bytes * width)
 
 
-def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
-    """The attention sub-layer after its norm: projections' inputs, q, k, v, output, log-sum-exp.
+def _attention_core_saved(d: _Dtypes, heads: int, kv_heads: int, head_dim: int,
+                          attention: str, mla: bool = False) -> list[Term]:
+    """What the attention core keeps, with its output. SDPA and the tiled core: q, k, v (kv
+    heads), their output and one fp32 log-sum-exp per row. Naive: k and v repeated to every
+    head, the (T, T) probabilities of each head (fp32 4 bytes, bf16 2, autocast 4 for the fp32
+    softmax + 2 for the bf16 copy its matmul with v keeps), and no output of its own: wo's
+    input is a copy (MLA's: its un-padded part, a term of its own)."""
+    cdt, qkv = d.name, ("q, k, padded v" if mla else "q, k, v")
+    if attention != "naive":
+        return [Term(f"{qkv} and attention output", cdt,
+                     (2 * heads + 2 * kv_heads) * head_dim * d.compute),
+                Term("attention log-sum-exp", "fp32", 4 * heads)]
+    probability = 4 if d.compute == 4 else (6 if d.mixed else 2)
+    kept = f"{qkv} (one per head)" if mla else "q, repeated k and v, and wo's input"
+    return [Term(kept, cdt, (3 if mla else 4) * heads * head_dim * d.compute),
+            Term("attention probabilities (T x T per head)",
+                 "fp32 + bf16" if d.mixed else cdt, per_pair=heads * probability)]
+
+
+def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int,
+                     attention: str = "sdpa") -> Saved:
+    """The attention sub-layer after its norm: projections' inputs, and the core's q, k, v,
+    output and log-sum-exp (or, naive, its probabilities).
 
     Heads are split over ``tp`` ranks; inputs replicated on each rank are split over ``sp``.
     """
@@ -233,8 +263,7 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
-            Term("q, k, v and attention output", cdt, (2 * H + 2 * Hkv) * c.head_dim * d.compute),
-            Term("attention log-sum-exp", "fp32", 4 * H), rope])
+            *_attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
@@ -244,8 +273,7 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int) -> Saved:
     low_rank += d.linear_inputs(1, r)                                        # into wkv_b
     return Saved([
         Term("low-rank q and kv path (replicated over tp)", cdt, low_rank / sp),
-        Term("q, k, padded v and attention output", cdt, 4 * H * qk * d.compute),
-        Term("attention log-sum-exp", "fp32", 4 * H),
+        *_attention_core_saved(d, H, H, qk, attention, mla=True),
         Term("un-padded attention output into wo", cdt, H * c.v_head_dim * d.compute), rope])
 
 
@@ -292,7 +320,7 @@ def weight_copies(c: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
 
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                 recompute: str = "none", sp: bool = False, ep: int = 1, lora_rank: int = 0,
-                first: bool = False) -> Saved:
+                first: bool = False, attention: str = "sdpa") -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
     ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
@@ -301,7 +329,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     column-parallel projections) are split over the ranks too. Under autocast the bf16
     weight copies are a term of their own (category "weight_cache"). ``lora_rank`` > 0: the
     block is frozen with rank-``lora_rank`` adapters (``labkit.lora``); ``first``: it is the
-    model's first block.
+    model's first block. ``attention``: the core (``labkit.attention``); "naive" keeps its
+    (T, T) probabilities.
     """
     d, split = _Dtypes.of(precision), (tp if sp else 1)
     if lora_rank and (recompute != "none" or d.mixed or tp > 1 or ep > 1):
@@ -320,13 +349,44 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     frozen, norms = lora_rank > 0, 1 if first else 2
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _rmsnorm(c.hidden, d.stream, frozen) / split)]
-                 + _attention_saved(c, d, tp, split) + _mlp_saved(c, d, moe, tp, split)
+                 + _attention_saved(c, d, tp, split, attention) + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else [])
                  # each adapter keeps x A^T (N, r) for B's gradient; a frozen linear keeps
                  # nothing, its input (kept for A's gradient) is the one it kept before
                  + ([Term("LoRA adapters' x A^T", d.name,
                           len(lora_targets(c, moe)) * lora_rank * d.compute)] if frozen else []))
+
+
+def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool = False) -> Saved:
+    """What a block holds when its naive attention core's backward peaks, in the softmax's
+    backward: the attention norm and the projections' input, q and the repeated k, the
+    gradient of the repeated v (v itself freed), the probabilities (their bf16 copy freed under
+    autocast) and their two gradients dP and dS (B, H, T, T) in the softmax's dtype. The MLP's
+    saved tensors and the attention output are freed by then."""
+    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    H = c.heads // tp
+    width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
+    softmax = 4 if d.compute == 4 or d.mixed else 2                   # bytes of P, dP, dS
+    terms = [Term("attention RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
+                  _rmsnorm(c.hidden, d.stream) / split)]
+    for t in _attention_saved(c, d, tp, split, "naive"):
+        if t.per_pair:
+            terms += [replace(t, per_pair=H * softmax),
+                      Term("gradients of the probabilities and scores (dP, dS)",
+                           "fp32" if softmax == 4 else "bf16", per_pair=2 * H * softmax,
+                           category="other")]
+        elif t.name.startswith("q, "):          # v and wo's input freed, v's gradient formed
+            terms.append(Term("q, k (repeated) and the gradient of v", d.name,
+                              3 * H * width * d.compute))
+        elif not t.name.startswith("un-padded"):
+            terms.append(t)
+    if d.mixed:
+        copies = 2 * sum(w.local(tp) for w in attention_weights(c) if w.matmul and
+                         w.name != "attn.wo")
+        terms.append(Term("bf16 copies of the q, k, v projections (autocast)", "bf16",
+                          per_layer=copies, category="weight_cache"))
+    return Saved(terms)
 
 
 SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"

@@ -177,7 +177,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  device: str | None = None, optimizer_impl: str | None = None,
                  warmup: bool = True, seed: int = 0, loss_fn=None,
                  loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
-                 weight_format: str | None = None) -> Measurement:
+                 weight_format: str | None = None, attention: str = "sdpa") -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -189,7 +189,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     ``loss_chunk``: labkit's model computes its loss that many tokens at a time
     (``labkit.loss``); None keeps the full logits. ``trainable="lora"`` freezes labkit's model
     and trains rank-``lora_rank`` adapters (alpha = 2 r) on every linear of its blocks, on an
-    NF4 base with ``weight_format="nf4"`` (QLoRA; ``labkit.lora``).
+    NF4 base with ``weight_format="nf4"`` (QLoRA; ``labkit.lora``). ``attention``: labkit's
+    model runs its attention core as "sdpa", "naive" or "tiled" (``labkit.attention``).
 
     ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
     ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
@@ -200,6 +201,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     """
     from .checkpointing import parse_policy
     from .config import ModelConfig, preset
+    from .model import Transformer, use_attention
 
     check_positive("batch", batch)
     check_positive("seq", seq)
@@ -207,7 +209,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     parse_policy(recompute)
     check_loss_chunk(loss_chunk)
     Recipe(precision, optimizer, recompute=recompute, trainable=trainable, lora_rank=lora_rank,
-           weight_format=weight_format)
+           weight_format=weight_format, attention=attention)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
         raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
@@ -221,6 +223,9 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     with setup.mode or contextlib.nullcontext():
         model = _build(setup, precision, recompute, loss_chunk, trainable, lora_rank,
                        weight_format)
+        if attention != "sdpa" and not isinstance(model, Transformer):
+            raise ValueError(f"attention={attention!r} switches labkit's model only; measure "
+                             f"another module with its own attention and attention='sdpa'")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer, impl, device=setup.runs_on,
                              master_weights=precision == "bf16-master")
@@ -232,7 +237,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
         if setup.runs_on.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with MemoryTracker(model, opt) as mt:
+        with MemoryTracker(model, opt) as mt, use_attention(attention):
             result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
     forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
     at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}

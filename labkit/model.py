@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import register_flop_formula
 
+from .attention import ATTENTION_IMPLS, naive_attention, tiled_attention
 from .config import ModelConfig
 from .loss import chunked_cross_entropy
 from .train import autocast_copies
+from .units import check_choice
 
 
 class RMSNorm(nn.Module):
@@ -143,14 +145,40 @@ class VarlenAttention(torch.autograd.Function):
         return *grads, None
 
 
+# the attention core every attention layer runs: "sdpa", "naive" or "tiled" (labkit.attention)
+_attention = "sdpa"
+
+
+@contextlib.contextmanager
+def use_attention(impl: str):
+    """Run labkit models' attention core as ``impl`` inside the block: "sdpa" (the default),
+    "naive" (the (T, T) matrix kept) or "tiled" (labkit's online softmax). Put the backward
+    pass inside it too: blocks that recompute run their forward again there."""
+    global _attention
+    check_choice("attention", impl, ATTENTION_IMPLS)
+    previous, _attention = _attention, impl
+    try:
+        yield
+    finally:
+        _attention = previous
+
+
 def attention_core(q, k, v, mask=None):
-    """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel: no (T, T) matrix is kept.
+    """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel (no (T, T) matrix is kept),
+    or the implementation ``use_attention`` chose.
 
     q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
     ``mask``: for packed rows, a dense ``document_mask`` or ``Varlen`` offsets (no mask).
     """
+    if mask is not None and _attention != "sdpa":
+        raise ValueError(f"attention {_attention!r} runs plain causal rows; packed rows (doc_ids) "
+                         f"attend through 'sdpa': leave the attention at 'sdpa' for them")
     if isinstance(mask, Varlen):
         return VarlenAttention.apply(q, k, v, mask)
+    if _attention == "naive":
+        return naive_attention(q, k, v)
+    if _attention == "tiled":
+        return tiled_attention(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

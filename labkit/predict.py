@@ -19,7 +19,7 @@ from .checkpointing import parse_policy, plan
 from .config import ModelConfig, preset
 from .layers import (SOFTMAX, ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
                      count_params, embedding_weights, head_saved, head_weights, layer_saved,
-                     lora_targets, lora_weights)
+                     lora_targets, lora_weights, naive_backward_alive)
 from .optim8bit import LOOKUP_BYTES, MAP_BYTES, step_temporary_bytes
 from .optim8bit import state_bytes as eight_bit_state_bytes
 from .quant import nf4_bits_per_param
@@ -60,8 +60,8 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
              zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
              optimizer_impl: str | None = None, device: str = "cuda", every: int = 2,
-             loss_chunk: int | None = None, recipe: Recipe | None = None,
-             layout: Layout | None = None) -> Estimate:
+             loss_chunk: int | None = None, attention: str = "sdpa",
+             recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
     Give the step as keywords or as ``recipe=lk.Recipe(...)`` (which then wins) and
@@ -69,13 +69,14 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU adds its CUDA
     context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
-    of a chunked loss (``labkit.loss``), None for the full logits. With ``ep`` > 1 the device is
+    of a chunked loss (``labkit.loss``), None for the full logits. ``attention``: the core
+    (``labkit.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device is
     one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
     loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
     """
     c = preset(cfg) if isinstance(cfg, str) else cfg
     recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every,
-                              loss_chunk=loss_chunk)
+                              loss_chunk=loss_chunk, attention=attention)
     keywords = dict(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
     if layout is not None and keywords != dict(dp=1, zero_stage=0, tp=1, sp=False, pp=1):
         raise ValueError("give the layout either as keywords (dp=, zero_stage=, tp=, sp=, pp=) or "
@@ -225,8 +226,9 @@ class _Step:
             kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
         lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0) if self.lora else {}
                 for j in range(len(self.moe))]
-        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j]),
-                                        m) for j, m in enumerate(self.moe)]
+        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j],
+                                                    attention=self.recipe.attention), m)
+                for j, m in enumerate(self.moe)]
         saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
                  layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep) for j, m in enumerate(self.moe)]
         self.kept = kept
@@ -287,6 +289,7 @@ class _Step:
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
+                   **self._naive_attention_moment(always, saved, full, unit_start),
                    **self._later_micro_batch_moments(always, saved, label),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always),
@@ -423,6 +426,40 @@ class _Step:
             out[f"backward: reduce-scatter of layer {self.layers[worst_reduce[0]]}"] = (
                 "backward", worst_reduce[1])
         return out
+
+    def _naive_attention_moment(self, always, saved, full, unit_start) -> dict:
+        """Naive attention's backward in each layer (``layers.naive_backward_alive``): the
+        layers below keep their tensors (those recomputed with it rebuilt), this layer's MLP,
+        output projection and norm have their gradients, and two (B, H, T, T) gradients form."""
+        if self.recipe.attention != "naive" or self.lora:
+            return {}
+        c, B, T, L, stream = self.c, self.B, self.T, self.L, self.bytes.weights
+        alive = naive_backward_alive(c, self.recipe.precision, L.tp, L.sp)
+        head_grads = sum(w.local(L.tp) for w in head_weights(c)) * stream if self.last else 0
+        worst = None
+        # a recomputed unit's input, held by its checkpoint, is the first norm's fp32 input
+        # itself when the stream is fp32; in bf16 that norm keeps an fp32 copy beside it
+        shared = stream == 4
+        for i in reversed(range(len(self.layers))):
+            a = unit_start[i]
+            rebuilt = (sum(f.bytes(B, T) for f in full[a:i])
+                       - (sum(s.bytes(B, T) for s in saved[a:i]) if shared else 0)
+                       + (saved[i].bytes(B, T) if self.kept[i] == "full" and not shared else 0))
+            done = [w for w in block_weights(c, self.moe[i])
+                    if not w.name.startswith(("attn_norm", "attn.")) or w.name == "attn.wo"]
+            grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
+                     [Tensor("gradients of the layers done", "grads", self.wdt,
+                             self._done(head_grads + stream * (sum(self.block_trained[i + 1:])
+                                        + sum(w.local(L.tp, L.ep) for w in done))))])
+            tensors = always + self._kept_up_to(saved, i - 1) + grads + self.tensors_of(
+                [alive], label=f"layer {self.layers[i]} in its attention's backward") + [
+                Tensor("gradient of the residual stream", "other", self.wdt,
+                       self.N * c.hidden * stream),
+                Tensor("recomputed activations", "other", self.cdt, rebuilt)]
+            if worst is None or _total(tensors) > _total(worst[1]):
+                worst = (i, tensors)
+        return {f"backward: naive attention of layer {self.layers[worst[0]]}": ("backward",
+                                                                                 worst[1])}
 
     def _kept_up_to(self, saved, i: int, flight=None) -> list[Tensor]:
         """What layers 0..i keep for the backward pass (and, in a pipeline, every layer of the

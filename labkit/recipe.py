@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .attention import ATTENTION_IMPLS
 from .parallel.pipeline import SCHEDULES
 from .units import check_choice, check_positive
 
@@ -87,6 +88,8 @@ class Recipe:
     weights are stored: None (the precision's own) or "nf4" (QLoRA; only with "lora").
     ``loss_chunk``: None computes the (tokens, vocab)
     logits at once; n runs the LM head and the loss n tokens at a time (``labkit.loss``).
+    ``attention``: the attention core (``labkit.attention``): "sdpa" (PyTorch's fused kernel),
+    "naive" (keeps the (T, T) probabilities) or "tiled" (labkit's online softmax).
     """
 
     precision: str = "bf16-mixed"
@@ -99,6 +102,7 @@ class Recipe:
     loss_chunk: int | None = None
     lora_rank: int = 16
     lora_targets: str = "all-linear"
+    attention: str = "sdpa"
 
     def __post_init__(self):
         from .checkpointing import parse_policy      # the policies live with the mechanism
@@ -121,6 +125,13 @@ class Recipe:
                              f"{self.recompute!r}): use precision 'fp32', 'bf16' or 'bf16-master' "
                              f"and recompute='none'")
         check_loss_chunk(self.loss_chunk)
+        check_choice("attention", self.attention, ATTENTION_IMPLS)
+        if self.attention != "sdpa" and self.recompute == "selective":
+            raise ValueError(f"recompute='selective' keeps the outputs of fused attention "
+                             f"kernels; with attention={self.attention!r} it would keep every "
+                             f"(T, T) score matrix (or tile): use attention='sdpa', or a "
+                             f"recompute policy that reruns whole blocks ('full', 'every-k', "
+                             f"'sqrt')")
 
     def impl(self, device: str) -> str:
         """AdamW's implementation on ``device``: the one chosen, or the device's default."""

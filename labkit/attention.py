@@ -1,0 +1,216 @@
+"""Attention three ways, and why the tiled one reads less memory (lab 07).
+
+- ``naive_attention``: softmax(q k^T / sqrt(d)) v written out: the (B, H, T, T) probabilities
+  are made in memory and autograd keeps them for the backward pass.
+- ``tiled_attention``: FlashAttention's online softmax (Dao et al. 2022; the loop order of
+  FlashAttention-2, Dao 2023) in plain PyTorch, as a ``torch.autograd.Function``. Queries and
+  keys are taken a block at a time with a running max and sum; the forward pass keeps only
+  q, k, v, the output and one log-sum-exp per row, and the backward pass recomputes the
+  probabilities block by block.
+- "sdpa": ``F.scaled_dot_product_attention``, PyTorch's fused kernel (``labkit.model``'s
+  default), which keeps the same tensors as the tiled one.
+
+``hbm_accesses`` counts what each reads and writes in GPU memory (the paper's Theorem 2) for
+the on-chip memory of real GPUs (``SRAM_PER_SM``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .units import check_choice, check_positive
+
+ATTENTION_IMPLS = ("sdpa", "naive", "tiled")
+
+
+# ---- naive: the (T, T) matrix in memory -------------------------------------------------------
+def repeat_kv(x, groups: int):
+    """(B, Hkv, T, d) -> (B, Hkv * groups, T, d): each key/value head copied for its queries."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def naive_attention(q, k, v, causal: bool = True):
+    """softmax(q k^T / sqrt(d) + mask) v, every matrix made in memory.
+
+    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention: the
+    key and value heads are repeated). Autograd keeps the probabilities (B, H, T, T) - in
+    fp32 and a bf16 copy under autocast - the repeated k and v, and q.
+    """
+    H, T, d = q.shape[1], q.shape[2], q.shape[3]
+    _check_heads(H, k.shape[1])
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])      # (B, H, T, d)
+    # scale the scores, not q: a scaled copy of q would be kept for the backward pass too
+    scores = (q @ k.transpose(-2, -1)) * d ** -0.5                          # (B, H, T, T)
+    if causal:     # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
+        scores = scores + torch.full((T, T), float("-inf"), dtype=scores.dtype,
+                                     device=scores.device).triu(1)            # (T, T)
+    # under autocast the softmax runs in fp32, as CUDA's autocast runs it (CPU's would leave
+    # it in bf16): a CPU step then keeps what a GPU step keeps, fp32 probabilities and the
+    # bf16 copy the next matmul makes of them
+    fp32 = torch.float32 if torch.is_autocast_enabled(q.device.type) else None
+    probs = scores.softmax(dim=-1, dtype=fp32)                                 # (B, H, T, T)
+    return probs @ v                                                           # (B, H, T, dv)
+
+
+def _check_heads(heads: int, kv_heads: int) -> None:
+    if heads % kv_heads:
+        raise ValueError(f"kv heads ({kv_heads}) must divide query heads ({heads}): choose "
+                         f"kv_heads among the divisors of {heads}")
+
+
+# ---- tiled: online softmax, block by block ----------------------------------------------------
+def _query_block(q, start: int, end: int, groups: int):
+    """q's rows start..end of every head, in fp32, grouped under their key/value head:
+    (B, H, T, d) -> (B, Hkv, groups * rows, d), so one matmul with k (B, Hkv, cols, d) serves
+    a whole group of query heads (no repeated k or v)."""
+    B, H, _, d = q.shape
+    block = q[:, :, start:end].float()                                         # (B, H, rows, d)
+    return block.reshape(B, H // groups, groups * (end - start), d)
+
+
+def _future(start: int, end: int, k_start: int, k_end: int, groups: int, device):
+    """(groups * rows, cols) bool: True where a query row would see a later key (causal mask)."""
+    rows = torch.arange(start, end, device=device).repeat(groups)              # (groups * rows,)
+    cols = torch.arange(k_start, k_end, device=device)                         # (cols,)
+    return rows[:, None] < cols[None, :]
+
+
+def _ungroup(x, groups: int):
+    """(B, Hkv, groups * rows, w) -> (B, H, rows, w): back to one row block per query head."""
+    B, Hkv, n, w = x.shape
+    return x.reshape(B, Hkv * groups, n // groups, w)
+
+
+class TiledAttention(torch.autograd.Function):
+    """FlashAttention's forward and backward passes (Algorithms 1 and 2 of FlashAttention-2)
+    in PyTorch: every block in fp32, never a (T, T) matrix, never repeated key/value heads.
+
+    Keeps for backward: q, k, v, the output O (in q's dtype) and the log-sum-exp of each row
+    (B, H, T) in fp32 - what SDPA's flash kernel keeps.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, block: int):
+        B, H, T, _ = q.shape
+        Hkv, dv, g = k.shape[1], v.shape[-1], q.shape[1] // k.shape[1]
+        scale = q.shape[-1] ** -0.5
+        out = q.new_empty(B, T, H, dv)           # (B, T, H, dv): wo's layout, so no copy later
+        lse = q.new_empty(B, H, T, dtype=torch.float32)                            # (B, H, T)
+        with torch.autocast(q.device.type, enabled=False):     # the blocks compute in fp32
+            for i in range(0, T, block):
+                i_end = min(i + block, T)
+                qi = _query_block(q, i, i_end, g) * scale                  # (B, Hkv, g*rows, d)
+                row_max = qi.new_full(qi.shape[:-1], float("-inf"))        # (B, Hkv, g*rows)
+                row_sum = qi.new_zeros(qi.shape[:-1])                      # (B, Hkv, g*rows)
+                acc = qi.new_zeros(*qi.shape[:-1], dv)                     # (B, Hkv, g*rows, dv)
+                for j in range(0, i_end if causal else T, block):      # causal: not above it
+                    j_end = min(j + block, T)
+                    kj, vj = k[:, :, j:j_end].float(), v[:, :, j:j_end].float()  # (B, Hkv, cols, d)
+                    s = qi @ kj.transpose(-2, -1)                          # (B, Hkv, g*rows, cols)
+                    if causal and j_end > i:                                 # the diagonal block
+                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
+                    new_max = torch.maximum(row_max, s.amax(dim=-1))
+                    p = torch.exp(s - new_max[..., None])                  # (B, Hkv, g*rows, cols)
+                    rescale = torch.exp(row_max - new_max)    # what the old sums were counted in
+                    row_sum = row_sum * rescale + p.sum(dim=-1)
+                    acc = acc * rescale[..., None] + p @ vj
+                    row_max = new_max
+                o = _ungroup(acc / row_sum[..., None], g)                  # (B, H, rows, dv)
+                out[:, i:i_end] = o.transpose(1, 2)
+                lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
+        out = out.transpose(1, 2)                                              # (B, H, T, dv)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.block = causal, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, block = ctx.causal, ctx.block
+        B, H, T, _ = q.shape
+        g, scale = H // k.shape[1], q.shape[-1] ** -0.5
+        with torch.autocast(q.device.type, enabled=False):
+            # D = rowsum(dO * O): the softmax's backward needs it once per row
+            delta = (grad_out.float() * out.float()).sum(dim=-1)                    # (B, H, T)
+            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)       # (B, H, T, d)
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)     # (B, Hkv, T, d)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)    # (B, Hkv, T, dv)
+            for j in range(0, T, block):                 # each key block once, as in the paper
+                j_end = min(j + block, T)
+                kj, vj = k[:, :, j:j_end].float(), v[:, :, j:j_end].float()  # (B, Hkv, cols, d)
+                for i in range(j if causal else 0, T, block):        # causal: the rows below it
+                    i_end = min(i + block, T)
+                    qi = _query_block(q, i, i_end, g)                      # (B, Hkv, g*rows, d)
+                    doi = _query_block(grad_out, i, i_end, g)              # (B, Hkv, g*rows, dv)
+                    lse_i = _query_block(lse[..., None], i, i_end, g)      # (B, Hkv, g*rows, 1)
+                    delta_i = _query_block(delta[..., None], i, i_end, g)  # (B, Hkv, g*rows, 1)
+                    s = (qi @ kj.transpose(-2, -1)) * scale                # (B, Hkv, g*rows, cols)
+                    if causal and j_end > i:
+                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
+                    p = torch.exp(s - lse_i)                  # the forward's probabilities again
+                    dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi     # summed over the group
+                    ds = p * (doi @ vj.transpose(-2, -1) - delta_i)      # softmax's backward
+                    dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
+                    dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def tiled_attention(q, k, v, causal: bool = True, block: int = 128):
+    """``naive_attention``'s result, ``block`` queries by ``block`` keys at a time.
+
+    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H. Returns (B, H, T, dv).
+    """
+    _check_heads(q.shape[1], k.shape[1])
+    check_positive("block (queries and keys per tile)", block)
+    return TiledAttention.apply(q, k, v, causal, block)
+
+
+# ---- the paper's count of GPU-memory (HBM) accesses --------------------------------------------
+@dataclass(frozen=True)
+class Sram:
+    """On-chip memory of one GPU: per streaming multiprocessor (SM), and how many SMs."""
+
+    sms: int
+    per_sm: int           # bytes: L1 cache and shared memory together (the paper's "SRAM")
+    shared_per_sm: int    # bytes of it a kernel may use as shared memory, at most
+
+
+KiB = 1024
+# A100: "192KB of on-chip SRAM per each of 108 streaming multiprocessors" (FlashAttention
+# paper, section 2.1); of it up to 164 KB shared memory per SM (NVIDIA Ampere tuning guide,
+# "Unified Shared Memory/L1/Texture Cache"). H100 SXM5: 132 SMs with 256 KB of combined L1
+# and shared memory each, up to 228 KB of it shared (NVIDIA Hopper tuning guide; Modal's GPU
+# glossary, "L1 data cache": 256 KiB per SM x 132 SMs). H200: the same GH100 chip and SMs as
+# the H100 SXM, with more and faster HBM (141 GB HBM3e).
+SRAM_PER_SM = {
+    "A100": Sram(sms=108, per_sm=192 * KiB, shared_per_sm=164 * KiB),
+    "H100 SXM": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
+    "H200": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
+}
+
+
+def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2) -> int:
+    """Numbers one head's forward attention reads and writes in GPU memory (HBM), counted as
+    the algorithms of Dao et al. (2022) move them; Theorem 2 states them as Theta(N d + N^2)
+    and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
+
+    "naive" (the paper's Algorithm 0): read Q, K, write S (2Nd + N^2); read S, write P (2N^2);
+    read P, V, write O (N^2 + 2Nd): 4Nd + 4N^2, whatever the SRAM.
+    "tiled" (Algorithm 1, M = sram_bytes / bytes_per_number numbers on chip): blocks of
+    B_c = ceil(M / 4d) keys; K and V are read once (2Nd); for each of the T_c = ceil(N / B_c)
+    key blocks every query block reads Q_i, O_i, l_i, m_i and writes O_i, l_i, m_i
+    (3Nd + 4N): 2Nd + T_c (3Nd + 4N). These constants are the algorithm's own; the paper's
+    proof keeps only the order, Nd T_c = Theta(N^2 d^2 / M).
+    """
+    check_choice("attention implementation (for HBM accesses)", impl, ("naive", "tiled"))
+    for name, value in (("n", n), ("d", d), ("sram_bytes", sram_bytes),
+                        ("bytes_per_number", bytes_per_number)):
+        check_positive(name, value)
+    if impl == "naive":
+        return 4 * n * d + 4 * n * n
+    on_chip = sram_bytes // bytes_per_number                                # M, in numbers
+    key_block = max(1, math.ceil(on_chip / (4 * d)))                         # B_c
+    passes = math.ceil(n / key_block)                                        # T_c
+    return 2 * n * d + passes * (3 * n * d + 4 * n)

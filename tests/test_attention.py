@@ -1,0 +1,194 @@
+"""Naive, tiled and SDPA attention: the same numbers, different memory, and an estimate that
+knows which one runs (lab 07)."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labkit as lk
+from labkit.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention, hbm_accesses,
+                              naive_attention, tiled_attention)
+from labkit.layers import layer_saved
+from labkit.model import build_model, use_attention
+
+SHAPES = [(4, 4, 64, 32),     # heads, kv heads, T, block: multi-head, T a multiple of the block
+          (8, 2, 100, 32),    # grouped-query, T not a multiple of the block
+          (4, 1, 37, 128)]    # multi-query, one block larger than T
+
+
+def _qkv(heads, kv_heads, T, d=16, batch=2, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, h, T, d, generator=g, dtype=dtype).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def _output_and_grads(fn, q, k, v):
+    y = fn(q, k, v)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return (y, *torch.autograd.grad(y, (q, k, v), dy))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads, kv_heads, T, block", SHAPES)
+def test_tiled_equals_naive_forward_and_backward_in_fp32(one_thread, causal, heads, kv_heads,
+                                                         T, block):
+    q, k, v = _qkv(heads, kv_heads, T)
+    naive = _output_and_grads(lambda *t: naive_attention(*t, causal=causal), q, k, v)
+    tiled = _output_and_grads(lambda *t: tiled_attention(*t, causal=causal, block=block), q, k, v)
+    for a, b in zip(naive, tiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_equals_sdpa(one_thread, causal):
+    q, k, v = _qkv(8, 2, 100)
+    sdpa = _output_and_grads(lambda *t: F.scaled_dot_product_attention(
+        *t, is_causal=causal, enable_gqa=True), q, k, v)
+    tiled = _output_and_grads(lambda *t: tiled_attention(*t, causal=causal, block=32), q, k, v)
+    for a, b in zip(sdpa, tiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def _saved(fn, *inputs) -> list[torch.Tensor]:
+    """The tensors autograd keeps for the backward pass of fn(*inputs)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(*inputs)
+    return out, saved
+
+
+def test_tiled_attention_keeps_only_q_k_v_output_and_log_sum_exp():
+    q, k, v = _qkv(8, 2, 100)
+    out, saved = _saved(lambda *t: TiledAttention.apply(*t, True, 32), q, k, v)
+    assert [tuple(t.shape) for t in saved] == [(2, 8, 100, 16), (2, 2, 100, 16), (2, 2, 100, 16),
+                                              (2, 8, 100, 16), (2, 8, 100)]
+    assert all(a is b for a, b in zip(saved[:3], (q, k, v)))
+    assert saved[3].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert saved[4].dtype == torch.float32                          # one log-sum-exp per row
+
+
+def test_naive_attention_keeps_a_t_by_t_matrix_per_head():
+    _, saved = _saved(naive_attention, *_qkv(8, 2, 100))
+    assert (2, 8, 100, 100) in [tuple(t.shape) for t in saved]
+
+
+@pytest.mark.parametrize("dtype, autocast, pair_bytes", [(torch.float32, False, 4),
+                                                         (torch.bfloat16, False, 2),
+                                                         (torch.bfloat16, True, 6)])
+def test_naive_keeps_probabilities_of_4_2_or_6_bytes_as_the_estimate_says(dtype, autocast,
+                                                                         pair_bytes):
+    """Against SDPA, to the byte: the probabilities, k and v repeated to every head, no
+    log-sum-exp (the inputs as the model makes them: bf16 under autocast)."""
+    B, H, Hkv, T, d = 1, 4, 2, 64, 16
+    kept = {}
+    for name, fn in [("naive", naive_attention), ("sdpa", lambda q, k, v: (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)))]:
+        leaves = _qkv(H, Hkv, T, d, batch=B, dtype=dtype)
+        with lk.MemoryTracker() as mt:
+            with torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext():
+                q, k, v = (t * 1 for t in leaves)                   # non-leaf, like the model's
+                y = fn(q, k, v)
+            del q, k, v
+            kept[name] = mt.current
+        assert y.dtype == dtype
+    number = dtype.itemsize
+    assert kept["naive"] - kept["sdpa"] == (B * H * T * T * pair_bytes
+                                            + 2 * (H - Hkv) * B * T * d * number - 4 * B * H * T)
+
+
+def test_naive_brings_back_korthikantis_attention_matrix_term():
+    """Korthikanti et al. keep 5as^2b bytes of attention matrices per layer (fp16 with
+    dropout); the naive core under bf16 autocast keeps 6as^2b (fp32 softmax + its bf16 copy)
+    and no log-sum-exp (LLaMA-2-7B: as many kv heads as heads, nothing repeated)."""
+    cfg, s, b = lk.preset("llama-2-7b"), 2048, 1
+    a = cfg.heads
+    naive, sdpa = (layer_saved(cfg, "bf16-mixed", attention=impl).bytes(b, s)
+                   for impl in ("naive", "sdpa"))
+    assert naive - sdpa == 6 * a * s * s * b - 4 * a * s * b
+    tiled = layer_saved(cfg, "bf16-mixed", attention="tiled").bytes(b, s)
+    assert tiled == sdpa
+
+
+@pytest.mark.parametrize("attention", ATTENTION_IMPLS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_estimate_equals_a_real_step_for_each_attention(one_thread, precision, attention):
+    m = lk.measure_step("small", 1, 512, precision=precision, fake=False, attention=attention)
+    e = lk.estimate("small", 1, 512, precision=precision, device="cpu", attention=attention)
+    assert e.total == pytest.approx(m.total, rel=0.005), (e.moments, m.as_dict())
+    assert e.saved_activations == pytest.approx(m.saved_activations, rel=0.005)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_estimate_finds_the_peak_inside_naive_attentions_backward(one_thread, recompute):
+    """Where the (T, T) matrices dominate, the step peaks in the softmax's backward: two more
+    (B, H, T, T) gradients beside the probabilities."""
+    m = lk.measure_step("tiny", 1, 256, precision="bf16-mixed", fake=False,
+                        recompute=recompute, attention="naive")
+    e = lk.estimate("tiny", 1, 256, precision="bf16-mixed", device="cpu", recompute=recompute,
+                    attention="naive")
+    assert e.details["peak moment"].startswith("backward: naive attention")
+    assert e.total == pytest.approx(m.total, rel=0.005), (e.moments, m.as_dict())
+
+
+def test_model_gives_the_same_loss_and_gradients_with_each_attention(one_thread):
+    cfg = lk.preset("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65))
+    results = {}
+    for impl in ATTENTION_IMPLS:
+        model.zero_grad()
+        with use_attention(impl):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+        results[impl] = (loss.detach(), *(p.grad.clone() for p in model.parameters()))
+    for impl in ("naive", "tiled"):
+        for a, b in zip(results["sdpa"], results[impl]):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_attention_choices_are_checked_and_named():
+    with pytest.raises(ValueError, match="sdpa, naive, tiled"):
+        lk.Recipe(attention="flash")
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        lk.estimate("small", recompute="selective", attention="naive")
+    with pytest.raises(ValueError, match="sdpa, naive, tiled"):
+        with use_attention("flash"):
+            pass
+    cfg = lk.preset("tiny")
+    model, tokens = build_model(cfg), torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="packed rows"), use_attention("naive"):
+        model(tokens, tokens, doc_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+# ---- the FlashAttention paper's HBM accesses --------------------------------------------------
+def test_standard_attention_reads_and_writes_4nd_plus_4n_squared_whatever_the_sram():
+    n, d = 4096, 64
+    assert {hbm_accesses(n, d, m * 1024, "naive") for m in (16, 192, 256)} == {4 * n * d
+                                                                               + 4 * n * n}
+
+
+def test_tiled_accesses_fall_as_the_sram_grows_and_the_saving_grows_with_it():
+    n, d = 8192, 128
+    sizes = [s.per_sm for s in SRAM_PER_SM.values()] + [16 * 1024, 64 * 1024, 1024 * 1024]
+    sizes.sort()
+    tiled = [hbm_accesses(n, d, m, "tiled") for m in sizes]
+    ratio = [hbm_accesses(n, d, m, "naive") / t for m, t in zip(sizes, tiled)]
+    assert tiled == sorted(tiled, reverse=True) and tiled[0] > tiled[-1]
+    assert ratio == sorted(ratio) and ratio[-1] > 1
+    # with the whole of K and V on chip, one pass: 2Nd + 3Nd + 4N
+    assert hbm_accesses(n, d, 10 * n * d * 2, "tiled") == 5 * n * d + 4 * n
+
+
+def test_hbm_accesses_grow_with_the_sequence():
+    for impl in ("naive", "tiled"):
+        counts = [hbm_accesses(n, 64, 192 * 1024, impl) for n in (512, 1024, 2048, 4096)]
+        assert counts == sorted(counts) and len(set(counts)) == 4
+    with pytest.raises(ValueError, match="naive, tiled"):
+        hbm_accesses(1024, 64, 192 * 1024, "sdpa")
+
+
+def test_h200_has_the_h100s_on_chip_memory():
+    assert SRAM_PER_SM["H200"] == SRAM_PER_SM["H100 SXM"]
+    assert SRAM_PER_SM["A100"].sms == 108 and SRAM_PER_SM["H100 SXM"].sms == 132

@@ -1,0 +1,47 @@
+"""Local + global attention: a dense mask saves no attention memory, FlexAttention computes fewer
+tiles, and a sliding window caps the KV cache (claim 19)."""
+import pytest
+import torch
+
+import labkit as lk
+
+from labkit.local_attention import (attention_memory, block_density, flex_attention_memory,
+                                    local_global_mask, window_kv_cache)
+
+
+def test_local_global_mask_on_a_small_sequence():
+    mask = local_global_mask(6, window=2, n_global=1)
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0],
+                                   [1, 0, 1, 1, 0, 0],
+                                   [1, 0, 0, 1, 1, 0],
+                                   [1, 0, 0, 0, 1, 1]]
+    assert torch.equal(local_global_mask(5, window=5, n_global=0),
+                       torch.ones(5, 5, dtype=torch.bool).tril())
+    tiles = block_density(local_global_mask(512, 128, 4), block=128)
+    assert tiles == (1 + 2 + 3 + 3) / 16           # per tile row: diagonal, left, first column
+    with pytest.raises(ValueError, match="n_global"):
+        local_global_mask(4, 2, -1)
+
+
+def test_a_dense_mask_saves_no_attention_memory(one_thread):
+    m = attention_memory(T=512, window=64, n_global=4, heads=2, head_dim=16)
+    assert m.mask_bytes == 512 * 512
+    assert 0.2 < m.density < 0.3                             # ~75% of the scores are skipped...
+    assert m.local_global > m.full + m.mask_bytes            # ...and memory goes up, not down
+
+
+def test_a_sliding_window_caps_mistrals_kv_cache():
+    w = window_kv_cache("mistral-7b", seq=32768, window=4096)
+    assert w.full_cache == 32768 * 32 * 2 * 8 * 128 * 2 == 4 * 2**30
+    assert w.window_cache == 2**29 and w.cache_saving == 0.875
+    assert w.weights == lk.count_params(lk.preset("mistral-7b")).total * 2
+    assert 0 < w.total_saving < w.cache_saving
+    assert window_kv_cache("mistral-7b", seq=2048, window=4096).cache_saving == 0
+
+
+@pytest.mark.slow
+def test_flex_attention_compiles_a_forward_on_this_build():
+    f = flex_attention_memory(T=1024, window=128, n_global=4, heads=2, head_dim=16)
+    assert f.works and f.forward_peak > 0 and f.full_forward_peak > 0
