@@ -20,42 +20,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labkit.attention import SRAM_PER_SM, hbm_accesses, naive_attention, tiled_attention
-from labkit.track import MemoryTracker
+from labkit.attention import SRAM_PER_SM, core, core_inputs, core_peak_bytes, hbm_accesses
 from labkit.units import fmt_bytes
 
 GiB = 1024 ** 3
 
 
-def cores(block: int) -> dict:
-    return {"naive": naive_attention,
-            "tiled": lambda q, k, v: tiled_attention(q, k, v, block=block),
-            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
-
-
-def inputs(heads: int, seq: int, head_dim: int):
-    """q, k, v (1, H, N, d) leaves and the output's gradient, made before any tracking."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, head_dim, generator=g).requires_grad_()
-               for _ in range(3))
-    return q, k, v, torch.randn(1, heads, seq, head_dim, generator=g)
-
-
 def fwd_bwd(core, q, k, v, grad_out):
     core(q, k, v).backward(grad_out)
     q.grad = k.grad = v.grad = None
-
-
-def peak_bytes(core, q, k, v, grad_out) -> int:
-    """Peak bytes beyond the inputs. They are counted from the start: the tracker would
-    otherwise count an input's storage when a view of it is first made (as tiling does)."""
-    with MemoryTracker(timeline=False) as mt:
-        for t in (q, k, v, grad_out):
-            mt.tag(t, "other")
-        inputs_bytes = mt.current
-        mt.reset_peak()
-        fwd_bwd(core, q, k, v, grad_out)
-    return mt.peak - inputs_bytes
 
 
 def median_seconds(core, q, k, v, grad_out, repeats: int, budget_s: float = 20.0) -> float:
@@ -84,13 +57,13 @@ def main():
           f"causal, fp32, tiled block {args.block}; peak beyond q, k, v and dO\n")
     print(f"{'N':>6} {'impl':>6} {'peak':>11} {'ms':>10}  {'peak / sdpa':>11} {'time / sdpa':>11}")
     for n in args.seqs:
-        q, k, v, grad_out = inputs(H, n, d)
+        q, k, v, grad_out = core_inputs(n, H, d)
         rows = {}
-        for name, core in cores(args.block).items():
+        for name in ("naive", "tiled", "sdpa"):
             if name == "naive" and 3 * H * n * n * 4 > args.naive_budget_gib * GiB:
                 continue                               # P, dP and dS would not fit the budget
-            rows[name] = (peak_bytes(core, q, k, v, grad_out),
-                          median_seconds(core, q, k, v, grad_out, args.repeats))
+            rows[name] = (core_peak_bytes(name, n, H, d, block=args.block),
+                          median_seconds(core(name, args.block), q, k, v, grad_out, args.repeats))
         sdpa_peak, sdpa_time = rows["sdpa"]
         for name, (peak, seconds) in rows.items():
             print(f"{n:>6} {name:>6} {fmt_bytes(peak):>11} {seconds * 1000:>10.1f}  "

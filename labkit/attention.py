@@ -167,6 +167,43 @@ def tiled_attention(q, k, v, causal: bool = True, block: int = 128):
     return TiledAttention.apply(q, k, v, causal, block)
 
 
+# ---- measured: one core's forward + backward ------------------------------------------------
+def core(impl: str, block: int = 128):
+    """The causal attention function ``impl`` names: q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    check_choice("attention implementation", impl, ATTENTION_IMPLS)
+    if impl == "naive":
+        return naive_attention
+    if impl == "tiled":
+        return lambda q, k, v: tiled_attention(q, k, v, block=block)
+    return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                              is_causal=True)
+
+
+def core_inputs(seq: int, heads: int = 8, head_dim: int = 64, dtype=torch.float32,
+                device="cpu"):
+    """q, k, v (1, H, T, d) leaves and the output's gradient, seeded."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, heads, seq, head_dim, generator=g).to(device, dtype)
+                     for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
+
+
+def core_peak_bytes(impl: str, seq: int, heads: int = 8, head_dim: int = 64,
+                    dtype=torch.float32, device="cpu", block: int = 128) -> int:
+    """Peak bytes one forward + backward of ``impl`` adds to its inputs (q, k, v and the
+    output's gradient), measured by ``labkit.track.MemoryTracker``; exact on the CPU."""
+    from .track import MemoryTracker
+
+    q, k, v, grad = core_inputs(seq, heads, head_dim, dtype, device)
+    with MemoryTracker(timeline=False) as mt:
+        for t in (q, k, v, grad):        # counted from the start: a view of an untracked
+            mt.tag(t, "other")            # input (as tiling takes) would count it later
+        before = mt.current
+        mt.reset_peak()
+        core(impl, block)(q, k, v).backward(grad)
+    return mt.peak - before
+
+
 # ---- the paper's count of GPU-memory (HBM) accesses --------------------------------------------
 @dataclass(frozen=True)
 class Sram:

@@ -149,3 +149,30 @@ def test_the_lab_06_answers_agree_with_the_closed_forms_and_the_estimate():
                                                      weight_format="nf4"))
     assert ex.get("06-qlora-7b-peak").answer() == qlora.total / GiB
     assert not ex.check("06-qlora-7b-peak", ex.get("06-qlora-7b-peak").compute()["lora"])
+
+
+def test_the_lab_07_answers_agree_with_the_closed_forms_and_the_caches():
+    from labkit.generate import cache_bytes_per_token
+    c7, T = lk.preset("llama-2-7b"), 4096
+    # naive attention keeps H T^2 probabilities per layer: fp32 softmax (4) + bf16 copy (2)
+    assert ex.get("07-naive-attention-gib").answer() * GiB == c7.heads * T * T * 6
+    assert not ex.check("07-naive-attention-gib", c7.heads * T * T * 4 / GiB)  # the copy forgotten
+    saved = {a: lk.estimate(c7, 1, T, precision="bf16-mixed", attention=a).saved_activations
+             for a in ("naive", "sdpa")}
+    # the estimates differ by every layer's probabilities, less SDPA's fp32 log-sum-exp
+    assert saved["naive"] - saved["sdpa"] == c7.layers * (c7.heads * T * T * 6 - 4 * c7.heads * T)
+    # LLaMA-2-70B: 2 x 80 layers x 8 kv heads x 128 x 2 bytes per token; MHA keeps 64 heads
+    kv = ex.get("07-kv-cache-70b").compute()
+    assert kv["answer"] * GiB == 8 * 4096 * 2 * 80 * 8 * 128 * 2
+    assert kv["mha"] == 8 * kv["answer"] and not ex.check("07-kv-cache-70b", kv["mha"])
+    # DeepSeek-V2: (d_c 512 + d_h^R 64) x 60 layers x 2 bytes, what a prefilled cache holds
+    mla = ex.get("07-mla-bytes-per-token").compute()
+    assert mla["answer"] == (512 + 64) * 60 * 2 == cache_bytes_per_token("deepseek-v2").measured
+    assert mla["mha"] == 2 * 128 * 128 * 60 * 2 and mla["ratio"] == 2 * 128 * 128 / 576
+    # LLaMA-2-13B in fp16: 2 x 40 layers x 40 heads x 128 x 2 bytes per token; 15 empty slots
+    paged = ex.get("07-paged-waste").compute()
+    per_token = 2 * 40 * 40 * 128 * 2
+    assert paged["answer"] * 2**20 == 15 * per_token == paged["measured"]
+    assert paged["contiguous"] * 2**20 == (2048 - 300) * per_token
+    assert paged["paged_used"] * 2**20 == (19 * 16 - 300) * per_token
+    assert not ex.check("07-paged-waste", 16 * per_token / 2**20)  # a whole block is not wasted

@@ -4,6 +4,10 @@ import torch
 
 import labkit as lk
 from labkit import widgets
+from labkit.attention import SRAM_PER_SM, core, core_peak_bytes, hbm_accesses
+from labkit.generate import attention_kind, mla_reduction
+from labkit.layers import layer_saved
+from labkit.track import MemoryTracker
 
 
 def test_predict_returns_the_same_estimate_as_the_library():
@@ -466,3 +470,131 @@ def test_quant_panel_reacts_to_its_controls():
     assert widgets.QuantPanel(scheme="int8 zero-point").result.bits_per_param == 8 + 40 / 64
     with pytest.raises(ValueError, match="unknown block for nf4 'channel'"):
         widgets.QuantPanel(block="channel")
+
+
+# ---- lab 07: the attention core and the KV cache -------------------------------------------
+def _core_peak_in_a_models_layout(impl, seq, heads, head_dim):
+    """Peak bytes of one bf16 fwd + bwd of ``impl`` beyond q, k, v and dO, with q, k, v made as
+    a model makes them: (1, T, H, d) projections viewed as (1, H, T, d)."""
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, seq, heads, head_dim, generator=g).bfloat16().requires_grad_()
+              for _ in range(3)]
+    grad_out = torch.randn(1, heads, seq, head_dim, generator=g).bfloat16()
+    with MemoryTracker(timeline=False) as mt:
+        for t in (*leaves, grad_out):
+            mt.tag(t, "other")
+        before = mt.current
+        mt.reset_peak()
+        q, k, v = (x.transpose(1, 2) for x in leaves)                     # (1, H, T, d) views
+        core(impl)(q, k, v).backward(grad_out)
+    return mt.peak - before
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "tiled"])
+@pytest.mark.parametrize("seq, heads, head_dim", [(256, 4, 64), (512, 8, 32)])
+def test_attention_core_formula_is_the_measured_peak(impl, seq, heads, head_dim):
+    predicted = widgets.attention_core_bytes(impl, seq, heads, head_dim)
+    assert predicted.peak == _core_peak_in_a_models_layout(impl, seq, heads, head_dim)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_on_leaf_inputs_sdpa_adds_one_gradient_copied_into_the_leafs_layout():
+    """core_peak_bytes makes q, k, v (1, H, T, d) leaves: the CPU kernel writes their gradients
+    (1, T, H, d)-major, and autograd copies each into its leaf once the kernel's saved
+    tensors (the log-sum-exp) are freed. Naive and tiled peak elsewhere: the same bytes."""
+    T, H, d = 512, 4, 64
+    sdpa = widgets.attention_core_bytes("sdpa", T, H, d)
+    copy, lse = T * H * d * 2, 4 * H * T
+    assert core_peak_bytes("sdpa", T, H, d, dtype=torch.bfloat16) == sdpa.peak - lse + copy
+    for impl in ("naive", "tiled"):
+        assert core_peak_bytes(impl, T, H, d, dtype=torch.bfloat16) == \
+            widgets.attention_core_bytes(impl, T, H, d).peak
+
+
+def test_kept_bytes_are_the_layers_terms_less_q_k_v():
+    T, H, d = 2048, 32, 128
+    cfg = lk.preset("llama-2-7b")                                        # 32 heads x 128, MHA
+    kept = {impl: widgets.attention_core_bytes(impl, T, H, d) for impl in ("naive", "sdpa")}
+    assert kept["sdpa"].kept == {"attention output (wo's input)": T * H * d * 2,
+                                 "attention log-sum-exp": 4 * H * T}
+    assert kept["naive"].kept["attention probabilities (T x T per head)"] == 2 * H * T * T
+    layer = {impl: layer_saved(cfg, "bf16", attention=impl).bytes(1, T) for impl in kept}
+    assert (layer["naive"] - layer["sdpa"] == kept["naive"].kept_total
+            - kept["sdpa"].kept_total)
+    tiled = widgets.attention_core_bytes("tiled", T, H, d)
+    assert tiled.kept == kept["sdpa"].kept                     # what SDPA's flash kernel keeps
+
+
+def test_naive_peak_grows_as_seq_squared_sdpa_and_tiled_as_seq():
+    T, H, d = 16384, 32, 128
+    peak = {impl: [widgets.attention_core_bytes(impl, n, H, d).peak for n in (T, 2 * T)]
+            for impl in ("naive", "sdpa", "tiled")}
+    naive, sdpa, tiled = peak.values()
+    # a T^2 + b T doubled: the T^2 part (P, dP, dS: 3 x 2 bytes per head and pair) quadruples
+    assert naive[1] - 2 * naive[0] == 2 * (3 * 2 * H) * T * T
+    assert naive[1] / naive[0] == pytest.approx(4, rel=0.01)
+    assert sdpa[1] == 2 * sdpa[0]
+    assert 1.95 < tiled[1] / tiled[0] < 2                       # its tiles do not grow
+
+
+def test_attention_report_numbers_are_labkits():
+    r = widgets.attention_report("tiled", seq=4096, heads=32, head_dim=128, model="mistral-7b",
+                                 context=32768, batch=4)
+    cfg = lk.preset("mistral-7b")
+    assert r.error is None and r.core == widgets.attention_core_bytes("tiled", 4096, 32, 128)
+    assert r.cache == lk.kv_cache_bytes(cfg, 4, 32768) == 16 * 2**30
+    assert (r.kind, r.mha_cache) == ("GQA", lk.kv_cache_bytes(cfg.replace(kv_heads=32), 4, 32768))
+    for gpu, ratio in r.hbm.items():
+        sram = SRAM_PER_SM[gpu].per_sm
+        assert ratio == hbm_accesses(4096, 128, sram, "naive") / hbm_accesses(4096, 128, sram,
+                                                                                "tiled")
+    assert "GQA: 8 kv heads for 32 query heads" in r.summary()
+    mla = widgets.attention_report("sdpa", seq=512, heads=128, head_dim=192, model="deepseek-v2",
+                                   context=4096)
+    assert mla.kind == attention_kind(lk.preset("deepseek-v2")) == "MLA"
+    assert mla.mha_cache / mla.cache == mla_reduction("deepseek-v2").ratio
+    mqa = widgets.attention_report("sdpa", seq=512, heads=32, head_dim=128, model="mistral-7b",
+                                   context=4096, kv_heads=1)
+    assert (mqa.kind, mqa.mha_cache // mqa.cache) == ("MQA", 32)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seq": 0}, "seq must be a positive integer, got 0"),
+    ({"heads": -1}, "heads must be a positive integer"),
+    ({"impl": "flash"}, "unknown attention implementation 'flash'"),
+    ({"context": 0}, "context (tokens in the KV cache) must be a positive integer"),
+    ({"kv_heads": 5}, "kv_heads=5 does not divide heads=32"),
+])
+def test_impossible_attention_settings_are_explained_not_raised(change, message):
+    setting = {**dict(impl="naive", seq=1024, heads=32, head_dim=128, model="llama-2-7b",
+                      context=4096), **change}
+    result = widgets.attention_report(setting.pop("impl"), **setting)
+    assert message in result.error and result.summary().startswith("⚠")
+
+
+def test_attention_panel_reacts_to_its_controls_and_sets_its_output_as_state():
+    panel = widgets.AttentionPanel()
+    assert [c.description for c in (panel.impl, panel.seq, panel.heads, panel.head_dim,
+                                    panel.model, panel.kv_heads, panel.context)] == [
+        "implementation", "seq", "heads", "head dim", "model", "kv heads", "context"]
+    outputs = panel.output.outputs
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data"]
+    assert outputs[0]["text"].startswith("sdpa attention core, one layer, batch 1, bf16, 32 heads")
+    panel.impl.value = "naive"
+    text = panel.output.outputs[0]["text"]
+    assert text.startswith("naive") and "attention probabilities (T x T per head) 1.00 GiB" in text
+    panel.seq.value += panel.seq.step                                    # 4096 -> 4608
+    assert panel.result.core.peak == widgets.attention_core_bytes("naive", 4608, 32, 128).peak
+    assert panel.output.outputs[0]["text"] != text
+    panel.model.value = "deepseek-v2"                    # loads its heads, q.k width; MLA cache
+    assert (panel.heads.value, panel.head_dim.value, panel.kv_heads.disabled) == (128, 192, True)
+    assert panel.result.kind == "MLA"
+    panel.model.value = "mistral-7b"
+    panel.kv_heads.value = 5
+    assert [o["output_type"] for o in panel.output.outputs] == ["stream"]
+    assert panel.output.outputs[0]["text"].startswith("⚠ kv_heads=5 does not divide heads=32")
+    panel.kv_heads.value = 8
+    panel.context.value = 8192
+    assert panel.result.cache == lk.kv_cache_bytes("mistral-7b", 1, 8192)
+    assert isinstance(widgets.attention_panel(impl="tiled", seq=1024), widgets.w.VBox)
