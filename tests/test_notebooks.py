@@ -1,6 +1,7 @@
 """Every notebook executes once at SCALE="ci" and its checked cells print what is committed;
 the alternative parameter sets a notebook declares in its metadata
 (``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``) run again, marked slow."""
+import concurrent.futures
 import importlib.util
 import os
 import re
@@ -108,14 +109,28 @@ OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"
                  "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
 
 
+def _check_with_other_kernels(path):
+    script = Path(run_notebooks.__file__)
+    return subprocess.run([sys.executable, str(script), "--check", str(path)],
+                          env={**os.environ, **OTHER_KERNELS}, capture_output=True, text=True,
+                          timeout=20 * 60)
+
+
+@pytest.fixture(scope="module")
+def other_kernel_runs(request):
+    """The selected notebooks under OTHER_KERNELS, two at a time: each kernel runs one thread,
+    so two share the 2 cores of a CI machine without slowing each other (half the wall time)."""
+    selected = [item.callspec.params["path"] for item in request.session.items
+                if item.originalname == "test_checked_cells_print_the_same_with_other_cpu_kernels"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        yield {path: pool.submit(_check_with_other_kernels, path) for path in selected}
+
+
 @pytest.mark.slow
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", run_notebooks.find(), ids=lambda p: p.stem)
-def test_checked_cells_print_the_same_with_other_cpu_kernels(path):
-    script = Path(run_notebooks.__file__)
-    done = subprocess.run([sys.executable, str(script), "--check", str(path)],
-                          env={**os.environ, **OTHER_KERNELS}, capture_output=True, text=True,
-                          timeout=20 * 60)
+def test_checked_cells_print_the_same_with_other_cpu_kernels(path, other_kernel_runs):
+    done = other_kernel_runs[path].result()
     assert done.returncode == 0, f"with {OTHER_KERNELS}:\n{done.stdout}\n{done.stderr[-3000:]}"
 
 
