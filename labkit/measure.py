@@ -28,6 +28,7 @@ class Measurement(Breakdown):
     """
 
     timeline: Timeline = field(default_factory=Timeline)
+    events: list | None = None       # the step's storage events, with measure_step(events=True)
     device: str = "cpu"
     fake: bool = False
     optimizer_impl: str = ""
@@ -177,7 +178,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  device: str | None = None, optimizer_impl: str | None = None,
                  warmup: bool = True, seed: int = 0, loss_fn=None,
                  loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
-                 weight_format: str | None = None, attention: str = "sdpa") -> Measurement:
+                 weight_format: str | None = None, attention: str = "sdpa",
+                 events: bool = False) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -198,6 +200,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     defaults (default "cuda": AdamW foreach), because fake CUDA tensors cannot run on a
     CPU-only build; what a real GPU adds (CUDA context, allocator rounding, library
     workspaces) is not in it. ``warmup`` creates the optimizer state first: a steady-state step.
+    ``events=True`` keeps the tracker's log of storages made and freed (``.events``), which
+    ``labkit.allocator.replay`` runs through a model of the CUDA caching allocator.
     """
     from .checkpointing import parse_policy
     from .config import ModelConfig, preset
@@ -237,13 +241,13 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
         if setup.runs_on.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with MemoryTracker(model, opt) as mt, use_attention(attention):
+        with MemoryTracker(model, opt, events=events) as mt, use_attention(attention):
             result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
     forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
     at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}
     return Measurement(
         **mt.peak_by_category, peak_phase=mt.peak_phase,
         saved_activations=at_end["activations"], saved_weight_cache=at_end["weight_cache"],
-        timeline=mt.timeline, device=setup.whose, fake=setup.mode is not None,
+        timeline=mt.timeline, events=mt.events, device=setup.whose, fake=setup.mode is not None,
         optimizer_impl=impl, loss=result.loss,
         cuda_peak=torch.cuda.max_memory_allocated() if setup.runs_on.type == "cuda" else None)

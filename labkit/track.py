@@ -9,6 +9,7 @@ blocks, so ``torch.cuda.max_memory_allocated`` reads slightly higher.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +25,18 @@ from .units import CATEGORIES, HOST
 _PHASE_CATEGORY = {"forward": "activations"}
 # a cast of a weight (what autocast does before each matmul) is the weight cache, whatever the phase
 _CASTS = {torch.ops.aten._to_copy.default}
+
+
+@dataclass(frozen=True)
+class StorageEvent:
+    """One storage made or freed: what a caching allocator is asked for (``labkit.allocator``
+    replays these). ``storage`` numbers the storages of one tracker 0, 1, 2, ... in order."""
+
+    action: str          # "alloc" | "free"
+    storage: int
+    nbytes: int
+    category: str        # the storage's category when it was made (its latest tag when freed)
+    phase: str
 
 
 @dataclass
@@ -111,7 +124,9 @@ class MemoryTracker(TorchDispatchMode):
 
     Pass the ``model`` and ``optimizer`` to count what exists before tracking starts
     (weights, buffers, optimizer state) and to tag gradients and optimizer state as they
-    appear. Mark phases with ``with mt.phase("forward"): ...``.
+    appear. Mark phases with ``with mt.phase("forward"): ...``. With ``events=True`` it also
+    logs each storage made and freed (``mt.events``), the requests a GPU's caching allocator
+    would see (``labkit.allocator.replay``).
 
         with lk.MemoryTracker(model, opt) as mt:
             with mt.phase("forward"):
@@ -120,10 +135,12 @@ class MemoryTracker(TorchDispatchMode):
     """
 
     def __init__(self, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, timeline: bool = True):
+                 optimizer: torch.optim.Optimizer | None = None, timeline: bool = True,
+                 events: bool = False):
         super().__init__()
         self.model, self.optimizer, self.record_timeline = model, optimizer, timeline
-        self._live: dict[int, list] = {}           # storage id -> [nbytes, category]
+        self.events: list[StorageEvent] | None = [] if events else None
+        self._live: dict[int, list] = {}           # storage id -> [nbytes, category, serial]
         self._bytes = dict.fromkeys(CATEGORIES, 0)
         self.current = 0
         self.peak = 0
@@ -133,6 +150,8 @@ class MemoryTracker(TorchDispatchMode):
         self._phase = "setup"
         self.timeline = Timeline()
         self._hooks = []
+        self._serials = 0                          # storages counted so far
+        self._alloc_event: dict[int, int] = {}     # serial -> index of its "alloc" in events
         self._state_entries = 0                    # optimizer state entries tagged so far
         self._lock = threading.Lock()
 
@@ -142,7 +161,9 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live:
             return
         nbytes = storage.nbytes()
-        self._live[key] = [nbytes, category]
+        self._live[key] = [nbytes, category, self._serials]
+        self._serials += 1
+        self._log("alloc", self._live[key])
         # a weak reference: the tracker (and the model and optimizer it names) must not live
         # as long as the storages it counted, or every measured model would stay in memory
         weakref.finalize(storage, _free_if_alive, weakref.ref(self), key)
@@ -152,7 +173,20 @@ class MemoryTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is None:
             return
+        self._log("free", entry)
         self._change(entry[1], -entry[0])
+
+    def _log(self, action: str, entry: list):
+        if self.events is not None:
+            if action == "alloc":
+                self._alloc_event[entry[2]] = len(self.events)
+            self.events.append(StorageEvent(action, entry[2], entry[0], entry[1], self._phase))
+
+    def _relabel(self, entry: list):
+        """A storage re-tagged (a gradient found by its hook): its "alloc" says what it is."""
+        at = self._alloc_event.get(entry[2]) if self.events is not None else None
+        if at is not None:
+            self.events[at] = dataclasses.replace(self.events[at], category=entry[1])
 
     def _resized(self, storage, before: int):
         """A storage changed size in place: count the difference (or the storage, if new)."""
@@ -161,7 +195,10 @@ class MemoryTracker(TorchDispatchMode):
             self._add(storage, _PHASE_CATEGORY.get(self._phase, "other"))
             return
         delta = storage.nbytes() - before
+        self._log("free", entry)                   # the allocator frees the old size ...
         entry[0] += delta
+        if entry[0]:
+            self._log("alloc", entry)              # ... and allocates the new one
         self._change(entry[1], delta)
 
     def _change(self, category: str, delta: int, record: bool = True):
@@ -210,6 +247,7 @@ class MemoryTracker(TorchDispatchMode):
                 self._change(entry[1], -entry[0], record=False)
                 self._change(category, entry[0], record=False)
                 entry[1] = category
+                self._relabel(entry)
 
     def _tag_grad(self, param):
         if param.grad is not None:     # a hook before this one (labkit's ZeRO) may have taken it

@@ -176,3 +176,41 @@ def test_the_first_step_shows_adamw_state_as_optimizer_state_while_it_is_born():
     assert state[in_step[0]] == 0                      # born in this step...
     assert state[in_step[len(in_step) // 2]] > 0       # ...counted as state while the step runs
     assert state[in_step[-1]] == 8 * n + 4 * len(list(model.parameters()))   # m, v, step
+
+
+def test_event_log_lists_each_storage_made_and_freed_with_its_phase():
+    """``events=True``: the allocator's view of the step. Storages alive at the start come
+    first (phase "setup"); a resize frees the old size and allocates the new one."""
+    weights = torch.zeros(250)                                  # 1000 bytes, made before
+    with lk.MemoryTracker(events=True) as mt:
+        mt.tag(weights, "params")
+        with mt.phase("forward"):
+            a = torch.empty(1000)                               # 4000 bytes
+            del a
+            gc.collect()
+        weights.untyped_storage().resize_(2000)
+    log = [(e.action, e.storage, e.nbytes, e.category, e.phase) for e in mt.events]
+    assert log == [("alloc", 0, 1000, "params", "setup"),
+                   ("alloc", 1, 4000, "activations", "forward"),
+                   ("free", 1, 4000, "activations", "forward"),
+                   ("free", 0, 1000, "params", "setup"),
+                   ("alloc", 0, 2000, "params", "setup")]
+    assert lk.MemoryTracker().events is None                    # off by default: no cost
+
+
+def test_event_log_replays_to_the_trackers_peak_and_names_gradients():
+    """Adding up the log gives the tracker's peak to the byte, and a gradient (made in the
+    backward pass, found by its hook) is logged as gradients from its allocation on."""
+    m = lk.measure_step("tiny", batch=2, seq=16, precision="fp32", fake=True, events=True)
+    live, current, peak = {}, 0, 0
+    for e in m.events:
+        if e.action == "alloc":
+            live[e.storage] = e.nbytes
+            current += e.nbytes
+        else:
+            current -= live.pop(e.storage)
+        peak = max(peak, current)
+    assert peak == m.total
+    grads = [e for e in m.events if e.action == "alloc" and e.category == "grads"]
+    assert len(grads) == sum(1 for _ in lk.build_model(lk.preset("tiny")).parameters())
+    assert {e.phase for e in grads} == {"backward"}
