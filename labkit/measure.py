@@ -179,7 +179,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  warmup: bool = True, seed: int = 0, loss_fn=None,
                  loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
                  weight_format: str | None = None, attention: str = "sdpa",
-                 events: bool = False) -> Measurement:
+                 events: bool = False, then: list[tuple[int, int]] = ()) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -202,22 +202,26 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     workspaces) is not in it. ``warmup`` creates the optimizer state first: a steady-state step.
     ``events=True`` keeps the tracker's log of storages made and freed (``.events``), which
     ``labkit.allocator.replay`` runs through a model of the CUDA caching allocator.
+    ``then``: (batch, seq) of further steps run after the first under the same tracker (batches
+    whose shape changes from step to step, the allocator's hard case); the peak is over all.
     """
     from .checkpointing import parse_policy
     from .config import ModelConfig, preset
     from .model import Transformer, use_attention
 
-    check_positive("batch", batch)
-    check_positive("seq", seq)
+    for b, s in [(batch, seq), *then]:
+        check_positive("batch", b)
+        check_positive("seq", s)
     param_dtype(precision)
     parse_policy(recompute)
     check_loss_chunk(loss_chunk)
     Recipe(precision, optimizer, recompute=recompute, trainable=trainable, lora_rank=lora_rank,
            weight_format=weight_format, attention=attention)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
-    if isinstance(cfg, ModelConfig) and seq > cfg.max_seq:
-        raise ValueError(f"seq={seq} exceeds the model's max_seq={cfg.max_seq}; "
-                         f"use cfg.replace(max_seq={seq})")
+    longest = max(s for _, s in [(batch, seq), *then])
+    if isinstance(cfg, ModelConfig) and longest > cfg.max_seq:
+        raise ValueError(f"seq={longest} exceeds the model's max_seq={cfg.max_seq}; "
+                         f"use cfg.replace(max_seq={longest})")
     if not isinstance(cfg, (ModelConfig, torch.nn.Module)) and not callable(cfg):
         raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
                         f"function that builds one, got {type(cfg).__name__}")
@@ -243,6 +247,10 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
             torch.cuda.reset_peak_memory_stats()
         with MemoryTracker(model, opt, events=events) as mt, use_attention(attention):
             result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
+            for b, s in then:
+                del inputs, targets             # the next batch replaces this one
+                inputs, targets, step = _batch(model, b, s, loss_fn, setup.runs_on)
+                result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
     forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
     at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}
     return Measurement(

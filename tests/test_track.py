@@ -214,3 +214,21 @@ def test_event_log_replays_to_the_trackers_peak_and_names_gradients():
     grads = [e for e in m.events if e.action == "alloc" and e.category == "grads"]
     assert len(grads) == sum(1 for _ in lk.build_model(lk.preset("tiny")).parameters())
     assert {e.phase for e in grads} == {"backward"}
+
+
+def test_further_steps_run_under_the_same_tracker_with_their_own_shapes():
+    """``then``: a step per (batch, seq) on one model and optimizer. The weights and optimizer
+    state are logged once; the batch whose tokens are widest sets the activations' peak."""
+    one = lk.measure_step("tiny", batch=3, seq=16, precision="fp32", fake=True, events=True)
+    three = lk.measure_step("tiny", batch=1, seq=16, precision="fp32", fake=True, events=True,
+                            then=[(3, 16), (2, 16)])
+    def before_the_first_step(m):
+        first = next(i for i, e in enumerate(m.events) if e.phase == "forward")
+        return sorted(e.nbytes for e in m.events[:first] if e.category != "activations")
+    assert before_the_first_step(three) == before_the_first_step(one)   # weights and states
+    assert three.saved_activations < one.saved_activations       # the last step's batch is 2
+    assert abs(three.total - one.total) <= 0.01 * one.total        # the 3-wide step's peak
+    assert len([e for e in three.events if e.action == "alloc"]) > 2 * len(
+        [e for e in one.events if e.action == "alloc"])
+    with pytest.raises(ValueError, match="batch must be a positive integer"):
+        lk.measure_step("tiny", batch=1, seq=16, fake=True, then=[(0, 16)])
