@@ -1,9 +1,10 @@
-"""Command line: ``python -m labkit estimate|measure|presets`` (also installed as ``labkit``).
+"""Command line: ``python -m labkit estimate|measure|presets|doctor`` (installed as ``labkit``).
 
     python -m labkit estimate --model deepseek-v2-lite --seq 4096 --precision bf16-mixed \\
         --zero-stage 2 --dp 8
     python -m labkit measure --model llama-2-7b --seq 2048      # one step on fake tensors
     python -m labkit presets
+    python -m labkit doctor                                     # the host, read-only
 """
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="real tensors on --device (default: fake tensors, any size)")
     pre = sub.add_parser("presets", help="list the model presets with their sizes")
     pre.add_argument("--json", action="store_true")
+    doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
+                                        "cgroup and memlock limits, allocator settings, GPUs")
+    doc.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -85,6 +89,10 @@ def _table(title: str, result, extra: dict) -> str:
 
 
 def _run(args) -> str:
+    if args.command == "doctor":
+        from .system import host_report        # changes nothing: commands are printed, never run
+        report = host_report()
+        return json.dumps(report.as_dict(), indent=2) if args.json else report.text()
     if args.command == "presets":
         rows = {name: count_params(name) for name in presets()}
         if args.json:
