@@ -200,7 +200,7 @@ def test_memlock_limit_prints_how_to_lift_it_and_unlimited_is_ok(tmp_path):
 def test_unset_allocator_settings_suggest_expandable_segments(tmp_path):
     f = fake_host(tmp_path).finding("alloc_conf")
     assert f.status == "ok" and f.value == "unset (defaults)"
-    assert f.commands == ["export PYTORCH_ALLOC_CONF=expandable_segments:True"]
+    assert f.commands == ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
 
 
 def test_when_both_names_differ_the_cuda_one_wins_and_it_warns(tmp_path):
