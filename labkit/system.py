@@ -374,7 +374,7 @@ def _alloc_conf(environ) -> Finding:
                         "ones.", "ok",
                         ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"], data)
     try:
-        from .allocator import parse_alloc_conf      # lazily: lab 08's allocator model
+        from .alloc_conf import parse_alloc_conf     # lazily
     except ImportError:
         data["parsed"] = "not checked (labkit.allocator is missing)"
     else:
