@@ -244,6 +244,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
             init_optimizer_state(params, opt)
         if setup.runs_on.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()        # reserved starts from the live tensors' segments
             torch.cuda.reset_peak_memory_stats()
         with MemoryTracker(model, opt, events=events) as mt, use_attention(attention):
             result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)

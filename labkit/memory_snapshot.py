@@ -13,9 +13,12 @@ activations"), so hovering over it in the viewer says so.
 """
 from __future__ import annotations
 
+import os
 import pickle
+from dataclasses import dataclass
 
-from .allocator import AllocatorSettings, CachingAllocator, Replay
+from .alloc_conf import parse_alloc_conf
+from .allocator import AllocatorSettings, CachingAllocator, Replay, replay
 
 
 def _frames(context) -> list[dict]:
@@ -88,3 +91,77 @@ def save_snapshot(snap: dict, path) -> None:
     (protocol 4: MemoryViz.js unpickles protocols 2 to 4 only)."""
     with open(path, "wb") as f:
         pickle.dump(snap, f, protocol=4)
+
+
+def load_snapshot(path) -> dict:
+    """A snapshot written by ``save_snapshot`` or by ``torch.cuda.memory._dump_snapshot``."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def snapshot_timeline(snap: dict, device: int = 0) -> dict:
+    """Read a snapshot's trace back, as a viewer does: after each entry, the live bytes of each
+    block category (``alloc`` to ``free_completed``) and the bytes of mapped segments."""
+    trace = snap["device_traces"][device]
+    live, reserved_now = {}, 0
+    by_category, reserved = {}, []
+    for i, entry in enumerate(trace):
+        action, size = entry["action"], entry["size"]
+        category = entry.get("category") or "unknown"
+        if action == "alloc":
+            live[category] = live.get(category, 0) + size
+        elif action == "free_completed":
+            live[category] = live.get(category, 0) - size
+        elif action in ("segment_alloc", "segment_map"):
+            reserved_now += size
+        elif action in ("segment_free", "segment_unmap"):
+            reserved_now -= size
+        for c in set(live) | set(by_category):
+            by_category.setdefault(c, [0] * i).append(live.get(c, 0))
+        reserved.append(reserved_now)
+    return {"by_category": by_category, "reserved": reserved}
+
+
+@dataclass
+class CudaCheck:
+    """One real CUDA step beside the model's replay of its events: what the tracker counted,
+    what the model predicts, what ``torch.cuda.memory_stats()`` says, and both snapshots."""
+
+    tracker_peak: int               # MemoryTracker: the tensors' bytes at the step's peak
+    cuda_allocated: int             # allocated_bytes.all.peak (rounded blocks)
+    cuda_reserved: int              # reserved_bytes.all.peak
+    model: Replay                   # the replay of the same step's events
+    real_snapshot: dict             # torch.cuda.memory._snapshot() after the step
+    model_snapshot: dict
+
+    @property
+    def reserved_error(self) -> float:
+        """The model's peak reserved over the GPU's, less one."""
+        return self.model.peak_reserved / self.cuda_reserved - 1
+
+
+def cuda_check(cfg, batch: int, seq: int, precision: str = "bf16-mixed",
+               settings: AllocatorSettings | None = None, **step) -> CudaCheck:
+    """Run one training step on the GPU with the allocator's history recorded, and replay the
+    tracker's events of the same step through the model with the process's own settings
+    (``PYTORCH_CUDA_ALLOC_CONF``, else ``PYTORCH_ALLOC_CONF``). CUDA only."""
+    import torch
+
+    from .measure import measure_step
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_check runs a step on a CUDA GPU; none is available here")
+    if settings is None:
+        text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+        settings = parse_alloc_conf(text)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        m = measure_step(cfg, batch, seq, precision=precision, fake=False, device="cuda",
+                         events=True, **step)
+        real = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    stats = torch.cuda.memory_stats()
+    model = replay(m.events, settings)
+    return CudaCheck(m.total, stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"],
+                     model, real, snapshot(model))

@@ -430,3 +430,61 @@ def _place_labels(ax, rows, highlight, fontsize: float = 8):
         placed.append(box)
         ax.annotate(label, (bits, error), xytext=(dx, dy), textcoords="offset points", ha=ha,
                     fontsize=fontsize, fontweight="bold" if i == highlight else "normal")
+
+
+def _shade_phases(ax, phases: list[str]) -> None:
+    """Forward, backward and optimizer bands behind a per-event plot, labelled where wide."""
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    start = 0
+    for i in range(1, len(phases) + 1):
+        if i == len(phases) or phases[i] != phases[start]:
+            if phases[start] in PHASE_COLORS:
+                ax.axvspan(start, i, color=PHASE_COLORS[phases[start]], zorder=0)
+                if i - start > 0.06 * len(phases):
+                    ax.text((start + i) / 2, 0.97, phases[start], transform=top, ha="center",
+                            va="top", fontsize=8)
+            start = i
+
+
+def allocator_figure(replays: dict, title: str | None = None):
+    """Bytes the tensors hold (allocated) and the caching allocator reserves, after each event of
+    a step replayed under each setting (``{label: labkit.allocator.Replay}``)."""
+    if not replays:
+        raise ValueError("nothing to plot: pass {label: replay(events, settings)}")
+    first = next(iter(replays.values()))
+    name, scale = _unit(max(r.peak_reserved for r in replays.values()))
+    fig, ax = _new_figure(9, 4.2)
+    _shade_phases(ax, first.phase)
+    x = _downsample(np.array(first.allocated))
+    ax.plot(x, np.array(first.allocated)[x] / scale, color="black", linewidth=1.5,
+            label="allocated (the tensors' blocks)")
+    for (label, r), color in zip(replays.items(), ("#0072B2", "#D55E00", "#009E73", "#CC79A7")):
+        xr = _downsample(np.array(r.reserved))
+        ax.plot(xr, np.array(r.reserved)[xr] / scale, color=color, linewidth=1.5,
+                label=f"reserved, {label} (peak {fmt_bytes(r.peak_reserved)})")
+    ax.set_xlim(0, len(first.allocated) - 1)
+    ax.set_ylim(0, max(r.peak_reserved for r in replays.values()) / scale * 1.2)
+    ax.set(xlabel="allocation events", ylabel=name,
+           title=title or "what the caching allocator reserves for the tensors of one step")
+    ax.legend(frameon=False, fontsize=8, loc="lower right")
+    return fig
+
+
+def snapshot_figure(series: dict, title: str | None = None):
+    """A memory snapshot's trace drawn back: live bytes per category, stacked, and the reserved
+    segments above them (``labkit.memory_snapshot.snapshot_timeline``'s series)."""
+    reserved = np.array(series["reserved"])
+    if len(reserved) == 0:
+        raise ValueError("the snapshot's trace is empty")
+    name, scale = _unit(reserved.max())
+    cats = [c for c in CATEGORIES if c in series["by_category"]]
+    x = _downsample(reserved)
+    fig, ax = _new_figure(9, 4.2)
+    ax.stackplot(x, *[np.array(series["by_category"][c])[x] / scale for c in cats],
+                 colors=[CATEGORY_COLORS[c] for c in cats], labels=[CATEGORIES[c] for c in cats])
+    ax.plot(x, reserved[x] / scale, color="black", linewidth=1.2, label="reserved segments")
+    ax.set_xlim(0, len(reserved) - 1)
+    ax.set_ylim(0, reserved.max() / scale * 1.15)
+    ax.set(xlabel="trace entries", ylabel=name, title=title or "the exported snapshot, read back")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=4, frameon=False)
+    return fig

@@ -8,8 +8,10 @@ import sys
 from collections import namedtuple
 
 import pytest
+import torch
 from torch.cuda import _memory_viz as viz
 
+import labkit as lk
 from labkit.allocator import AllocatorSettings, CachingAllocator, replay
 from labkit.memory_snapshot import save_snapshot, snapshot
 
@@ -130,3 +132,32 @@ def test_the_memory_viz_command_line_writes_the_trace_plot(tmp_path):
                     str(tmp_path / "step.pickle"), "-o", str(tmp_path / "step.html")],
                    check=True, capture_output=True, timeout=120)
     assert "Active Memory Timeline" in (tmp_path / "step.html").read_text()
+
+
+def test_the_snapshot_read_back_gives_the_replays_reserved_and_allocated_bytes():
+    """``snapshot_timeline`` walks the exported trace as a viewer does: its reserved peak is the
+    replay's, and the blocks alive at the end add up to the bytes their tensors requested (a
+    trace's alloc entry carries the request, as PyTorch's does)."""
+    from labkit.memory_snapshot import snapshot_timeline
+    m = lk.measure_step("tiny", batch=2, seq=32, precision="bf16-mixed", fake=True, events=True)
+    run = replay(m.events)
+    series = snapshot_timeline(snapshot(run))
+    assert max(series["reserved"]) == run.peak_reserved
+    assert sum(v[-1] for v in series["by_category"].values()) == run.requested[-1]
+    assert set(series["by_category"]) <= set(lk.CATEGORIES)
+
+
+def test_cuda_check_needs_a_gpu():
+    from labkit.memory_snapshot import cuda_check
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the next test runs the real check")
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        cuda_check("tiny", 1, 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_model_predicts_the_reserved_peak_of_a_real_step():
+    from labkit.memory_snapshot import cuda_check
+    check = cuda_check("small", 4, 256)
+    assert abs(check.reserved_error) < 0.05
+    assert check.real_snapshot["segments"]

@@ -179,3 +179,18 @@ def test_bits_error_figure_keeps_close_labels_apart_and_refuses_what_it_cannot_s
         bits_error_figure([("fp32", 32.0, 0.0)])
     with pytest.raises(ValueError, match="no rows to plot"):
         bits_error_figure([])
+
+
+def test_allocator_and_snapshot_figures_draw_a_replayed_step():
+    from labkit.allocator import AllocatorSettings, replay
+    from labkit.memory_snapshot import snapshot, snapshot_timeline
+    m = lk.measure_step("tiny", batch=2, seq=32, fake=True, events=True)
+    runs = {"native": replay(m.events),
+            "expandable": replay(m.events, AllocatorSettings(expandable_segments=True))}
+    from labkit import plot
+    fig = plot.allocator_figure(runs)
+    assert len(fig.axes[0].lines) == 3                       # allocated, two reserved
+    fig = plot.snapshot_figure(snapshot_timeline(snapshot(runs["native"])))
+    assert fig.axes[0].get_ylim()[1] > 0
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot.allocator_figure({})

@@ -598,3 +598,17 @@ def test_attention_panel_reacts_to_its_controls_and_sets_its_output_as_state():
     panel.context.value = 8192
     assert panel.result.cache == lk.kv_cache_bytes("mistral-7b", 1, 8192)
     assert isinstance(widgets.attention_panel(impl="tiled", seq=1024), widgets.w.VBox)
+
+
+def test_allocator_panel_replays_two_steps_under_each_setting():
+    """Lab 08's panel: the tensors' peak from the tracker and, for each allocator setting, what
+    it reserves - never less than the blocks it hands out; bad input is explained."""
+    from labkit.widgets import ALLOCATORS, allocator_report
+    r = allocator_report("tiny", batch=2, seq=32, allocator="expandable segments")
+    assert set(r.replays) == set(ALLOCATORS)
+    for run in r.replays.values():
+        assert run.peak_reserved >= run.peak_allocated >= r.tracker_peak
+    assert r.summary().splitlines()[1].startswith("expandable segments: the allocator reserves")
+    assert "batch must be a positive integer" in allocator_report("tiny", batch=0, seq=32).summary()
+    assert "unknown allocator" in allocator_report("tiny", batch=1, seq=32,
+                                                   allocator="cudaMallocAsync").summary()
