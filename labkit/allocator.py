@@ -637,3 +637,22 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: 
     frag = (peak - allocated[at]) / peak if peak else 0.0
     return Replay(allocated, reserved, requested, inactive, phases, max(allocated, default=0), peak,
                   max(requested, default=0), at, frag, oom, alloc.stats(), alloc)
+
+
+def min_capacity(events, settings: AllocatorSettings = AllocatorSettings(),
+                 tolerance: int = 2 * kMB) -> int:
+    """The smallest device memory (within ``tolerance`` bytes) on which the replay runs without
+    running out: what the step needs, as against what an unpressed allocator keeps reserved.
+    Bisection between the peak of allocated blocks and the peak reserved with no limit (more
+    memory never makes this model fail sooner in practice; the answer is where it stops)."""
+    free_run = replay(events, settings, record_trace=False)
+    low, high = free_run.peak_allocated, free_run.peak_reserved
+    if replay(events, settings, capacity=low, record_trace=False).oom is None:
+        return low
+    while high - low > tolerance:
+        mid = (low + high) // 2
+        if replay(events, settings, capacity=mid, record_trace=False).oom is None:
+            high = mid
+        else:
+            low = mid
+    return high

@@ -281,3 +281,18 @@ def test_replay_reports_where_it_ran_out_of_memory_instead_of_raising():
 def test_replay_rejects_a_free_of_a_storage_it_never_saw():
     with pytest.raises(ValueError, match="whole event log"):
         replay([Event("free", 7, 8, "activations", "forward")])
+
+
+def test_min_capacity_is_where_a_fragmented_step_stops_running_out():
+    """Two 6 MiB blocks live in one 20 MiB segment with a free 6 MiB hole between them: a new
+    12 MiB request fits no hole, so the step needs 20 + 12 MiB - not the 24 MiB of tensors."""
+    MiB = 2**20
+    E = namedtuple("E", "action storage nbytes category phase")
+    events = [E("alloc", 0, 6 * MiB, "activations", "forward"),
+              E("alloc", 1, 6 * MiB, "activations", "forward"),
+              E("alloc", 2, 6 * MiB, "activations", "forward"),
+              E("free", 1, 6 * MiB, "activations", "forward"),
+              E("alloc", 3, 12 * MiB, "activations", "forward")]
+    from labkit.allocator import min_capacity
+    assert min_capacity(events, tolerance=1) == 32 * MiB
+    assert replay(events, capacity=32 * MiB - 512).oom is not None
