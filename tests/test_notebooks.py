@@ -15,6 +15,8 @@ import pytest
 from nbclient.exceptions import CellTimeoutError
 from papermill.exceptions import PapermillExecutionError
 
+import readonly_audit
+
 _spec = importlib.util.spec_from_file_location(
     "run_notebooks", Path(__file__).resolve().parents[1] / "scripts" / "run_notebooks.py")
 run_notebooks = importlib.util.module_from_spec(_spec)
@@ -47,9 +49,13 @@ def check_conventions(nb):
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path, parameters", _cases())
-def test_notebook_executes(path, parameters, tmp_path, record_notebook_seconds):
+def test_notebook_executes(path, parameters, tmp_path, record_notebook_seconds, monkeypatch):
     committed = nbformat.read(str(path), as_version=4)
     check_conventions(committed)
+    audited = path.stem in READ_ONLY_LABS and parameters == run_notebooks.CI
+    if audited:                 # the kernel and every process it starts log what they write
+        for name, value in readonly_audit.audit_env(tmp_path / "audit").items():
+            monkeypatch.setenv(name, value)
     start, output, error = time.perf_counter(), tmp_path / path.name, None
     try:
         executed = run_notebooks.execute(path, parameters, output=output)
@@ -62,6 +68,46 @@ def test_notebook_executes(path, parameters, tmp_path, record_notebook_seconds):
     if parameters == run_notebooks.CI:          # other parameters print other numbers
         problems = run_notebooks.compare_checked(committed, executed)
         assert not problems, f"{path.name}: " + "\n\n".join(problems)
+    if audited:
+        check_read_only(readonly_audit.read_events(tmp_path / "audit"))
+
+
+# The host lab reads the system and changes nothing: its kernel, DataLoader workers and child
+# processes write nowhere under the system's folders and start only read-only programs (a
+# private mount namespace for the small-/dev/shm run, a GPU query, uname) and Python itself.
+READ_ONLY_LABS = {"08_host_and_allocator"}
+SYSTEM_FOLDERS = ("/proc", "/sys", "/etc", "/boot", "/usr", "/lib", "/lib64", "/bin", "/sbin",
+                  "/dev", "/var", "/opt", "/root/.bashrc", "/root/.profile")
+HARMLESS = ("/dev/null",)
+PROGRAMS = {"unshare", "nvidia-smi", "uname"}     # uname -p: Python's platform.processor()
+
+
+def check_read_only(events):
+    """No write under a system folder; every program started is Python or one of PROGRAMS."""
+    assert events, "the audit hook logged nothing: was it installed in the kernel?"
+    opened = [e for e in events if e["event"] == "open"]
+    assert any(e["path"].startswith("/proc/") for e in opened), "the lab read no /proc file"
+    writes = [e for e in readonly_audit.writes_outside(events, [])
+              if any(e.get("path", "").startswith(f) or any(p.startswith(f) for p in e.get("paths", []))
+                     for f in SYSTEM_FOLDERS)
+              and e.get("path") not in HARMLESS]
+    assert writes == [], f"the lab wrote under a system folder: {writes[:5]}"
+    started = {os.path.basename(argv[0]) for argv in readonly_audit.programs(events)}
+    python = {os.path.basename(sys.executable), "python", "python3"}
+    assert started <= PROGRAMS | python, f"the lab started {started - PROGRAMS - python}"
+
+
+def test_the_read_only_check_fails_on_a_system_write_or_a_changing_program():
+    read = {"event": "open", "path": "/proc/meminfo", "mode": "r", "flags": 0, "write": False}
+    check_read_only([read, {"event": "open", "path": "/tmp/x/out.pickle", "mode": "wb",
+                            "flags": 0, "write": True}])
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    with pytest.raises(AssertionError, match="wrote under a system folder"):
+        check_read_only([read, {"event": "open", "path": thp, "mode": "w", "flags": 0,
+                                "write": True}])
+    with pytest.raises(AssertionError, match="started {'sysctl'}"):
+        check_read_only([read, {"event": "subprocess.Popen",
+                                "argv": ["sysctl", "-w", "kernel.shmmax=1"]}])
 
 
 def test_clean_keeps_outputs_and_drops_noise():
