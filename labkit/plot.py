@@ -465,7 +465,7 @@ def allocator_figure(replays: dict, title: str | None = None):
     ax.set_xlim(0, len(first.allocated) - 1)
     ax.set_ylim(0, max(r.peak_reserved for r in replays.values()) / scale * 1.2)
     ax.set(xlabel="allocation events", ylabel=name,
-           title=title or "what the caching allocator reserves for the tensors of one step")
+           title=title or "what the caching allocator reserves, event by event")
     ax.legend(frameon=False, fontsize=8, loc="lower right")
     return fig
 

@@ -186,7 +186,7 @@ def scratch():
         yield Path(tmp)
 
 
-@pytest.mark.slow
+@pytest.mark.container
 def test_the_cpu_dockerfiles_run_steps_succeed_here_in_order(scratch, record_property):
     """The RUN steps in order, in a fresh venv, with the torch index empty as
     `docker build --build-arg TORCH_INDEX_URL=` would set it (this machine's torch wheel is
