@@ -1122,8 +1122,8 @@ def _paged_waste():
     "08-shm-image-loader",
     question="""A DataLoader with 8 workers and prefetch_factor=2 yields batches of 64 images,
 3 x 224 x 224 in fp32. How many MiB of /dev/shm do its batches take at most, by the lab's
-measured rule (batches in flight plus the two the loop holds, each in whole 4 KiB pages)?
-Would Docker's default /dev/shm hold them? Give one decimal.""",
+formula (an upper bound: batches in flight plus two the loop may hold, each in whole 4 KiB
+pages)? Give one decimal; the solution says whether Docker's default /dev/shm holds them.""",
     unit="MiB", rtol=1e-3,
     hint="In flight: num_workers x prefetch_factor; the loop holds up to two more. "
          "labkit.shm.shm_needed(batch_bytes, num_workers, prefetch_factor).",
@@ -1194,8 +1194,8 @@ def _reserved_three_tensors():
 CUDA machine. How many MiB of page-locked host memory does PyTorch's pinned-memory cache take
 for it?""",
     unit="MiB", rtol=0,
-    hint="The pinned (host) caching allocator rounds each request up to a power of two "
-         "(labkit.pinned.pinned_host_bytes).",
+    hint="By default the pinned (host) caching allocator rounds each request up to a power of "
+         "two (labkit.pinned.pinned_host_bytes).",
     solution="""600 MiB rounds up to the next power of two, {answer:g} MiB
 (CachingHostAllocator: c10::llvm::PowerOf2Ceil), {extra:g} MiB more than asked. Freed, the
 block stays cached for the next request that fits until torch.accelerator.empty_host_cache()

@@ -7,6 +7,7 @@ import re
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from .track import Timeline
@@ -432,18 +433,21 @@ def _place_labels(ax, rows, highlight, fontsize: float = 8):
                     fontsize=fontsize, fontweight="bold" if i == highlight else "normal")
 
 
-def _shade_phases(ax, phases: list[str]) -> None:
-    """Forward, backward and optimizer bands behind a per-event plot, labelled where wide."""
-    top = blended_transform_factory(ax.transData, ax.transAxes)
+def _shade_phases(ax, phases: list[str]) -> list:
+    """Forward, backward and optimizer bands behind a per-event plot; legend handles for them
+    (bands too narrow to label, such as each step's optimizer, still get a colour key)."""
     start = 0
     for i in range(1, len(phases) + 1):
         if i == len(phases) or phases[i] != phases[start]:
             if phases[start] in PHASE_COLORS:
                 ax.axvspan(start, i, color=PHASE_COLORS[phases[start]], zorder=0)
-                if i - start > 0.06 * len(phases):
-                    ax.text((start + i) / 2, 0.97, phases[start], transform=top, ha="center",
-                            va="top", fontsize=8)
             start = i
+    keys = [Patch(facecolor=color, edgecolor="#aaaaaa", label=phase)
+            for phase, color in PHASE_COLORS.items() if phase in phases]
+    if phases and phases[0] == "setup":
+        keys.insert(0, Patch(facecolor="white", edgecolor="#aaaaaa",
+                             label="setup (the states alive before)"))
+    return keys
 
 
 def allocator_figure(replays: dict, title: str | None = None):
@@ -454,7 +458,7 @@ def allocator_figure(replays: dict, title: str | None = None):
     first = next(iter(replays.values()))
     name, scale = _unit(max(r.peak_reserved for r in replays.values()))
     fig, ax = _new_figure(9, 4.2)
-    _shade_phases(ax, first.phase)
+    bands = _shade_phases(ax, first.phase)
     x = _downsample(np.array(first.allocated))
     ax.plot(x, np.array(first.allocated)[x] / scale, color="black", linewidth=1.5,
             label="allocated (the tensors' blocks)")
@@ -466,7 +470,8 @@ def allocator_figure(replays: dict, title: str | None = None):
     ax.set_ylim(0, max(r.peak_reserved for r in replays.values()) / scale * 1.2)
     ax.set(xlabel="allocation events", ylabel=name,
            title=title or "what the caching allocator reserves, event by event")
-    ax.legend(frameon=False, fontsize=8, loc="lower right")
+    lines, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=lines + bands, frameon=False, fontsize=8, loc="lower right", ncol=2)
     return fig
 
 

@@ -1234,8 +1234,11 @@ class AllocatorPanel:
         self.precision = w.Dropdown(options=PRECISIONS, value=precision, description="precision")
         self.allocator = w.Dropdown(options=list(ALLOCATORS), value=allocator,
                                     description="allocator")
-        self.batch = w.IntSlider(value=batch, min=1, max=16, description="batch")
-        self.seq = w.IntSlider(value=seq, min=32, max=1024, step=32, description="seq")
+        # each change measures two steps: update on release, not on every tick of a drag
+        self.batch = w.IntSlider(value=batch, min=1, max=16, description="batch",
+                                 continuous_update=False)
+        self.seq = w.IntSlider(value=seq, min=32, max=1024, step=32, description="seq",
+                               continuous_update=False)
         self.output = w.Output()
         self.result: AllocatorResult | None = None
         for control in (self.model, self.precision, self.allocator, self.batch, self.seq):
