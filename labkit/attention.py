@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import check_choice, check_positive
+from .units import check_choice, check_positive, dtype_bytes
 
 ATTENTION_IMPLS = ("sdpa", "naive", "tiled")
 
@@ -251,3 +251,74 @@ def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: i
     key_block = max(1, math.ceil(on_chip / (4 * d)))                         # B_c
     passes = math.ceil(n / key_block)                                        # T_c
     return 2 * n * d + passes * (3 * n * d + 4 * n)
+
+
+# ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them against the tracker)
+TILE = 128                       # queries and keys per tile of the tiled core (core()'s default)
+CORE_DTYPE = "bf16"              # the core's q, k, v, output and gradients (its tiles: fp32)
+
+
+@dataclass(frozen=True)
+class CoreBytes:
+    """One layer's attention core (batch 1, MHA, bf16), beyond its inputs q, k, v (and dO):
+    the tensors it keeps for the backward pass, and those alive at its forward + backward
+    peak, by name, in bytes."""
+
+    impl: str
+    kept: dict
+    at_peak: dict
+
+    @property
+    def kept_total(self) -> int:
+        return sum(self.kept.values())
+
+    @property
+    def peak(self) -> int:
+        return sum(self.at_peak.values())
+
+
+def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
+                         block: int = TILE) -> CoreBytes:
+    """What ``labkit.attention.core(impl)`` keeps and holds at its peak, by formula: the kept
+    tensors are ``labkit.layers``' terms for the core less q, k, v; the backward pass adds the
+    gradients. The bytes ``MemoryTracker`` counts when q, k, v are views of (1, T, H, d)
+    projections, as in a model (tiled: ``seq`` a multiple of ``block``, two tiles or more)."""
+    check_choice("attention implementation", impl, ATTENTION_IMPLS)
+    for name, value in (("seq", seq), ("heads", heads), ("head_dim", head_dim),
+                        ("block (queries and keys per tile)", block)):
+        check_positive(name, value)
+    T, H, d = seq, heads, head_dim
+    size = dtype_bytes(CORE_DTYPE)
+    unit = T * H * d * size                                # one (1, H, T, d) bf16 tensor
+    # layers' terms: "q, k, v and <the output>" (of which only the output is not an input
+    # here), then the log-sum-exp (sdpa, tiled) or the (T, T) probabilities (naive)
+    from .layers import Dtypes, attention_core_saved     # layers -> recipe -> this module
+    terms = attention_core_saved(Dtypes.of(CORE_DTYPE), H, H, d, impl)
+    kept = {"attention output (wo's input)": unit}
+    kept.update({t.name: t.bytes(1, T) for t in terms if not t.name.startswith("q, ")})
+    if impl == "naive":             # the softmax's backward: P, dP and dS (T, T) per head
+        probabilities = kept["attention probabilities (T x T per head)"]
+        return CoreBytes(impl, kept, {
+            **kept, "gradients of the probabilities and scores (dP, dS)": 2 * probabilities,
+            "gradient of v": unit})
+    if impl == "sdpa":              # the fused backward kernel writes dq, dk, dv at once
+        return CoreBytes(impl, kept, {**kept, "gradients of q, k, v": 3 * unit})
+    # tiled (labkit.attention.TiledAttention.backward): fp32 gradients filled tile by tile,
+    # one tile's q, dO, k, v in fp32, and either the end (the gradients cast to bf16 beside the
+    # last tile's S, P, dS) or a tile inside the loop (5 tiles: S, P, dS and two temporaries)
+    b = min(block, T)
+    tile = H * b * b * 4                                   # (1, H, b, b) fp32
+    common = {**kept, "D = rowsum(dO * O) (fp32)": 4 * H * T,
+              "gradients of q, k, v in fp32 (filled tile by tile)": 2 * 3 * unit,
+              "one tile's q, dO, k, v in fp32": 4 * b * H * d * 4}
+    end = {"gradients cast back to bf16": 3 * unit, "last tile's S, P, dS (fp32)": 3 * tile}
+    inside = {"tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
+    return CoreBytes(impl, kept, {**common, **max(end, inside, key=lambda m: sum(m.values()))})
+
+
+def hbm_ratio(seq: int, head_dim: int, gpu: str) -> float:
+    """Standard attention's HBM reads and writes over FlashAttention's for one head's forward
+    pass (``labkit.attention.hbm_accesses``) with one SM's on-chip memory of ``gpu``."""
+    sram = SRAM_PER_SM[gpu].per_sm
+    return (hbm_accesses(seq, head_dim, sram, "naive")
+            / hbm_accesses(seq, head_dim, sram, "tiled"))

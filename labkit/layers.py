@@ -197,7 +197,7 @@ class Saved(list):
 
 
 @dataclass(frozen=True)
-class _Dtypes:
+class Dtypes:
     """Bytes of each kind of tensor under a precision."""
 
     compute: int      # matmul outputs, attention (bf16 under autocast)
@@ -205,7 +205,7 @@ class _Dtypes:
     mixed: bool       # autocast: each linear saves its own low-precision copy of its input
 
     @classmethod
-    def of(cls, precision: str) -> "_Dtypes":
+    def of(cls, precision: str) -> "Dtypes":
         return cls(compute_bytes(precision), state_bytes(precision).weights,
                    state_bytes(precision).weight_cache > 0)
 
@@ -229,7 +229,7 @@ def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
     return 4 * width + 4 + (0 if frozen else input_bytes * width)
 
 
-def _attention_core_saved(d: _Dtypes, heads: int, kv_heads: int, head_dim: int,
+def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
                           attention: str, mla: bool = False) -> list[Term]:
     """What the attention core keeps, with its output. SDPA and the tiled core: q, k, v (kv
     heads), their output and one fp32 log-sum-exp per row. Naive: k and v repeated to every
@@ -248,7 +248,7 @@ def _attention_core_saved(d: _Dtypes, heads: int, kv_heads: int, head_dim: int,
                  "fp32 + bf16" if d.mixed else cdt, per_pair=heads * probability)]
 
 
-def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int,
+def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
                      attention: str = "sdpa") -> Saved:
     """The attention sub-layer after its norm: projections' inputs, and the core's q, k, v,
     output and log-sum-exp (or, naive, its probabilities).
@@ -263,7 +263,7 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int,
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
-            *_attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
+            *attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
@@ -273,15 +273,15 @@ def _attention_saved(c: ModelConfig, d: _Dtypes, tp: int, sp: int,
     low_rank += d.linear_inputs(1, r)                                        # into wkv_b
     return Saved([
         Term("low-rank q and kv path (replicated over tp)", cdt, low_rank / sp),
-        *_attention_core_saved(d, H, H, qk, attention, mla=True),
+        *attention_core_saved(d, H, H, qk, attention, mla=True),
         Term("un-padded attention output into wo", cdt, H * c.v_head_dim * d.compute), rope])
 
 
-def _swiglu_saved(width: int, d: _Dtypes) -> float:
+def _swiglu_saved(width: int, d: Dtypes) -> float:
     return 4 * width * d.compute                                             # gate, silu, up, product
 
 
-def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved:
+def _mlp_saved(c: ModelConfig, d: Dtypes, moe: bool, tp: int, sp: int) -> Saved:
     """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block)."""
     cdt = d.name
     if not moe:
@@ -302,7 +302,7 @@ def _mlp_saved(c: ModelConfig, d: _Dtypes, moe: bool, tp: int, sp: int) -> Saved
         Term("shared experts' SwiGLU", cdt, _swiglu_saved(shared * c.moe_ffn // tp, d))])
 
 
-def _matmul_outputs(c: ModelConfig, d: _Dtypes, moe: bool, tp: int) -> Saved:
+def _matmul_outputs(c: ModelConfig, d: Dtypes, moe: bool, tp: int) -> Saved:
     """What the ``selective`` policy keeps besides the block's input: every matmul's output
     and fused attention's output (padded to the query width under MLA) and log-sum-exp."""
     H = c.heads // tp
@@ -332,7 +332,7 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     model's first block. ``attention``: the core (``labkit.attention``); "naive" keeps its
     (T, T) probabilities.
     """
-    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    d, split = Dtypes.of(precision), (tp if sp else 1)
     if lora_rank and (recompute != "none" or d.mixed or tp > 1 or ep > 1):
         raise ValueError("LoRA's saved tensors are modelled without recompute, autocast or "
                          "tensor/expert parallelism; use recompute='none', tp=ep=1 and a "
@@ -364,7 +364,7 @@ def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool =
     gradient of the repeated v (v itself freed), the probabilities (their bf16 copy freed under
     autocast) and their two gradients dP and dS (B, H, T, T) in the softmax's dtype. The MLP's
     saved tensors and the attention output are freed by then."""
-    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    d, split = Dtypes.of(precision), (tp if sp else 1)
     H = c.heads // tp
     width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
     softmax = 4 if d.compute == 4 or d.mixed else 2                   # bytes of P, dP, dS
@@ -401,7 +401,7 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | No
     this rank's tokens (the head all-gathers them, and again in its backward pass). ``frozen``
     (LoRA): the head's weight needs no gradient, so its input is not kept, nor the final
     norm's normalised x."""
-    d, split = _Dtypes.of(precision), (tp if sp else 1)
+    d, split = Dtypes.of(precision), (tp if sp else 1)
     loss = (Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
                  per_layer=8) if loss_chunk else
             Term(SOFTMAX, "fp32", 4 * c.vocab_size / tp) if tp > 1 else

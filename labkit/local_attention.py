@@ -15,10 +15,9 @@ import torch.nn.functional as F
 
 from .config import ModelConfig, preset
 from .layers import count_params
-from .paged import _torch_dtype
 from .predict import kv_cache_bytes
 from .track import MemoryTracker
-from .units import check_positive, dtype_bytes
+from .units import check_positive, dtype_bytes, torch_dtype
 
 
 def local_global_mask(T: int, window: int, n_global: int) -> torch.Tensor:
@@ -60,7 +59,7 @@ def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
                      head_dim: int = 64, dtype=torch.float32) -> AttentionMemory:
     """Measure fwd+bwd peaks of full causal attention and of local + global attention
     through a dense mask, with the MemoryTracker (q, k, v made before it starts)."""
-    dtype = _torch_dtype(dtype)
+    dtype = torch_dtype(dtype)
     q, k, v = (torch.randn(1, heads, T, head_dim, dtype=dtype, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(1, heads, T, head_dim, dtype=dtype)

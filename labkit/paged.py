@@ -25,18 +25,11 @@ import torch.nn.functional as F
 
 from .config import ModelConfig, preset
 from .predict import kv_cache_bytes
-from .units import TORCH_DTYPES, check_choice, check_positive
+from .units import check_choice, check_positive, torch_dtype
 
 
 class CacheFull(MemoryError):
     """The cache has no room for the tokens asked for: free a request, or preempt one."""
-
-
-def _torch_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    check_choice("dtype", dtype, TORCH_DTYPES)
-    return TORCH_DTYPES[dtype]
 
 
 class _KVCache:
@@ -46,7 +39,7 @@ class _KVCache:
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             check_positive(name, value)
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.dtype, self.device = _torch_dtype(dtype), torch.device(device)
+        self.dtype, self.device = torch_dtype(dtype), torch.device(device)
         # one token of one layer: a key and a value of kv_heads x head_dim numbers
         self.token_layer_bytes = 2 * kv_heads * head_dim * self.dtype.itemsize
         self.lengths: dict[object, list[int]] = {}        # request -> tokens held, per layer
@@ -306,7 +299,7 @@ def make_cache(kind: str, budget_bytes: int, cfg: ModelConfig | str = "llama-2-1
     if c.attention == "mla":
         raise ValueError("the caches hold keys and values per head; use a GQA/MHA preset")
     geometry = dict(layers=c.layers, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                    dtype=_torch_dtype(dtype), device=device)
+                    dtype=torch_dtype(dtype), device=device)
     if kind == "contiguous":
         return ContiguousKVCache(budget_bytes, max_seq, **geometry)
     block_bytes = block_size * kv_cache_bytes(c, batch=1, seq=1, dtype=dtype)

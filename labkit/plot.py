@@ -26,7 +26,7 @@ PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FBEFE3", "optimizer": "#E6F5
 MAX_POINTS = 2000
 
 
-def _unit(largest: float) -> tuple[str, int]:
+def unit_for(largest: float) -> tuple[str, int]:
     """GiB, or MiB when everything is below 1 GiB (binary units, as ``fmt_bytes``)."""
     return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
 
@@ -37,7 +37,7 @@ def _legend(fig, ax):
                ncol=len(CATEGORIES), frameon=False)
 
 
-def _new_figure(width: float, height: float, **kwargs):
+def new_figure(width: float, height: float, **kwargs):
     """A constrained-layout figure that pyplot forgets at once (returned, never shown twice)."""
     fig, ax = plt.subplots(figsize=(width, height), layout="constrained", **kwargs)
     plt.close(fig)                   # not kept by pyplot: no double display, no leak in loops
@@ -49,8 +49,8 @@ def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
     if not items:
         raise ValueError("nothing to plot: pass {label: Breakdown}, e.g. {'measured': m}")
     labels = list(items)
-    name, scale = _unit(max(b.total for b in items.values()))
-    fig, ax = _new_figure(8, 1.6 + 0.55 * len(labels))
+    name, scale = unit_for(max(b.total for b in items.values()))
+    fig, ax = new_figure(8, 1.6 + 0.55 * len(labels))
     left = np.zeros(len(labels))
     for category in CATEGORIES:
         values = np.array([getattr(items[k], category) for k in labels]) / scale
@@ -83,9 +83,9 @@ def timeline_figure(m, title: str | None = None):
     total = np.array(timeline.total)
     if len(total) == 0:
         raise ValueError("the timeline is empty: measure with MemoryTracker(timeline=True)")
-    name, scale = _unit(total.max())
+    name, scale = unit_for(total.max())
     x = _downsample(total)
-    fig, ax = _new_figure(9, 4.8)
+    fig, ax = new_figure(9, 4.8)
     ax.stackplot(x, *[np.array(timeline.by_category[c])[x] / scale for c in CATEGORIES],
                  colors=[CATEGORY_COLORS[c] for c in CATEGORIES], labels=list(CATEGORIES.values()))
     top = blended_transform_factory(ax.transData, ax.transAxes)
@@ -119,8 +119,8 @@ def predicted_vs_measured_figure(rows: list[tuple[str, int, int]], title: str | 
         raise ValueError("no rows to plot: pass [(label, predicted bytes, measured bytes), ...]")
     labels = [f"{i}. {label}" for i, (label, _, _) in enumerate(rows, 1)]
     predicted, measured = np.array([r[1:] for r in rows], dtype=float).T
-    name, scale = _unit(max(predicted.max(), measured.max()))
-    fig, (ax, err) = _new_figure(11, 1.8 + 0.4 * max(len(rows), 6), ncols=2)
+    name, scale = unit_for(max(predicted.max(), measured.max()))
+    fig, (ax, err) = new_figure(11, 1.8 + 0.4 * max(len(rows), 6), ncols=2)
 
     ax.scatter(measured / scale, predicted / scale, color=CATEGORY_COLORS["params"], zorder=3)
     # points are numbered as the rows on the right; offsets alternate so equal points stay legible
@@ -157,7 +157,7 @@ def state_bytes_figure(rows: dict[str, tuple[float, float, float]], title: str |
     if not rows:
         raise ValueError("nothing to plot: pass {label: (weight, gradient, optimizer) bytes}")
     labels = list(rows)
-    fig, ax = _new_figure(8, 1.4 + 0.45 * len(labels))
+    fig, ax = new_figure(8, 1.4 + 0.45 * len(labels))
     left = np.zeros(len(labels))
     for i, category in enumerate(("params", "grads", "optimizer")):
         values = np.array([rows[k][i] for k in labels], dtype=float)
@@ -181,7 +181,7 @@ def param_components_figure(counts: dict, title: str | None = None):
     names = list(counts)
     components = list(dict.fromkeys(k for pc in counts.values() for k in pc.by_component))
     colors = dict(zip(components, plt.get_cmap("tab10").colors))
-    fig, ax = _new_figure(9, 1.6 + 0.55 * len(names))
+    fig, ax = new_figure(9, 1.6 + 0.55 * len(names))
     left = np.zeros(len(names))
     for component in components:
         share = np.array([counts[n].by_component.get(component, 0) / counts[n].total
@@ -207,7 +207,7 @@ def exponent_figure(values, dtype, loss_scale: float | None = None, title: str |
     with ``loss_scale``, the same values multiplied by it (what loss scaling does)."""
     from .precision import exponent_histogram, format_info
     info = format_info(dtype)
-    fig, ax = _new_figure(9, 3.8)
+    fig, ax = new_figure(9, 3.8)
     ax.axvspan(np.log2(info.min_subnormal), np.log2(info.min_normal), color="#FBEFE3",
                label=f"{info.name} subnormal (few bits left)")
     ax.axvspan(np.log2(info.min_normal), np.log2(info.max), color="#E6F5EF",
@@ -240,7 +240,7 @@ def savings_figure(panels: dict, percents=(40, 50), title: str | None = None,
     """
     if not panels or not all(panels.values()):
         raise ValueError("nothing to plot: pass {panel title: labkit.sweep.sweep(...)}")
-    fig, axes = _new_figure(5.2 * len(panels), 3.9, ncols=len(panels), sharey=True, squeeze=False)
+    fig, axes = new_figure(5.2 * len(panels), 3.9, ncols=len(panels), sharey=True, squeeze=False)
     colors = [CATEGORY_COLORS[c] for c in ("params", "optimizer", "activations", "weight_cache")]
     for ax, (name, rows) in zip(axes[0], panels.items()):
         for color, label in zip(colors, dict.fromkeys(r.label for r in rows)):
@@ -271,7 +271,7 @@ def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = 
     step over the largest batch's positions (``Batching.utilisation``)."""
     if not sweep or not all(sweep.values()):
         raise ValueError("nothing to plot: pass {title: {sigma: batching.compare_batching(...)}}")
-    fig, axes = _new_figure(5.2 * len(sweep), 3.6, ncols=len(sweep), sharey=True, squeeze=False)
+    fig, axes = new_figure(5.2 * len(sweep), 3.6, ncols=len(sweep), sharey=True, squeeze=False)
     for ax, (name, runs) in zip(axes[0], sweep.items()):
         sigmas = sorted(runs)
         for i, label in enumerate(b.name for b in runs[sigmas[0]]):
@@ -286,7 +286,6 @@ def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = 
 
 
 # F, B and W of a pipeline schedule (labkit.parallel.schedules), in the same palette
-from matplotlib.patches import Patch  # noqa: E402  (appended with gantt_figure)
 
 OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
              "W": CATEGORY_COLORS["optimizer"]}
@@ -305,7 +304,7 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     makespan = max(float(span.end) for span in spans) - t0
     split = any(span.op.kind == "W" for span in spans)
     width_in = min(14.0, 4 + 0.2 * len(spans) / timeline.p)
-    fig, ax = _new_figure(width_in, 1.3 + 0.45 * timeline.p)
+    fig, ax = new_figure(width_in, 1.3 + 0.45 * timeline.p)
     for s, stage in enumerate(timeline.stages):
         for op, start, end in stage:
             left, width = float(start) - t0, float(end) - float(start)
@@ -335,8 +334,8 @@ def stage_peaks_figure(stages: dict[str, dict], title: str | None = None):
     if not stages:
         raise ValueError("nothing to plot: pass {label: lk.estimate(...).details['stages'][s]}")
     labels = list(stages)
-    name, scale = _unit(max(s["total"] for s in stages.values()))
-    fig, ax = _new_figure(8, 1.6 + 0.55 * len(labels))
+    name, scale = unit_for(max(s["total"] for s in stages.values()))
+    fig, ax = new_figure(8, 1.6 + 0.55 * len(labels))
     peaks = np.array([stages[k]["total"] for k in labels]) / scale
     kept = np.array([stages[k]["saved_activations"] for k in labels]) / scale
     ax.barh(labels, peaks, height=0.6, color="#DDDDDD", label="peak per GPU")
@@ -382,7 +381,7 @@ def bits_error_figure(rows, title: str | None = None, highlight: int | None = No
     families: dict[str, list[int]] = {}
     for i, (label, _, _) in enumerate(rows):
         families.setdefault(re.sub(r"int\d+", "int", label), []).append(i)
-    fig, ax = _new_figure(8, 4.8)
+    fig, ax = new_figure(8, 4.8)
     for k, members in enumerate(families.values()):
         color = FAMILY_COLORS[k % len(FAMILY_COLORS)]
         members = sorted(members, key=lambda i: rows[i][1])
@@ -456,8 +455,8 @@ def allocator_figure(replays: dict, title: str | None = None):
     if not replays:
         raise ValueError("nothing to plot: pass {label: replay(events, settings)}")
     first = next(iter(replays.values()))
-    name, scale = _unit(max(r.peak_reserved for r in replays.values()))
-    fig, ax = _new_figure(9, 4.2)
+    name, scale = unit_for(max(r.peak_reserved for r in replays.values()))
+    fig, ax = new_figure(9, 4.2)
     bands = _shade_phases(ax, first.phase)
     x = _downsample(np.array(first.allocated))
     ax.plot(x, np.array(first.allocated)[x] / scale, color="black", linewidth=1.5,
@@ -481,10 +480,10 @@ def snapshot_figure(series: dict, title: str | None = None):
     reserved = np.array(series["reserved"])
     if len(reserved) == 0:
         raise ValueError("the snapshot's trace is empty")
-    name, scale = _unit(reserved.max())
+    name, scale = unit_for(reserved.max())
     cats = [c for c in CATEGORIES if c in series["by_category"]]
     x = _downsample(reserved)
-    fig, ax = _new_figure(9, 4.2)
+    fig, ax = new_figure(9, 4.2)
     ax.stackplot(x, *[np.array(series["by_category"][c])[x] / scale for c in cats],
                  colors=[CATEGORY_COLORS[c] for c in cats], labels=[CATEGORIES[c] for c in cats])
     ax.plot(x, reserved[x] / scale, color="black", linewidth=1.2, label="reserved segments")

@@ -11,6 +11,14 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-e4m3": 1, "fp8-e
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def torch_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a format name ("bf16") or a torch dtype; ValueError naming the names."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    check_choice("dtype", dtype, TORCH_DTYPES)
+    return TORCH_DTYPES[dtype]
+
+
 def check_choice(name: str, value, choices) -> None:
     """ValueError naming the valid values when ``value`` is not one of ``choices``."""
     if value not in choices:

@@ -22,14 +22,15 @@ import ipywidgets as w
 import torch
 
 from .allocator import AllocatorSettings, replay
-from .attention import ATTENTION_IMPLS, SRAM_PER_SM, KiB, hbm_accesses
+from .attention import (ATTENTION_IMPLS, CORE_DTYPE, SRAM_PER_SM, CoreBytes, KiB,
+                        attention_core_bytes, hbm_ratio)
 from .config import ModelConfig, preset, presets
 from .generate import attention_kind, mla_reduction
 from .gptq import gptq_quantize, rtn_quantize
-from .layers import _attention_core_saved, _Dtypes, count_params
+from .layers import count_params
 from .predict import Estimate, estimate, kv_cache_bytes
-from .plot import (_new_figure, _unit, allocator_figure, bits_error_figure, breakdown_figure,
-                   gantt_figure, stage_peaks_figure, timeline_figure)
+from .plot import (allocator_figure, bits_error_figure, breakdown_figure, gantt_figure,
+                   new_figure, stage_peaks_figure, timeline_figure, unit_for)
 from .measure import Measurement, measure_step
 from .papers import pipeline_bubble
 from .quant import dequantize, quantize_int8, quantize_nf4
@@ -930,76 +931,9 @@ def quant_panel(**defaults) -> w.VBox:
 
 
 # ---- lab 07: the attention core's memory, and the KV cache -------------------------------------
-TILE = 128                       # queries and keys per tile of the tiled core (attention.core's)
 HBM_GPUS = ("A100", "H100 SXM")  # SRAM_PER_SM's GPUs whose HBM-access ratio the panel prints
-CORE_DTYPE = "bf16"              # the core's q, k, v, output and gradients (its tiles: fp32)
 SEQ_CURVE = [2 ** k for k in range(9, 16)]            # 512 ... 32768: the attention curve's x
 CONTEXT_CURVE = [2 ** k for k in range(10, 18)]       # 1024 ... 131072: the cache curve's x
-
-
-@dataclass(frozen=True)
-class CoreBytes:
-    """One layer's attention core (batch 1, MHA, bf16), beyond its inputs q, k, v (and dO):
-    the tensors it keeps for the backward pass, and those alive at its forward + backward
-    peak, by name, in bytes."""
-
-    impl: str
-    kept: dict
-    at_peak: dict
-
-    @property
-    def kept_total(self) -> int:
-        return sum(self.kept.values())
-
-    @property
-    def peak(self) -> int:
-        return sum(self.at_peak.values())
-
-
-def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
-                         block: int = TILE) -> CoreBytes:
-    """What ``labkit.attention.core(impl)`` keeps and holds at its peak, by formula: the kept
-    tensors are ``labkit.layers``' terms for the core less q, k, v; the backward pass adds the
-    gradients. The bytes ``MemoryTracker`` counts when q, k, v are views of (1, T, H, d)
-    projections, as in a model (tiled: ``seq`` a multiple of ``block``, two tiles or more)."""
-    check_choice("attention implementation", impl, ATTENTION_IMPLS)
-    for name, value in (("seq", seq), ("heads", heads), ("head_dim", head_dim),
-                        ("block (queries and keys per tile)", block)):
-        check_positive(name, value)
-    T, H, d = seq, heads, head_dim
-    size = dtype_bytes(CORE_DTYPE)
-    unit = T * H * d * size                                # one (1, H, T, d) bf16 tensor
-    # layers' terms: "q, k, v and <the output>" (of which only the output is not an input
-    # here), then the log-sum-exp (sdpa, tiled) or the (T, T) probabilities (naive)
-    terms = _attention_core_saved(_Dtypes.of(CORE_DTYPE), H, H, d, impl)
-    kept = {"attention output (wo's input)": unit}
-    kept.update({t.name: t.bytes(1, T) for t in terms if not t.name.startswith("q, ")})
-    if impl == "naive":             # the softmax's backward: P, dP and dS (T, T) per head
-        probabilities = kept["attention probabilities (T x T per head)"]
-        return CoreBytes(impl, kept, {
-            **kept, "gradients of the probabilities and scores (dP, dS)": 2 * probabilities,
-            "gradient of v": unit})
-    if impl == "sdpa":              # the fused backward kernel writes dq, dk, dv at once
-        return CoreBytes(impl, kept, {**kept, "gradients of q, k, v": 3 * unit})
-    # tiled (labkit.attention.TiledAttention.backward): fp32 gradients filled tile by tile,
-    # one tile's q, dO, k, v in fp32, and either the end (the gradients cast to bf16 beside the
-    # last tile's S, P, dS) or a tile inside the loop (5 tiles: S, P, dS and two temporaries)
-    b = min(block, T)
-    tile = H * b * b * 4                                   # (1, H, b, b) fp32
-    common = {**kept, "D = rowsum(dO * O) (fp32)": 4 * H * T,
-              "gradients of q, k, v in fp32 (filled tile by tile)": 2 * 3 * unit,
-              "one tile's q, dO, k, v in fp32": 4 * b * H * d * 4}
-    end = {"gradients cast back to bf16": 3 * unit, "last tile's S, P, dS (fp32)": 3 * tile}
-    inside = {"tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
-    return CoreBytes(impl, kept, {**common, **max(end, inside, key=lambda m: sum(m.values()))})
-
-
-def hbm_ratio(seq: int, head_dim: int, gpu: str) -> float:
-    """Standard attention's HBM reads and writes over FlashAttention's for one head's forward
-    pass (``labkit.attention.hbm_accesses``) with one SM's on-chip memory of ``gpu``."""
-    sram = SRAM_PER_SM[gpu].per_sm
-    return (hbm_accesses(seq, head_dim, sram, "naive")
-            / hbm_accesses(seq, head_dim, sram, "tiled"))
 
 
 def mha_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
@@ -1082,7 +1016,7 @@ def attention_report(impl: str, *, seq: int, heads: int, head_dim: int, model: s
 def _attention_figure(result: AttentionResult):
     """Left: each core's peak against seq (log-log: slope 2 is T^2), this one marked; right:
     the KV cache and MHA's against context, this context marked."""
-    fig, (left, right) = _new_figure(9, 3.4, ncols=2)
+    fig, (left, right) = new_figure(9, 3.4, ncols=2)
     for name in ATTENTION_IMPLS:
         peaks = [attention_core_bytes(name, T, result.heads, result.head_dim).peak / 2**20
                  for T in SEQ_CURVE]
@@ -1093,7 +1027,7 @@ def _attention_figure(result: AttentionResult):
              title=f"one layer's core, fwd + bwd peak ({result.heads} heads x {result.head_dim})")
     left.legend(frameon=False, fontsize=8)
     cfg, B = result.config, result.batch
-    name, scale = _unit(max(result.mha_cache, mha_cache_bytes(cfg, B, CONTEXT_CURVE[-1])))
+    name, scale = unit_for(max(result.mha_cache, mha_cache_bytes(cfg, B, CONTEXT_CURVE[-1])))
     right.plot(CONTEXT_CURVE, [kv_cache_bytes(cfg, B, n, CORE_DTYPE) / scale
                                for n in CONTEXT_CURVE], marker=".", label=result.kind)
     right.plot(CONTEXT_CURVE, [mha_cache_bytes(cfg, B, n) / scale for n in CONTEXT_CURVE],

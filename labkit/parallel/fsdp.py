@@ -313,12 +313,12 @@ def scaling_figure(rows_by_model: dict, title: str | None = None):
     measured (markers), estimated (line), the model states 16 Psi / N (dashed: ZeRO's Table 1,
     stage 3) and the activations, which no N divides (dotted): at large N they dominate."""
     from ..papers import model_state_bytes
-    from ..plot import _new_figure, _unit
+    from ..plot import new_figure, unit_for
 
     everything = [r[k] for rows in rows_by_model.values() for r in rows
                   for k in ("peak", "estimate") if k in r]
-    unit, scale = _unit(max(everything, default=0))
-    fig, ax = _new_figure(9, 4.8)
+    unit, scale = unit_for(max(everything, default=0))
+    fig, ax = new_figure(9, 4.8)
     for i, (name, rows) in enumerate(rows_by_model.items()):
         color, n_all = f"C{i}", [r["world_size"] for r in rows]
         done = [r for r in rows if "peak" in r]
