@@ -1,9 +1,10 @@
-"""Command line: ``python -m labkit estimate|measure|presets|doctor`` (installed as ``labkit``).
+"""Command line: ``python -m labkit estimate|measure|plan|presets|doctor`` (installed as ``labkit``).
 
     python -m labkit estimate --model deepseek-v2-lite --seq 4096 --precision bf16-mixed \\
         --zero-stage 2 --dp 8
     python -m labkit measure --model llama-2-7b --seq 2048      # one step on fake tensors
     python -m labkit presets
+    python -m labkit plan --model deepseek-v2-lite --gpu a100-80gb --gpus 8 --seq 4096
     python -m labkit doctor                                     # the host, read-only
 """
 from __future__ import annotations
@@ -65,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="real tensors on --device (default: fake tensors, any size)")
     pre = sub.add_parser("presets", help="list the model presets with their sizes")
     pre.add_argument("--json", action="store_true")
+    pla = sub.add_parser("plan", help="rank the layouts that fit a cluster by step time")
+    pla.add_argument("--model", required=True, help="preset name (see: presets)")
+    pla.add_argument("--gpu", required=True, help="GPU type (labkit.gpus.GPUS)")
+    pla.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    pla.add_argument("--gpus-per-node", type=int, default=8)
+    pla.add_argument("--seq", type=int, default=4096, help="sequence length")
+    pla.add_argument("--global-batch", type=int, help="sequences per step (default: one per GPU)")
+    pla.add_argument("--trainable", default="all", choices=("all", "lora", "qlora"))
+    pla.add_argument("--top", type=int, default=10, help="how many fitting layouts to rank")
+    pla.add_argument("--verify", type=int, default=0,
+                     help="check the top K on fake tensors where a fake run applies")
+    pla.add_argument("--json", action="store_true", help="print JSON instead of a table")
     doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
                                         "cgroup and memlock limits, allocator settings, GPUs")
     doc.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -93,6 +106,12 @@ def _run(args) -> str:
         from .system import host_report        # changes nothing: commands are printed, never run
         report = host_report()
         return json.dumps(report.as_dict(), indent=2) if args.json else report.text()
+    if args.command == "plan":
+        from .plan import plan
+        result = plan(args.model, args.gpu, args.gpus, args.gpus_per_node, args.seq,
+                      args.global_batch, trainable=args.trainable, top=args.top,
+                      verify=args.verify, progress=not args.json)
+        return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
     if args.command == "presets":
         rows = {name: count_params(name) for name in presets()}
         if args.json:

@@ -1,0 +1,31 @@
+"""Median search time of ``labkit.plan`` for the issue's examples (prints; not a timed test).
+
+    python benchmarks/plan_search.py [--repeat 3]
+"""
+import argparse
+import statistics
+import time
+
+from labkit.plan import plan
+
+CASES = [("deepseek-v2-lite", "a100-80gb", 8), ("llama-2-7b", "rtx-4090-24gb", 1),
+         ("deepseek-v3", "h100-80gb", 2048)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    for model, gpu, gpus in CASES:
+        times, result = [], None
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            result = plan(model, gpu, gpus, seq=4096)
+            times.append(time.perf_counter() - start)
+        best = result.fits[0].label() if result.fits else "nothing fits"
+        print(f"{model} on {gpus} x {gpu}: median {statistics.median(times):.2f} s over "
+              f"{args.repeat} ({result.estimates} estimates); #1 {best}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""A small table of common training GPUs: memory, bf16 throughput and bandwidths (datasheets).
+
+The planner (``labkit.plan``) reads four numbers per GPU: its memory, its dense bf16 tensor
+throughput (no 2:4 sparsity), the bandwidth one GPU has to the others in its node (NVLink,
+or PCIe where there is none) and to other nodes (InfiniBand / RoCE, one NIC per GPU as in
+NVIDIA's DGX/HGX systems), each per direction, and its host link (PCIe) for offloading.
+Describe your own with ``GPU(...)``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GiB, MiB = 2 ** 30, 2 ** 20
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU type. ``memory``: bytes; throughput in TFLOP/s; bandwidths in GB/s (10^9 B/s)
+    per direction, per GPU."""
+
+    name: str
+    memory: int
+    bf16_tflops: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    pcie_gbps: float = 32.0
+
+    def __post_init__(self):
+        if not isinstance(self.memory, int) or self.memory <= 0:
+            raise ValueError(f"GPU memory is bytes, a positive int (e.g. 80 * 2**30), got "
+                             f"{self.memory!r}")
+        for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"GPU {field} must be positive, got {getattr(self, field)!r}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Sources (dense bf16, i.e. half the "with sparsity" figure; NVLink: half the bidirectional
+# figure; inter-node: one 200 Gb/s HDR (DGX A100) or 400 Gb/s NDR (DGX H100/H200/B200)
+# ConnectX NIC per GPU):
+#   A100: NVIDIA A100 Tensor Core GPU datasheet - 312 TFLOPS bf16, NVLink 600 GB/s, PCIe Gen4.
+#   H100 SXM, H200 SXM: H100 / H200 datasheets - 989 TFLOPS bf16 (1,979 sparse), NVLink
+#     900 GB/s, PCIe Gen5; H200 141 GB HBM3e.
+#   B200: DGX B200 / HGX B200 datasheet - 180 GB, 2.25 PFLOPS dense fp16/bf16, NVLink 1.8 TB/s.
+#   L4: NVIDIA L4 datasheet - 24 GB, 242 TFLOPS bf16 with sparsity (121 dense), PCIe Gen4 x16,
+#     no NVLink; its inter-node figure (100 GbE per GPU) is an assumption, not a datasheet.
+#   RTX 4090: Ada Lovelace architecture whitepaper - 165.2 TFLOPS bf16 with fp32 accumulate
+#     (what training uses), PCIe Gen4 x16, no NVLink; inter-node assumed as for the L4.
+# Memory: what nvidia-smi reports as the total (A100-80GB 81,920 MiB, H100 SXM 81,559 MiB,
+# H200 SXM 143,771 MiB, L4 23,034 MiB, RTX 4090 24,564 MiB); B200: its marketed 180 GB in GiB.
+GPUS = {g.name: g for g in (
+    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0),
+    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0),
+    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0),
+    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0),
+    GPU("b200-180gb", 180 * GiB, 2250.0, 900.0, 50.0, 64.0),
+    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0),
+    GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0),
+)}
+
+
+def gpu(name: str | GPU) -> GPU:
+    """The table's GPU of that name (a ``GPU`` passes through); ValueError lists the names."""
+    if isinstance(name, GPU):
+        return name
+    if name not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}, or describe "
+                         f"yours with labkit.gpus.GPU(name, memory, bf16_tflops, "
+                         f"intra_node_gbps, inter_node_gbps)")
+    return GPUS[name]

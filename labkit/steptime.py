@@ -1,0 +1,129 @@
+"""A stated model of one training step's time: compute at an assumed MFU, plus communication.
+
+Simple on purpose, every assumption returned in words (``assumptions``) for the planner to
+print. Compute is the "6 N D" rule of Kaplan et al. (2020) over the active parameters
+(DeepSeek-V3's MoE: 37B of 671B), divided by the GPUs' dense bf16 peak times an assumed MFU.
+Collectives are rings: an all-reduce of S bytes over n ranks sends 2 (n - 1) / n S per rank, a
+reduce-scatter or all-gather (n - 1) / n S (Patarasuk and Yuan, 2009); ZeRO's 2 Psi / 3 Psi
+(Rajbhandari et al., 2020); Megatron-LM's tensor parallelism all-reduces b s h activations
+twice in each layer's forward and twice in its backward (Shoeybi et al., 2019); the pipeline
+idles for ``labkit.pipeline_bubble``; expert parallelism sends each token's top-k rows out and
+back (all_to_all) in the forward and again in the backward (DeepSeek-V3, section 3.2). Nothing
+overlaps: the parts add up.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .papers import pipeline_bubble
+
+MFU = 0.4            # model FLOPs utilisation assumed for the matmuls
+# extra work of each recompute policy, in units of 2 N D (one forward pass)
+RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.125, "full": 1.0}
+STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the wire
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step, by part (``total`` is their sum: no overlap)."""
+
+    compute: float
+    bubble: float
+    dp: float
+    tp: float
+    pp: float
+    ep: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.bubble + self.dp + self.tp + self.pp + self.ep
+                + self.offload)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def ring(n: int, nbytes: float, collective: str) -> float:
+    """Bytes one rank sends in a ring collective over n ranks."""
+    share = (n - 1) / n
+    return nbytes * (2 * share if collective == "all-reduce" else share)
+
+
+def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden: int,
+              top_k: int, seq: int, global_batch: int, micro: int, dp: int, tp: int, pp: int,
+              ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
+              recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
+              stage_layers: int, stage_moe_layers: int, mfu: float = MFU) -> StepTime:
+    """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
+    busiest stage holds outside the routed experts, ``rank_expert_params`` inside them."""
+    tokens = global_batch * seq
+    m = global_batch // (dp * micro)                    # micro-batches per step on a rank
+    passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
+    compute = (2 + passes) * active_params * tokens / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    bubble = 0.0
+    if pp > 1:
+        idle = pipeline_bubble(pp, m, schedule, v)
+        bubble = compute * idle / (1 - idle)
+    intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
+    # ranks are placed tp innermost, then ep inside dp, then pp (Megatron-LM's order)
+    dp_bw = intra if tp * dp <= gpus_per_node else inter
+    grads = rank_params * STREAM_BYTES
+    if zero_stage == 0:
+        sent = ring(dp, grads, "all-reduce")
+    else:                 # reduce-scatter the gradients, all-gather the updated weights;
+        gathers = 2 * m if zero_stage == 3 else 1       # stage 3: before each forward, backward
+        sent = ring(dp, grads, "reduce-scatter") + gathers * ring(dp, grads, "all-gather")
+    if ep > 1:            # each expert shard is averaged over its dp / ep copies
+        sent += ring(dp // ep, rank_expert_params * STREAM_BYTES, "all-reduce")
+    dp_time = sent / dp_bw if dp > 1 else 0.0
+    layer_rows = micro * seq * hidden * STREAM_BYTES    # one micro-batch's b s h activations
+    forwards = 2 if recompute == "full" else 1
+    tp_time = 0.0
+    if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
+        tp_time = (2 * forwards + 2) * stage_layers * m * ring(tp, layer_rows, "all-reduce") / intra
+    pp_time = 0.0
+    if pp > 1:            # one activation out and one gradient back per micro-batch
+        pp_bw = inter if gpus // pp >= gpus_per_node else intra
+        pp_time = 2 * m * layer_rows / tp / pp_bw
+    ep_time = 0.0
+    if ep > 1:            # dispatch and combine, forward (and recomputed) and backward
+        ep_bw = intra if tp * ep <= gpus_per_node else inter
+        rows = layer_rows * top_k * (ep - 1) / ep
+        ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
+    offload_time = 0.0
+    if offload:           # gradient shards down, updated weight shards up (stage 3: per gather)
+        shard = (rank_params + rank_expert_params) / dp
+        up = 2 * m if zero_stage == 3 else 1
+        offload_time = shard * STREAM_BYTES * (1 + up) / (gpu.pcie_gbps * 1e9)
+    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time)
+
+
+def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
+    """What ``step_time`` assumes, in words, with the numbers it used."""
+    return [
+        f"compute: (6 + recompute) x active parameters x tokens / (GPUs x {gpu.bf16_tflops:g} "
+        f"TFLOP/s bf16 dense x MFU {mfu:g}); attention's s^2 FLOPs are not counted",
+        "recompute adds forward work: full 2 N D (8/6 of the step), selective an eighth of a "
+        "forward (assumed); LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
+        "NF4 dequantisation is not counted)",
+        "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
+        "ties go to the larger micro-batch (better utilisation in practice, not modelled)",
+        f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
+        f"wire; {gpu.intra_node_gbps:g} GB/s per GPU inside a node of {gpus_per_node}, "
+        f"{gpu.inter_node_gbps:g} GB/s across nodes; a group uses the slower link when it "
+        f"spans nodes (ranks placed tp, then ep inside dp, then pp)",
+        "data parallel: gradients all-reduced once per step (DDP, ZeRO-0), or reduce-scattered "
+        "and the weights all-gathered (ZeRO-1/2); ZeRO-3 all-gathers the weights before each "
+        "micro-batch's forward and backward",
+        "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
+        "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
+        "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "
+        "of b s h / tp per micro-batch between stages",
+        "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
+        "the forward and the backward (again with full recompute), balanced routing",
+        f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s; "
+        "the host's optimizer step time is not counted",
+        "nothing overlaps: compute, bubble and every collective add up (real systems overlap "
+        "some of it, so the ranking, not the seconds, is the result)",
+    ]

@@ -1,0 +1,141 @@
+"""The planner keeps what fits, says why the rest fails, ranks by a stated time model, and its
+top choice's memory matches a fake-tensor run."""
+import json
+
+import pytest
+
+import labkit as lk
+from labkit.__main__ import main
+from labkit.gpus import GPU, GPUS, GiB, gpu
+from labkit.plan import plan
+
+SMALL = dict(gpus=1, seq=256)
+
+
+def small_gpu(gib: float) -> GPU:
+    return GPU(f"test-{gib}", int(gib * GiB), 100.0, 300.0, 25.0)
+
+
+def test_a_7b_full_fine_tune_does_not_fit_one_24_gb_gpu_and_says_why():
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=4096, offload=False, advice=False)
+    assert p.fits == []
+    why = p.rejected["full, ZeRO-0, dp 1, tp 1, pp 1"]
+    # 6,738,415,616 x 16 bytes (bf16-master AdamW) = 100.41 GiB > 0.9 x 24 GiB
+    assert why == "model states alone need 100.41 GiB per GPU > 21.59 GiB usable"
+
+
+def test_qlora_of_a_7b_fits_one_24_gb_gpu():
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=1024, trainable="qlora")
+    assert p.fits and p.fits[0].family.trainable == "qlora"
+    assert p.fits[0].estimate.total <= p.usable == int(24564 * 2**20 * 0.9)
+
+
+def test_nothing_fits_advises_more_gpus_found_by_the_same_search():
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=4096, offload=False)
+    assert p.fits == [] and p.advice
+    assert p.advice[0].startswith("8 x rtx-4090-24gb: full")
+
+
+def test_more_memory_never_removes_a_fitting_layout():
+    # offload is a fallback (searched only when nothing else fits), so compare without it
+    fitting, best = None, float("inf")
+    for gib in (0.05, 0.08, 0.12, 0.2, 0.4, 1.0):
+        p = plan("small", small_gpu(gib), top=None, advice=False, offload=False, **SMALL)
+        now = {c.label() for c in p.fits}
+        if fitting is not None:
+            assert fitting <= now, gib
+        fitting = now
+        with_offload = plan("small", small_gpu(gib), top=1, advice=False, **SMALL)
+        if with_offload.fits:         # and the best step time never gets worse
+            assert with_offload.fits[0].time.total <= best
+            best = with_offload.fits[0].time.total
+    assert fitting            # at 1 GiB something fits
+
+
+def test_the_cheap_bound_never_exceeds_the_estimate():
+    from labkit.plan import _bound, _Counts
+    p = plan("tiny-moe", small_gpu(4), gpus=8, seq=128, top=None, advice=False)
+    cfg, counts = lk.preset("tiny-moe"), _Counts(lk.preset("tiny-moe"))
+    assert len(p.fits) > 20
+    for c in p.fits:
+        assert _bound(cfg, c, counts, 128, {}) <= c.estimate.total, c.label()
+
+
+def test_fits_are_ranked_by_step_time_and_hold_the_usable_memory():
+    p = plan("deepseek-v2-lite", "a100-80gb", 8, seq=4096)
+    times = [c.time.total for c in p.fits]
+    assert len(p.fits) == 10 and times == sorted(times)
+    assert all(c.estimate.total <= p.usable for c in p.fits)
+    # ZeRO-0 replicates 16 bytes per parameter of a 15.7B model: rejected before any estimate
+    assert p.rejected["full, ZeRO-0, dp 8, tp 1, pp 1"].startswith("model states alone need")
+
+
+def test_tp_beyond_a_node_is_rejected_with_the_reason():
+    p = plan("llama-2-7b", "h100-80gb", 16, seq=1024, top=1, advice=False)
+    assert "must stay inside a node" in p.rejected["full, ZeRO-0, dp 1, tp 16, pp 1"]
+
+
+def test_top_choice_memory_matches_a_fake_tensor_run_within_3_percent():
+    p = plan("small", small_gpu(0.2), verify=1, **SMALL)
+    (v,) = p.verified
+    assert "measured" in v, v
+    assert abs(v["ratio"] - 1) < 0.03
+
+
+def test_layouts_with_tp_are_not_pretended_verified():
+    p = plan("small", small_gpu(0.05), gpus=2, seq=256, top=None, advice=False)
+    tp = [c for c in p.fits if c.layout.tp > 1][:1]
+    from labkit.plan import _verify
+    (v,) = _verify(lk.preset("small"), tp, 256, progress=False)
+    assert v["result"].startswith("not verifiable on fake tensors here")
+
+
+@pytest.mark.parametrize("kwargs, fix", [
+    (dict(gpus=0), "gpus must be a positive integer"),
+    (dict(gpus=12), "choose a multiple of 8"),
+    (dict(gpus=8, headroom=1.5), "headroom is a fraction"),
+    (dict(gpus=8, trainable="adapters"), "use one of all, lora, qlora"),
+])
+def test_bad_input_names_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        plan("tiny", "a100-80gb", **{"seq": 128, **kwargs})
+
+
+def test_an_unknown_gpu_lists_the_names():
+    with pytest.raises(ValueError, match="a100-80gb.*labkit.gpus.GPU"):
+        gpu("a100-81gb")
+    assert gpu("h100-80gb") is GPUS["h100-80gb"] and GPUS["h100-80gb"].memory == 81559 * 2**20
+
+
+def test_a_gpu_of_your_own_needs_bytes():
+    with pytest.raises(ValueError, match="memory is bytes"):
+        GPU("mine", 24.0, 100.0, 32.0, 12.5)
+
+
+def test_plan_as_json_round_trips():
+    p = plan("deepseek-v2-lite", "a100-80gb", 8, seq=4096, top=3)
+    back = json.loads(json.dumps(p.as_dict()))
+    assert [c["label"] for c in back["fits"]] == [c.label() for c in p.fits]
+    assert back["fits"][0]["memory"]["total"] == p.fits[0].estimate.total
+    assert back["rejected"] == p.rejected
+
+
+def test_cli_prints_a_ranked_table_and_the_rejections(capsys):
+    assert main(["plan", "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--gpus", "8",
+                 "--seq", "4096", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert " 1 " in out and "rejected families" in out and "assumptions:" in out
+    assert "full, ZeRO-0, dp 8, tp 1, pp 1: model states alone need" in out
+
+
+def test_cli_unknown_gpu_exits_2_listing_the_names(capsys):
+    assert main(["plan", "--model", "tiny", "--gpu", "tpu", "--gpus", "8"]) == 2
+    assert "h100-80gb" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_deepseek_v3_on_2048_gpus_returns_ranked_layouts():
+    p = plan("deepseek-v3", "h100-80gb", 2048, seq=4096)
+    assert len(p.fits) == 10
+    assert all(c.estimate.total <= p.usable for c in p.fits)
+    assert all(c.layout.pp > 1 for c in p.fits)     # 671B needs its layers split
