@@ -434,7 +434,7 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         *assumptions(g, gpus_per_node),
     ]
     if verify:
-        out.verified = _verify(c, fits[:verify], seq, progress)
+        out.verified = verify_candidates(c, fits[:verify], seq, progress)
     if not fits and advice:
         out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
                              offload, global_batch)
@@ -452,7 +452,7 @@ def _model(model) -> ModelConfig:
 
 
 # ---- verification on fake tensors --------------------------------------------------------
-def _verify(c, candidates, seq, progress) -> list[dict]:
+def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[dict]:
     """Measure each candidate's step on fake tensors where one applies: a one-GPU step
     (``measure_step``), or ZeRO-3 over dp alone (FSDP2 on a fake process group)."""
     from tqdm.auto import tqdm
