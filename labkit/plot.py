@@ -492,3 +492,22 @@ def snapshot_figure(series: dict, title: str | None = None):
     ax.set(xlabel="trace entries", ylabel=name, title=title or "the exported snapshot, read back")
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=4, frameon=False)
     return fig
+
+
+def savings_figure(rows, title: str | None = None):
+    """One bar per technique: the share of the per-GPU peak it removed, in its own regime
+    (``labkit.savings.course_savings``), labelled with its lab and the bytes before -> after."""
+    if not rows:
+        raise ValueError("nothing to plot: pass labkit.savings.course_savings()")
+    fig, ax = new_figure(9, 0.9 + 0.5 * len(rows))
+    y = np.arange(len(rows))[::-1]
+    ax.barh(y, [100 * r.saved for r in rows], color="#0072B2")
+    for yi, r in zip(y, rows):
+        ax.text(100 * max(r.saved, 0) + 1, yi, f"{fmt_bytes(r.before)} -> {fmt_bytes(r.after)}",
+                va="center", fontsize=8)
+    ax.set_yticks(y, [f"lab {r.lab}: {r.technique}\n{r.regime}" for r in rows], fontsize=8)
+    ax.set_xlim(0, 125)
+    ax.set_xticks(range(0, 101, 20))
+    ax.set(xlabel="share of the per-GPU peak removed (%)",
+           title=title or "what each technique saved, in a regime where it matters")
+    return fig

@@ -612,3 +612,16 @@ def test_allocator_panel_replays_two_steps_under_each_setting():
     assert "batch must be a positive integer" in allocator_report("tiny", batch=0, seq=32).summary()
     assert "unknown allocator" in allocator_report("tiny", batch=1, seq=32,
                                                    allocator="cudaMallocAsync").summary()
+
+
+def test_plan_panel_shows_the_fastest_layouts_and_explains_bad_input():
+    """Lab 09's panel: the planner's layouts for the chosen cluster, a GPU type's memory changes
+    what is usable, and an unknown GPU is explained instead of raised."""
+    from labkit.widgets import PlanPanel, plan_report
+    panel = PlanPanel(model="small", gpu="a100-80gb", gpus=2, seq=512)
+    first = panel.result.summary()
+    assert first.startswith("small on 2 x a100-80gb, seq 512:") and "#1" in first
+    panel.gpu.value = "l4-24gb"
+    assert "21.59 GiB usable" not in first and "usable" in panel.result.summary()
+    assert panel.result.summary() != first
+    assert "unknown GPU 'nope'" in plan_report("small", gpu="nope", gpus=1, seq=512).summary()
