@@ -1110,6 +1110,15 @@ def attention_panel(**defaults) -> w.VBox:
     return AttentionPanel(**defaults).widget
 
 
+def _wire(panel, rows: list[list]) -> None:
+    """A panel's controls, a row each, over its output: any change calls ``panel.update()``."""
+    panel.output = w.Output()
+    for control in (c for row in rows for c in row):
+        control.observe(lambda _: panel.update(), names="value")
+    panel.widget = w.VBox([w.HBox(row) for row in rows] + [panel.output])
+    panel.update()
+
+
 # ---- lab 08: the caching allocator ---------------------------------------------------------------
 ALLOCATOR_MODELS = ("tiny", "small", "tiny-moe")
 ALLOCATORS = {"native": AllocatorSettings(),
@@ -1174,13 +1183,8 @@ class AllocatorPanel:
                                  continuous_update=False)
         self.seq = w.IntSlider(value=seq, min=32, max=1024, step=32, description="seq",
                                continuous_update=False)
-        self.output = w.Output()
         self.result: AllocatorResult | None = None
-        for control in (self.model, self.precision, self.allocator, self.batch, self.seq):
-            control.observe(lambda _: self.update(), names="value")
-        self.widget = w.VBox([w.HBox([self.model, self.precision, self.allocator]),
-                              w.HBox([self.batch, self.seq]), self.output])
-        self.update()
+        _wire(self, [[self.model, self.precision, self.allocator], [self.batch, self.seq]])
 
     def update(self) -> AllocatorResult:
         result = allocator_report(self.model.value, batch=self.batch.value, seq=self.seq.value,
@@ -1250,13 +1254,8 @@ class PlanPanel:
         self.trainable = w.Dropdown(options=TRAINABLE, value=trainable, description="trains")
         self.seq = w.IntSlider(value=seq, min=512, max=32768, step=512, description="seq",
                                continuous_update=False)
-        self.output = w.Output()
         self.result: PlanResult | None = None
-        for control in (self.model, self.gpu, self.gpus, self.trainable, self.seq):
-            control.observe(lambda _: self.update(), names="value")
-        self.widget = w.VBox([w.HBox([self.model, self.gpu, self.gpus]),
-                              w.HBox([self.trainable, self.seq]), self.output])
-        self.update()
+        _wire(self, [[self.model, self.gpu, self.gpus], [self.trainable, self.seq]])
 
     def update(self) -> PlanResult:
         result = plan_report(self.model.value, gpu=self.gpu.value, gpus=self.gpus.value,
