@@ -49,13 +49,15 @@ class GPU:
 #   RTX 4090: Ada Lovelace architecture whitepaper - 165.2 TFLOPS bf16 with fp32 accumulate
 #     (what training uses), PCIe Gen4 x16, no NVLink; inter-node assumed as for the L4.
 # Memory: what nvidia-smi reports as the total (A100-80GB 81,920 MiB, H100 SXM 81,559 MiB,
-# H200 SXM 143,771 MiB, L4 23,034 MiB, RTX 4090 24,564 MiB); B200: its marketed 180 GB in GiB.
+# H200 SXM 143,771 MiB, B200 183,359 MiB, L4 23,034 MiB, RTX 4090 24,564 MiB). The RTX 4090
+# has no GPU-to-GPU P2P: its 32 GB/s "intra-node" link goes through host memory and is
+# optimistic; PCIe figures are theoretical (about 25 GB/s is typical from pinned memory).
 GPUS = {g.name: g for g in (
     GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0),
     GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0),
     GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0),
     GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0),
-    GPU("b200-180gb", 180 * GiB, 2250.0, 900.0, 50.0, 64.0),
+    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0),
     GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0),
     GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0),
 )}

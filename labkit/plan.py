@@ -274,13 +274,16 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                  if lora else dict(precision=FULL))
     recomputes = ("none",) if lora else RECOMPUTE      # labkit estimates LoRA without recompute
     schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
-    active = count_params(c).active
+    active = count_params(c).active - c.vocab_size * c.hidden   # the input embedding: a lookup
     out = []
     for schedule, v in schedules:
         if f.pp * v > c.layers:
             continue
         stages = counts.stages(f.tp, f.pp, f.ep, v)
-        n, experts, layers, moe = max(stages, key=lambda s: s[2])
+        # the busiest stage for each kind of work: DeepSeek's first stage has the most layers
+        # (its dense ones) but the fewest experts
+        n, experts = max(stages, key=lambda s: s[0])[:2]
+        layers, moe = max(s[2] for s in stages), max(s[3] for s in stages)
         if lora:
             n, experts = 0, 0                 # adapters only: their all-reduce is negligible
         for micro in _powers_of_two(per_rank_batch):
@@ -332,10 +335,13 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
     fits, failed, leanest = [], {}, {}      # failures by family; each family's smallest
     n_estimates, memo = 0, {}
 
-    def fail(k, nbytes, why):
+    def fail(k, nbytes, why, bound=False):
+        """Record a failure; a family's reason is its smallest estimated failure (a lower
+        bound from a weaker recompute policy only when nothing was estimated)."""
         failed.setdefault(k.family, []).append(k)
-        if k.family not in leanest or nbytes < leanest[k.family][0]:
-            leanest[k.family] = (nbytes, why)
+        key = (bound, nbytes)
+        if k.family not in leanest or key < leanest[k.family][0]:
+            leanest[k.family] = (key, why)
 
     for k in pool:
         if top is not None and len(fits) >= top:
@@ -346,7 +352,7 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         if bound > usable:
             fail(k, bound, f"at least {fmt_bytes(bound)} per GPU (states and saved activations)"
                            f" > {fmt_bytes(usable)} usable at micro-batch {k.micro_batch}, "
-                           f"recompute {k.recipe.recompute}")
+                           f"recompute {k.recipe.recompute}", bound=True)
             continue
         n_estimates += 1
         try:
@@ -371,6 +377,8 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             rejected[f.label()] = leanest[f][1]
         else:
             unexplored.append(f.label())
+    # equal modelled times (to the millisecond): the larger micro-batch, then the leaner layout
+    fits.sort(key=lambda k: (round(k.time.total, 3), -k.micro_batch, k.estimate.total))
     return fits, rejected, unexplored, n_estimates
 
 

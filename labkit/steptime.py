@@ -68,12 +68,17 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
     # ranks are placed tp innermost, then ep inside dp, then pp (Megatron-LM's order)
     dp_bw = intra if tp * dp <= gpus_per_node else inter
-    grads = rank_params * STREAM_BYTES
+    # without ep the routed experts are replicated like every other weight: their gradients
+    # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
+    grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
     if zero_stage == 0:
         sent = ring(dp, grads, "all-reduce")
     else:                 # reduce-scatter the gradients, all-gather the updated weights;
+        # stages 2-3 keep only a gradient shard: one reduce-scatter per micro-batch
+        scatters = m if zero_stage >= 2 else 1
         gathers = 2 * m if zero_stage == 3 else 1       # stage 3: before each forward, backward
-        sent = ring(dp, grads, "reduce-scatter") + gathers * ring(dp, grads, "all-gather")
+        sent = (scatters * ring(dp, grads, "reduce-scatter")
+                + gathers * ring(dp, grads, "all-gather"))
     if ep > 1:            # each expert shard is averaged over its dp / ep copies
         sent += ring(dp // ep, rank_expert_params * STREAM_BYTES, "all-reduce")
     dp_time = sent / dp_bw if dp > 1 else 0.0
@@ -102,8 +107,12 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
     """What ``step_time`` assumes, in words, with the numbers it used."""
     return [
-        f"compute: (6 + recompute) x active parameters x tokens / (GPUs x {gpu.bf16_tflops:g} "
-        f"TFLOP/s bf16 dense x MFU {mfu:g}); attention's s^2 FLOPs are not counted",
+        f"compute: (6 + recompute) x active parameters (less the input embedding, a lookup) x "
+        f"tokens / (GPUs x {gpu.bf16_tflops:g} TFLOP/s bf16 dense x MFU {mfu:g}); attention's "
+        f"s^2 FLOPs are not counted (10-20% more at 4096 tokens for a model of hidden 2048)",
+        "MFU is the same for every layout: it does not fall with tp's smaller matmuls, small "
+        "expert GEMMs or grouped-GEMM MoE kernels (real MoE fine-tuning often runs well under "
+        "0.4), so layouts that split small matrices look better than they are",
         "recompute adds forward work: full 2 N D (8/6 of the step), selective an eighth of a "
         "forward (assumed); LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
         "NF4 dequantisation is not counted)",
@@ -113,17 +122,20 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"wire; {gpu.intra_node_gbps:g} GB/s per GPU inside a node of {gpus_per_node}, "
         f"{gpu.inter_node_gbps:g} GB/s across nodes; a group uses the slower link when it "
         f"spans nodes (ranks placed tp, then ep inside dp, then pp)",
-        "data parallel: gradients all-reduced once per step (DDP, ZeRO-0), or reduce-scattered "
-        "and the weights all-gathered (ZeRO-1/2); ZeRO-3 all-gathers the weights before each "
-        "micro-batch's forward and backward",
+        "data parallel: the gradients (the routed experts' too, unless ep splits them) "
+        "all-reduced once per step (DDP, ZeRO-0), or reduce-scattered - once per step with "
+        "ZeRO-1, once per micro-batch with ZeRO-2/3, which keep only a shard - and the weights "
+        "all-gathered once (ZeRO-1/2) or before each micro-batch's forward and backward (ZeRO-3)",
         "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
         "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
         "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "
         "of b s h / tp per micro-batch between stages",
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
-        f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s; "
-        "the host's optimizer step time is not counted",
+        f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s "
+        "(theoretical); the host's optimizer step is not counted (ZeRO-Offload's bottleneck: "
+        "about 30 bytes of DRAM traffic per parameter), nor the host memory it needs (16 bytes "
+        "per parameter of the shard, pinned)",
         "nothing overlaps: compute, bubble and every collective add up (real systems overlap "
         "some of it, so the ranking, not the seconds, is the result)",
     ]
