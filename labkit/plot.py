@@ -494,7 +494,7 @@ def snapshot_figure(series: dict, title: str | None = None):
     return fig
 
 
-def savings_figure(rows, title: str | None = None):
+def course_savings_figure(rows, title: str | None = None):
     """One bar per technique: the share of the per-GPU peak it removed, in its own regime
     (``labkit.savings.course_savings``), labelled with its lab and the bytes before -> after."""
     if not rows:

@@ -1205,7 +1205,7 @@ def allocator_panel(**defaults) -> w.VBox:
 
 
 # ---- lab 09: the planner ---------------------------------------------------------------------
-GPU_COUNTS = [2 ** k for k in range(12)]           # 1 ... 2048
+PLAN_GPU_COUNTS = [2 ** k for k in range(12)]      # 1 ... 2048
 
 
 @dataclass
@@ -1250,7 +1250,7 @@ class PlanPanel:
         from .plan import TRAINABLE
         self.model = w.Dropdown(options=presets(), value=model, description="model")
         self.gpu = w.Dropdown(options=list(GPUS), value=gpu, description="GPU")
-        self.gpus = w.Dropdown(options=GPU_COUNTS, value=gpus, description="GPUs")
+        self.gpus = w.Dropdown(options=PLAN_GPU_COUNTS, value=gpus, description="GPUs")
         self.trainable = w.Dropdown(options=TRAINABLE, value=trainable, description="trains")
         self.seq = w.IntSlider(value=seq, min=512, max=32768, step=512, description="seq",
                                continuous_update=False)

@@ -21,9 +21,9 @@ def test_a_technique_that_costs_memory_shows_a_negative_saving():
     assert Saving("x", "00", "here", before=100, after=125).saved == pytest.approx(-0.25)
 
 
-def test_the_savings_figure_has_a_bar_per_technique():
+def test_the_course_savings_figure_has_a_bar_per_technique():
     rows = course_savings(allocator_steps=False)
-    fig = plot.savings_figure(rows)
+    fig = plot.course_savings_figure(rows)
     assert len(fig.axes[0].patches) == len(rows)
     with pytest.raises(ValueError, match="nothing to plot"):
-        plot.savings_figure([])
+        plot.course_savings_figure([])
