@@ -3,6 +3,7 @@
     python scripts/run_notebooks.py                      # every notebooks/*.ipynb
     python scripts/run_notebooks.py 03_activations       # or those named (stem or path)
     python scripts/run_notebooks.py --check              # execute, compare, write nothing
+    python scripts/run_notebooks.py 03_activations --to out.ipynb   # the executed copy, as is
 
 Each notebook runs with papermill from its own folder (notebooks/), then is saved without
 what would only add noise to a diff: papermill's injected cell and metadata, per-cell
@@ -14,6 +15,7 @@ committed text, on every machine, so such a cell prints only bytes, counts and v
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,8 @@ import difflib
 
 import nbformat
 import papermill
+from nbclient.exceptions import CellTimeoutError
+from papermill.exceptions import PapermillExecutionError
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CI = {"SCALE": "ci"}
@@ -133,8 +137,22 @@ def main(argv=None) -> int:
     parser.add_argument("notebooks", nargs="*", help="stems or paths (default: all)")
     parser.add_argument("--check", action="store_true",
                         help="compare the checked cells with the committed outputs; write nothing")
+    parser.add_argument("--to", type=Path, metavar="OUT.ipynb",
+                        help="execute one notebook into OUT.ipynb (kept as executed, even when a "
+                             "cell fails); compare nothing, leave the committed one as it is")
+    parser.add_argument("--parameters", type=json.loads, default={}, metavar="JSON",
+                        help='with --to: parameters beside SCALE="ci", e.g. \'{"MODEL": "tiny"}\'')
     args = parser.parse_args(argv)
     paths = find(args.notebooks)
+    if args.to:
+        if len(paths) != 1:
+            parser.error("--to takes exactly one notebook")
+        try:
+            execute(paths[0], {**CI, **args.parameters}, output=args.to)
+        except (PapermillExecutionError, CellTimeoutError) as error:   # the cell, not a stack
+            print(error)
+            return 1
+        return 0
     if not paths:
         print(f"no notebooks in {NOTEBOOKS}")
     failed = 0

@@ -1,8 +1,10 @@
-"""Every notebook executes once at SCALE="ci" and its checked cells print what is committed;
-the alternative parameter sets a notebook declares in its metadata
-(``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``) run again, marked slow."""
+"""Every notebook executes once at SCALE="ci" (two at a time, each in a process of its own) and
+its checked cells print what is committed; the alternative parameter sets a notebook declares in
+its metadata (``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``) run again, and every
+notebook again under other CPU kernels, marked slow."""
 import concurrent.futures
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -13,7 +15,6 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient.exceptions import CellTimeoutError
-from papermill.exceptions import PapermillExecutionError
 
 import readonly_audit
 
@@ -47,29 +48,80 @@ def check_conventions(nb):
     assert "widgets" not in nb.metadata, "widget state committed: run scripts/run_notebooks.py"
 
 
+# The notebooks run two at a time, each in a process of its own whose kernel uses one thread:
+# a notebook waits on Python and on its child processes much of the time, so two share a CI
+# machine's 2 cores for about half the wall time of one after another. One thread changes no
+# checked output (the other-kernels run below uses one too).
+PARALLEL = 2
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _execute(path, parameters, folder: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    """``scripts/run_notebooks.py --to``, in a new process: (seconds, what it returned)."""
+    extra = {k: v for k, v in parameters.items() if k not in run_notebooks.CI}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, run_notebooks.__file__, str(path), "--to",
+                           str(folder / path.name), "--parameters", json.dumps(extra)],
+                          env=env, capture_output=True, text=True, timeout=30 * 60)
+    return time.perf_counter() - start, done
+
+
+@pytest.fixture(scope="module")
+def notebook_runs(request, tmp_path_factory):
+    """Every selected (notebook, parameters) case at CI scale, started PARALLEL at a time; the
+    read-only lab under the audit hook, whose log the test then reads."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        yield _submit(pool, request, tmp_path_factory, "test_notebook_executes", ONE_THREAD,
+                      audit=True)
+
+
+def _submit(pool, request, tmp_path_factory, test_name: str, env: dict, audit=False) -> dict:
+    """Each selected case of ``test_name``, submitted to ``pool`` with ``env`` over ours (and
+    the audit hook, with ``audit``, where ``audited``): {case id: (its folder, a future of
+    (seconds, completed process))}."""
+    runs = {}
+    for item in request.session.items:
+        if item.originalname != test_name:
+            continue
+        path = item.callspec.params["path"]
+        parameters = item.callspec.params.get("parameters", run_notebooks.CI)
+        folder = tmp_path_factory.mktemp(path.stem)
+        environ = {**os.environ, **env}
+        if audit and audited(path, parameters):   # the kernel and all it starts log their writes
+            environ = readonly_audit.audit_env(folder / "audit", environ)
+        runs[item.callspec.id] = folder, pool.submit(_execute, path, parameters, folder, environ)
+    return runs
+
+
+def audited(path, parameters) -> bool:
+    return path.stem in READ_ONLY_LABS and parameters == run_notebooks.CI
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path, parameters", _cases())
-def test_notebook_executes(path, parameters, tmp_path, record_notebook_seconds, monkeypatch):
+def test_notebook_executes(path, parameters, request, notebook_runs, record_notebook_seconds):
     committed = nbformat.read(str(path), as_version=4)
     check_conventions(committed)
-    audited = path.stem in READ_ONLY_LABS and parameters == run_notebooks.CI
-    if audited:                 # the kernel and every process it starts log what they write
-        for name, value in readonly_audit.audit_env(tmp_path / "audit").items():
-            monkeypatch.setenv(name, value)
-    start, output, error = time.perf_counter(), tmp_path / path.name, None
-    try:
-        executed = run_notebooks.execute(path, parameters, output=output)
-    except (PapermillExecutionError, CellTimeoutError) as e:   # the failing cell, not a stack
-        error = e
-    record_notebook_seconds(time.perf_counter() - start)
-    if error:
-        pytest.fail(f"{path.name} with {parameters} failed (executed copy: {output})\n{error}",
-                    pytrace=False)
+    folder, executed = _executed(notebook_runs[request.node.callspec.id], path, parameters,
+                                 record_notebook_seconds)
     if parameters == run_notebooks.CI:          # other parameters print other numbers
         problems = run_notebooks.compare_checked(committed, executed)
         assert not problems, f"{path.name}: " + "\n\n".join(problems)
-    if audited:
-        check_read_only(readonly_audit.read_events(tmp_path / "audit"))
+    if audited(path, parameters):
+        check_read_only(readonly_audit.read_events(folder / "audit"))
+
+
+def _executed(run, path, parameters, record_seconds=None):
+    """Wait for a submitted run: (its folder, the executed notebook); a failure names the cell."""
+    folder, future = run
+    seconds, done = future.result()
+    if record_seconds:
+        record_seconds(seconds)
+    output = folder / path.name
+    if done.returncode != 0:                    # the failing cell, not a stack
+        pytest.fail(f"{path.name} with {parameters} failed (executed copy: {output})\n"
+                    f"{done.stdout[-5000:]}\n{done.stderr[-3000:]}", pytrace=False)
+    return folder, nbformat.read(str(output), as_version=4)
 
 
 # The host lab reads the system and changes nothing: its kernel, DataLoader workers and child
@@ -155,29 +207,21 @@ OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"
                  "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
 
 
-def _check_with_other_kernels(path):
-    script = Path(run_notebooks.__file__)
-    return subprocess.run([sys.executable, str(script), "--check", str(path)],
-                          env={**os.environ, **OTHER_KERNELS}, capture_output=True, text=True,
-                          timeout=20 * 60)
-
-
 @pytest.fixture(scope="module")
-def other_kernel_runs(request):
-    """The selected notebooks under OTHER_KERNELS, two at a time: each kernel runs one thread,
-    so two share the 2 cores of a CI machine without slowing each other (half the wall time)."""
-    selected = [item.callspec.params["path"] for item in request.session.items
-                if item.originalname == "test_checked_cells_print_the_same_with_other_cpu_kernels"]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        yield {path: pool.submit(_check_with_other_kernels, path) for path in selected}
+def other_kernel_runs(request, tmp_path_factory):
+    """The selected notebooks under OTHER_KERNELS, PARALLEL at a time (one thread each)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        yield _submit(pool, request, tmp_path_factory,
+                      "test_checked_cells_print_the_same_with_other_cpu_kernels", OTHER_KERNELS)
 
 
 @pytest.mark.slow
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", run_notebooks.find(), ids=lambda p: p.stem)
-def test_checked_cells_print_the_same_with_other_cpu_kernels(path, other_kernel_runs):
-    done = other_kernel_runs[path].result()
-    assert done.returncode == 0, f"with {OTHER_KERNELS}:\n{done.stdout}\n{done.stderr[-3000:]}"
+def test_checked_cells_print_the_same_with_other_cpu_kernels(path, request, other_kernel_runs):
+    _, executed = _executed(other_kernel_runs[request.node.callspec.id], path, OTHER_KERNELS)
+    problems = run_notebooks.compare_checked(nbformat.read(str(path), as_version=4), executed)
+    assert not problems, f"{path.name} with {OTHER_KERNELS}: " + "\n\n".join(problems)
 
 
 def test_a_stuck_cell_times_out_naming_the_cell(tmp_path, monkeypatch):
