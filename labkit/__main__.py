@@ -6,6 +6,7 @@
     python -m labkit presets
     python -m labkit plan --model deepseek-v2-lite --gpu a100-80gb --gpus 8 --seq 4096
     python -m labkit doctor                                     # the host, read-only
+    python -m labkit doctor --course [--no-smoke]               # does every lab run here?
 """
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
                                         "cgroup and memlock limits, allocator settings, GPUs")
     doc.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doc.add_argument("--course", action="store_true",
+                     help="before the workshop: does every lab run here (versions, packages, "
+                          "memory, disk, cores, GPU, a smoke run of lab 00)? Exit 1 on a problem")
+    doc.add_argument("--no-smoke", action="store_true",
+                     help="with --course: skip the smoke run (lab 00 executed, about 20 s)")
     return parser
 
 
@@ -155,8 +161,24 @@ def _run(args) -> str:
     return _table(title, result, extra)
 
 
+def _course(args) -> int:
+    """doctor --course: one line per check and a verdict (or JSON); 1 when a check fails."""
+    from .course_check import SMOKE_BUDGET_S, SMOKE_NOTEBOOK, course_report   # changes nothing
+    if not args.no_smoke and not args.json:
+        print(f"running {SMOKE_NOTEBOOK.name} at SCALE=\"ci\" as a smoke run (budget "
+              f"{SMOKE_BUDGET_S:.0f} s) ...", file=sys.stderr, flush=True)
+    report = course_report(smoke=not args.no_smoke)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+    return 0 if report.ready else 1
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "doctor" and args.no_smoke and not args.course:
+        parser.error("--no-smoke goes with --course")
+    if args.command == "doctor" and args.course:
+        return _course(args)
     try:
         print(_run(args))
     except ValueError as error:       # bad input: the message names the fix

@@ -158,6 +158,26 @@ def _meminfo(text: str | None) -> dict[str, int]:
     return out
 
 
+def meminfo(root="/") -> dict[str, int]:
+    """/proc/meminfo under ``root`` as bytes by field name ({} where it cannot be read)."""
+    return _meminfo(_read(Path(root), "proc/meminfo"))
+
+
+def usable_cpus(cpu_count: int | None = None) -> set[int]:
+    """The cores this process may run on: its affinity (a cpuset hides the others)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range((os.cpu_count() if cpu_count is None else cpu_count) or 1))  # macOS: all
+
+
+def disk_space(path, statvfs=os.statvfs) -> dict[str, int]:
+    """Size, used and free bytes (free: what an unprivileged user may still write) of the
+    filesystem holding ``path``; raises OSError where it cannot be read."""
+    st = statvfs(str(path))
+    return {"size": st.f_blocks * st.f_frsize, "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+            "free": st.f_bavail * st.f_frsize}
+
+
 def cpulist_count(text: str) -> int:
     """CPUs in a kernel cpulist: "0-3,8-11" -> 8; "" -> 0."""
     count = 0
@@ -311,13 +331,11 @@ def _thp(root: Path, environ) -> Finding:
 
 def _shm(root: Path, statvfs) -> Finding:
     try:
-        st = statvfs(str(root / "dev/shm"))
+        data = disk_space(root / "dev/shm", statvfs)
     except OSError:
         return _unknown("shm", "/dev/shm")
-    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    size, used, free = data["size"], data["used"], data["free"]
     value = f"{fmt_bytes(size)} ({fmt_bytes(used)} used, {fmt_bytes(free)} free)"
-    data = {"size": size, "used": used, "free": free}
     commands = ["docker run --shm-size=16g ...   # or: docker run --ipc=host ...",
                 "kubernetes: mount an emptyDir with medium: Memory at /dev/shm"]
     if size < SMALL_SHM:
@@ -453,15 +471,22 @@ def gpus() -> tuple[str, list[dict]]:
                                    "driver": d} for n, t, u, d in rows]
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
+    found = torch_gpus()
+    return ("torch.cuda", found) if found else ("none", [])
+
+
+def torch_gpus() -> list[dict]:
+    """The GPUs torch itself can use (what ``lk.device()`` picks from), as {name, total, used,
+    driver}; [] on a CPU-only build, with no GPU, or with a broken driver."""
     import torch
     try:
         if torch.cuda.is_available():    # properties only: no allocation
             props = map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))
-            return "torch.cuda", [{"name": p.name, "total": p.total_memory, "used": None,
-                                   "driver": None} for p in props]
+            return [{"name": p.name, "total": p.total_memory, "used": None, "driver": None}
+                    for p in props]
     except RuntimeError:             # a broken driver: report no GPU rather than fail
         pass
-    return "none", []
+    return []
 
 
 def _gpus(probe: bool) -> Finding:
@@ -493,12 +518,9 @@ def host_report(root="/", environ=None, *, statvfs=os.statvfs, affinity=None, cp
     root = Path(root)
     environ = dict(os.environ if environ is None else environ)
     cpu_count = os.cpu_count() if cpu_count is None else cpu_count
-    if affinity is None:             # macOS has no sched_getaffinity: every core is usable
-        affinity = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-                    else range(cpu_count or 1))
-    affinity = set(affinity)
+    affinity = usable_cpus(cpu_count) if affinity is None else set(affinity)
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK) if memlock is None else memlock
-    mem = _meminfo(_read(root, "proc/meminfo"))
+    mem = meminfo(root)
     return HostReport([
         _cpu(affinity, cpu_count), _numa(root), _memory(mem), _cgroup(root, mem.get("MemTotal")),
         _swap(root, mem), _thp(root, environ), _shm(root, statvfs), _shmmax(root),
