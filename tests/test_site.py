@@ -1,0 +1,141 @@
+"""The course website: ``python scripts/build_site.py --out DIR`` (the one command, in a new
+process) builds from the committed notebooks; every notebook has a page with the header bar,
+the landing page links every lab, no link is broken, nothing is loaded from another site, the
+search index covers every lab, and each widget output became the note that it needs a kernel.
+The same pages in headless Chromium: tests/browser/test_site_in_browser.py (-m browser)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("build_site", ROOT / "scripts" / "build_site.py")
+build_site = sys.modules["build_site"] = importlib.util.module_from_spec(_spec)   # (dataclasses)
+_spec.loader.exec_module(build_site)
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site") / "site"
+    run = subprocess.run([sys.executable, "scripts/build_site.py", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"the build failed:\n{run.stdout}\n{run.stderr}"
+    assert "lab pages" in run.stdout and " s: " in run.stdout, run.stdout
+    return out
+
+
+def links(page: Path) -> list[tuple[str, str]]:
+    return build_site.Links(page).links
+
+
+def search_index(site: Path) -> list[dict]:
+    text = (site / "assets" / "search-index.js").read_text(encoding="utf-8")
+    prefix = "window.SEARCH_INDEX = "
+    assert text.startswith(prefix)
+    return json.loads(text[len(prefix):].rstrip().rstrip(";"))
+
+
+def test_every_notebook_has_a_page_with_the_header_bar(site):
+    pages = [site / f"{nb.stem}.html" for nb in NOTEBOOKS]
+    for i, page in enumerate(pages):
+        assert page.is_file(), f"no page for {NOTEBOOKS[i].name}"
+        hrefs = {url for tag, url in links(page) if tag == "a"}
+        assert "index.html" in hrefs, f"{page.name}: no link to the course's index"
+        neighbours = {p.name for p in pages[max(i - 1, 0):i + 2]} - {page.name}
+        assert neighbours <= hrefs, f"{page.name}: no link to {neighbours - hrefs}"
+        assert 'id="site-search"' in page.read_text(encoding="utf-8"), f"{page.name}: no search box"
+
+
+def test_index_links_every_lab_of_the_readme_table(site):
+    hrefs = {url for tag, url in links(site / "index.html") if tag == "a"}
+    assert {f"{nb.stem}.html" for nb in NOTEBOOKS} <= hrefs
+    _, intro, labs = build_site.read_readme(ROOT / "README.md")
+    assert [lab.number for lab in labs] == [f"{i:02d}" for i in range(len(labs))]
+    assert "predict" in intro and "<table" not in intro
+
+
+def test_no_link_is_broken(site):
+    broken, _ = build_site.check_links(site)
+    assert broken == []
+
+
+def test_the_link_check_names_a_missing_file_and_a_missing_anchor(tmp_path):
+    (tmp_path / "a.html").write_text(
+        '<h1 id="top">a</h1><a href="#top">ok</a> <a href="b.html#nowhere">b</a> '
+        '<img src="img/missing.png"> <a href="https://example.org/">out</a>')
+    (tmp_path / "b.html").write_text('<p id="here">b</p>')
+    broken, external = build_site.check_links(tmp_path)
+    assert len(broken) == 2, broken
+    assert "no id 'nowhere'" in broken[0] and "img/missing.png" in broken[1]
+    assert external == ["https://example.org/"]
+
+
+def test_nothing_is_loaded_from_another_site(site):
+    for page in sorted(site.glob("*.html")):
+        loaded = [url for tag, url in links(page) if tag != "a" and build_site.is_external(url)]
+        assert loaded == [], f"{page.name} loads {loaded}"
+        assert "import(\"http" not in page.read_text(encoding="utf-8"), page.name
+    for css in (site / "assets").glob("*.css"):
+        text = css.read_text(encoding="utf-8")
+        assert "url(http" not in text and "url('http" not in text and "@import" not in text
+
+
+def test_the_search_index_names_every_lab_and_its_anchors_exist(site):
+    index = search_index(site)
+    for nb in NOTEBOOKS:
+        title = build_site.notebook_title(build_site.read(nb))
+        sections = [s for s in index if s["url"] == f"{nb.stem}.html"]
+        assert sections and sections[0]["title"] == title, f"{nb.stem} is not in the search index"
+        ids = build_site.Links(site / f"{nb.stem}.html").ids
+        missing = [s["anchor"] for s in sections if s["anchor"] not in ids]
+        assert missing == [], f"{nb.stem}: search anchors with no heading: {missing}"
+    assert any("checkpoint" in s["text"].lower() for s in index)
+
+
+def test_each_widget_output_became_the_kernel_note(site):
+    for nb in NOTEBOOKS:
+        widgets = sum(build_site.is_widget(o) for c in build_site.read(nb).cells
+                      for o in c.get("outputs", []))
+        page = (site / f"{nb.stem}.html").read_text(encoding="utf-8")
+        assert widgets >= 1, f"{nb.stem}: no widget output (has its panel moved?)"
+        assert page.count('class="kernel-note"') == widgets, nb.stem
+        assert "VBox(children" not in page and "HBox(children" not in page, nb.stem
+
+
+def test_which_outputs_count_as_widgets():
+    display = lambda data: nbformat.v4.new_output("display_data", data=data)   # noqa: E731
+    cell = nbformat.v4.new_code_cell(outputs=[
+        display({build_site.WIDGET_MIME: {"model_id": "1"}, "text/plain": "anything"}),
+        display({"text/plain": "Tab(children=(Output(),))"}),
+        display({"text/plain": "Layout(dp=2, zero_stage=1)"}),      # labkit's Layout, not a widget
+        display({"text/plain": "<Figure size 640x480 with 1 Axes>"}),
+    ])
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    assert build_site.replace_widgets(nb) == 2
+    kept = [o.data["text/plain"] for o in cell.outputs]
+    assert kept[2:] == ["Layout(dp=2, zero_stage=1)", "<Figure size 640x480 with 1 Axes>"]
+    assert all(build_site.KERNEL_NOTE == o.data["text/html"] for o in cell.outputs[:2])
+
+
+def test_maths_uses_the_local_mathjax(site):
+    if build_site.mathjax_source() is None:
+        pytest.skip('jupyter-server-mathjax is not installed (pip install -e ".[site]")')
+    assert (site / "assets" / "mathjax" / "MathJax.js").is_file()
+    page = site / "07_attention_kv_cache.html"
+    scripts = [url for tag, url in links(page) if tag == "script"]
+    assert any(url.startswith("assets/mathjax/MathJax.js?config=") for url in scripts), scripts
+
+
+def test_the_build_only_empties_a_folder_it_made(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="did not write"):
+        build_site.fresh_folder(tmp_path)
+    assert (tmp_path / "notes.txt").exists()
