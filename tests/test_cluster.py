@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def no_children_left():
-    """No process of ours is alive except multiprocessing's resource tracker and fork server
-    (one each per interpreter, started by the first run, shared by every later one: not ranks;
-    a rank forked by the server is its child, and would be seen here)."""
-    helpers = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+    """No rank of ours is alive: the ranks are forks of multiprocessing's fork server, our
+    grandchildren; our children, the server and the resource tracker (one each per interpreter,
+    started by the first run and shared by every later one), are not ranks and stay."""
+    helpers = set(psutil.Process().children())
+    assert all(any(h in " ".join(p.cmdline()) for h in ("forkserver", "resource_tracker"))
+               for p in helpers), [p.cmdline() for p in helpers]
     return [p.cmdline() for p in psutil.Process().children(recursive=True)
-            if not any(h in " ".join(p.cmdline()) for h in helpers)] == []
+            if p not in helpers] == []
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

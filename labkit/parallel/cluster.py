@@ -88,7 +88,7 @@ def crash_demo(ctx: RankContext, bad_rank: int = 1) -> ReduceResult:
 
 # ---- choices made once, in the parent -------------------------------------------------------
 def _check_importable(fn: Callable):
-    """spawn sends ``fn`` by its module and name: a child must be able to import it."""
+    """A rank receives ``fn`` by its module and name (pickled): it must be able to import it."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     fix = "define it at the top level of a module (e.g. in labkit) and import it from there"
     if module in (None, "__main__", "__mp_main__") or "<" in name:
