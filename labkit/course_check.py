@@ -119,7 +119,7 @@ REQUIREMENTS = (
     Requirement("ipywidgets", "8", "every lab's panel", ""),
     Requirement("tqdm", "", "lab 08's progress bar", ""),
     Requirement("gpu-memory-labs", "", "import labkit in a notebook's kernel"),
-    Requirement("jupyterlab", "", "opening the labs: jupyter lab notebooks/"),
+    Requirement("jupyterlab", "", "opening the labs: jupyter lab START_HERE.ipynb"),
     Requirement("ipykernel", "", "the Python kernel the labs run in"),
     Requirement("psutil", "", "lab 04 (counts the ranks' processes)"),
     Requirement("papermill", "", "the smoke run below"),

@@ -1,0 +1,200 @@
+"""The workshop kit is what scripts/build_workshop.py makes of the course's sources, byte for byte:
+solutions that cover every exercise once (and, slow, print ✅ for each), a handout per lab whose
+figures exist, agendas that fit their day, a guide that quotes only what its labs compute, a
+landing notebook whose links open every lab; ``--time`` writes each notebook's seconds."""
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import exercises
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("build_workshop",
+                                               ROOT / "scripts" / "build_workshop.py")
+build_workshop = importlib.util.module_from_spec(_spec)
+sys.modules["build_workshop"] = build_workshop        # its dataclasses look their module up
+_spec.loader.exec_module(build_workshop)
+
+LAB_NOTEBOOKS = sorted((ROOT / "notebooks").glob("0*.ipynb"))
+SOLUTION_NOTEBOOKS = sorted(build_workshop.SOLUTIONS.glob("*.ipynb"))
+STALE = "run scripts/build_workshop.py"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.fixture(scope="module")
+def labs():
+    return build_workshop.read_labs()
+
+
+@pytest.mark.parametrize("kind", sorted(build_workshop.KINDS))
+def test_the_committed_files_equal_a_fresh_build(kind, labs):
+    problems = build_workshop.differences(build_workshop.KINDS[kind](labs))
+    assert not problems, f"{kind}: {'; '.join(problems)}: {STALE}"
+
+
+def test_every_exercise_is_solved_in_exactly_one_solution_notebook_of_its_lab():
+    solved = {}
+    for path in SOLUTION_NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            for i in re.findall(r'^check\("([^"]+)", answer\)$', cell.source, re.M):
+                solved.setdefault(i, []).append(path.name)
+            if cell.cell_type == "code":                  # committed without outputs
+                assert not cell.outputs and cell.execution_count is None, f"{path.name}: {STALE}"
+    assert sorted(solved) == sorted(exercises.exercises()), STALE
+    assert {i: where for i, where in solved.items()
+            if where != [f"{i[:2]}_solutions.ipynb"]} == {}
+
+
+def test_the_solution_notebooks_import_in_one_cell_after_the_title():
+    for path in SOLUTION_NOTEBOOKS:
+        cells = nbformat.read(path, as_version=4).cells
+        assert [c.id for c in cells[:2]] == ["title", "imports"]
+        assert all(not re.search(r"^(import|from) ", c.source, re.M)
+                   for c in cells[2:] if c.cell_type == "code"), path.name
+
+
+def test_every_lab_has_a_handout_whose_figures_and_links_exist():
+    for notebook in LAB_NOTEBOOKS:
+        handout = build_workshop.HANDOUTS / f"{notebook.stem}.md"
+        assert handout.exists(), f"no handout for {notebook.name}: {STALE}"
+        text = handout.read_text(encoding="utf-8")
+        figures = re.findall(r"!\[[^\]]*\]\((img/[^)]+\.png)\)", text)
+        assert 1 <= len(figures) <= 2, handout.name
+        for link in LINK.findall(text):
+            assert (handout.parent / link).is_file(), f"{handout.name}: {link} does not exist"
+        assert text.startswith(f"# {notebook.stem[:2]} · ")
+
+
+def test_each_agenda_fits_its_day_and_gives_each_lab_the_readmes_time(labs):
+    minutes = {f"Lab {lab.label}": lab.minutes for lab in labs}
+    for day in build_workshop.DAYS:
+        slots = build_workshop.agenda(day, labs)
+        assert sum(length for _, _, length in slots) <= day.minutes, day.name
+        assert all(length == minutes[what] for _, what, length in slots if what in minutes)
+    half, full = ([what for _, what, _ in build_workshop.agenda(day, labs) if what in minutes]
+                  for day in (build_workshop.HALF_DAY, build_workshop.FULL_DAY))
+    assert [w[4:6] for w in half] == ["00", "01", "02", "03", "09"]
+    assert [w[4:6] for w in full] == ["00", "01", "02", "03", "04", "07", "09"]
+    # the labs the full day leaves out are named in the guide as self-study
+    assert "leaves 05, 06 and 08 for self-study" in " ".join(build_workshop.GUIDE.read_text().split())
+
+
+def test_an_agenda_longer_than_its_day_stops_the_build(labs):
+    too_long = build_workshop.Day("A short day", "09:00", 60, ("01", (build_workshop.BREAK, 15), "02"))
+    with pytest.raises(SystemExit, match="takes 2 h 00 min, more than its 1 h 00 min"):
+        build_workshop.agenda(too_long, labs)
+
+
+def test_the_landing_notebook_links_every_lab_and_each_link_resolves():
+    nb = nbformat.read(build_workshop.LANDING, as_version=4)
+    assert {c.cell_type for c in nb.cells} == {"markdown"}
+    links = [link for c in nb.cells for link in LINK.findall(c.source)]
+    for notebook in LAB_NOTEBOOKS:
+        assert f"notebooks/{notebook.name}" in links, f"START_HERE.ipynb misses {notebook.name}"
+    for link in links:
+        assert (ROOT / link).exists(), f"START_HERE.ipynb: {link} does not exist"
+    text = "\n".join(c.source for c in nb.cells)
+    assert "python -m labkit doctor --course" in text and "scripts/build_site.py" in text
+
+
+def test_the_guides_links_resolve():
+    text = build_workshop.GUIDE.read_text(encoding="utf-8")
+    for link in LINK.findall(text):
+        assert (build_workshop.GUIDE.parent / link).exists(), f"workshop/README.md: {link}"
+
+
+def notebook_text(path: Path) -> str:
+    """Everything a lab shows: its cells' sources and their text outputs."""
+    parts = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        parts.append(cell.source)
+        for output in cell.get("outputs", []):
+            parts.append(output.get("text", "") + output.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def lab_sections(template: str) -> dict[str, str]:
+    """{"01": the template's "### 01 · ..." section}."""
+    return dict(re.findall(r"^### (\d\d) · .*?\n(.*?)(?=^##)", template + "\n##", re.M | re.S))
+
+
+def test_the_guide_quotes_only_numbers_and_sections_its_labs_have():
+    sections = lab_sections(build_workshop.TEMPLATE.read_text(encoding="utf-8"))
+    assert sorted(sections) == [p.stem[:2] for p in LAB_NOTEBOOKS]
+    for number, section in sections.items():
+        path = next(p for p in LAB_NOTEBOOKS if p.stem.startswith(number))
+        shown = notebook_text(path)
+        quoted = set(re.findall(r"\d[\d,]*(?:\.\d+)?", section))
+        missing = sorted(n for n in quoted if n not in shown)
+        assert not missing, f"lab {number}'s section quotes {missing}, which {path.name} never shows"
+        headings = {h.strip() for h in re.findall(r"^## (.+)$", shown, re.M)}
+        for n, heading in re.findall(r'^\d\. \*(?:§(\d+) )?"([^"]+)"\*', section, re.M):
+            assert (f"{n}. {heading}" if n else heading) in headings, f"lab {number}: {heading}"
+
+
+def test_the_guide_says_not_measured_until_the_labs_are_timed(labs):
+    table = build_workshop.lab_table(labs, None)
+    assert table.count("| not measured |") == len(labs) and "not measured yet" in table
+    timed = build_workshop.lab_table(labs, {
+        "scale": "workshop", "seconds": {"01_parameter_memory": 125.04},
+        "machine": {"date": "2026-01-01", "cpus": 2, "torch": "2.13.0", "gpu": None}})
+    assert "| 2 min 05 s |" in timed and timed.count("| not measured |") == len(labs) - 1
+    assert "2 CPUs, torch 2.13.0, no GPU" in timed
+    failed = build_workshop.lab_table(labs, {
+        "scale": "workshop", "seconds": {}, "failed": {"04_zero_fsdp": "a cell timed out"},
+        "machine": {"date": "2026-01-01", "cpus": 2, "torch": "2.13.0", "gpu": None}})
+    assert "| 60 min | did not finish |" in failed
+
+
+def test_timings_of_another_scale_are_not_shown(tmp_path):
+    path = tmp_path / "timings.json"
+    path.write_text(json.dumps({"scale": "ci", "seconds": {}, "machine": {}}))
+    assert build_workshop.read_timings(path) is None
+    assert build_workshop.read_timings(tmp_path / "absent.json") is None
+
+
+def tiny_notebook(path: Path, code: str) -> Path:
+    nbformat.write(nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell('SCALE = "ci"', metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(code)], metadata={"kernelspec": {
+            "name": "python3", "display_name": "Python 3", "language": "python"}}), path)
+    return path
+
+
+def test_time_executes_each_notebook_at_the_scale_and_writes_its_seconds(tmp_path):
+    ran = tmp_path / "ran.txt"
+    tiny = tiny_notebook(tmp_path / "tiny.ipynb",
+                         f"from pathlib import Path\nPath({str(ran)!r}).write_text(SCALE)")
+    broken = tiny_notebook(tmp_path / "broken.ipynb", 'raise ValueError("broken on purpose")')
+    out = tmp_path / "timings.json"
+    assert build_workshop.main(["--time", "--scale", "workshop", "--timings", str(out),
+                                str(tiny), str(broken)]) == 1          # one lab failed
+    timings = json.loads(out.read_text())
+    assert timings["scale"] == "workshop" and list(timings["seconds"]) == ["tiny"]
+    assert timings["seconds"]["tiny"] > 0
+    assert "broken on purpose" in timings["failed"]["broken"]
+    assert {"cpus", "torch", "date"} <= set(timings["machine"])
+    assert ran.read_text() == "workshop"                   # papermill set SCALE
+    assert sorted(p.name for p in tmp_path.iterdir()) == [  # executed in a folder of its own
+        "broken.ipynb", "ran.txt", "timings.json", "tiny.ipynb"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_solution_notebook_runs_and_every_check_shows_a_tick(path, tmp_path):
+    import papermill
+    nb = papermill.execute_notebook(str(path), str(tmp_path / path.name), kernel_name="python3",
+                                    cwd=str(tmp_path), progress_bar=False,
+                                    execution_timeout=600)
+    answers = [c for c in nb.cells if c.cell_type == "code" and c.id.endswith("-answer")]
+    assert len(answers) == len(exercises.exercises(f"{path.stem[:2]}-"))
+    for cell in answers:
+        shown = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs
+                        if o.output_type == "execute_result")
+        assert shown.startswith("✅"), f"{path.name}, {cell.id}: {shown}"

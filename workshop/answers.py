@@ -1,0 +1,245 @@
+"""The worked answer to every exercise of ``labkit.exercises``, computed with labkit the way the
+exercise's hint suggests: the code an instructor types to show where the number comes from.
+
+scripts/build_workshop.py copies each ``# %% <exercise id>`` cell below into that lab's
+workshop/solutions/NN_solutions.ipynb, after ``print(solution(id))``, and ends it with
+``check(id, answer)``; the ``from ... import ...`` lines at the top of a cell move to the
+notebook's one import cell. A new exercise needs a cell here (the build names the missing ones);
+``python -m pytest -m slow tests/test_workshop.py`` runs every cell and checks it prints ✅.
+``python workshop/answers.py`` runs them all as one script.
+"""
+import labkit as lk
+
+# %% 01-adamw-bytes
+answer = lk.model_state_bytes(1, "bf16-master", "adamw")   # bf16 weight 2 + bf16 grad 2 + fp32 master, m, v 12
+
+# %% 01-llama-7b-fp32-adamw
+n = lk.count_params("llama-2-7b").total
+answer = n * (4 + 4 + 8) / 2**30                           # fp32 weight + gradient + two moments, GiB
+
+# %% 01-deepseek-v2-lite-params
+answer = lk.count_params("deepseek-v2-lite").total / 1e9
+
+# %% 01-deepseek-v2-lite-idle-experts
+c = lk.preset("deepseek-v2-lite")
+expert = 3 * c.hidden * c.moe_ffn                          # one SwiGLU expert: gate, up, down
+answer = c.moe_layers * (c.routed_experts - c.top_k) * expert / 1e9
+pc = lk.count_params(c)
+print(f"total - active = {(pc.total - pc.active) / 1e9:.3f} billion")
+
+# %% 01-llama-7b-kv-cache
+c = lk.preset("llama-2-7b")
+per_token = 2 * c.layers * c.kv_heads * c.head_dim * 2     # K and V, every layer, bf16
+answer = per_token * 4096 / 2**30
+print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, seq=4096, dtype='bf16') / 2**30:.3f} GiB")
+
+# %% 01-mla-kv-ratio
+c = lk.preset("deepseek-v2-lite")
+mla = c.layers * (c.kv_lora_rank + c.qk_rope_dim) * 2      # latent + shared RoPE key, bf16
+answer = lk.kv_cache_bytes("llama-2-7b", seq=1) / mla
+
+# %% 01-zero3-fewest-gpus
+n = lk.count_params("llama-2-7b").total
+answer = next(gpus for gpus in range(1, 1025)
+              if lk.model_state_bytes(n, "bf16-mixed", "adamw", zero_stage=3, dp=gpus) <= 24 * 2**30)
+
+# %% 01-predict-then-measure-sgd-momentum
+predicted = lk.count_params("small").total * (4 + 4)      # fp32 weight + fp32 momentum buffer
+m = lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=False)
+print(f"predicted {predicted:,} B, measured {m.params + m.optimizer:,} B")
+answer = m.params + m.optimizer
+
+# %% 01-peak-moves-to-backward
+answer = next(seq for seq in range(512, 2**17, 512)
+              if lk.estimate("llama-2-7b", seq=seq, precision="bf16-mixed",
+                             device="cuda").peak_phase == "backward")
+
+# %% 02-fp16-largest
+from labkit import precision as P
+fp16 = next(f for f in P.format_table() if f.name == "fp16")
+print(f"{fp16.exponent_bits} exponent bits, {fp16.mantissa_bits} mantissa bits: (2 - 2^-10) x 2^15")
+answer = fp16.max
+
+# %% 02-autocast-weight-copies
+pc = lk.count_params("llama-2-7b")
+matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]   # looked up, not multiplied
+answer = 2 * matmul / 2**30
+cache = lk.estimate("llama-2-7b", seq=512, precision="bf16-mixed").saved_weight_cache
+print(f"the estimate's autocast weight cache: {cache / 2**30:.2f} GiB")
+
+# %% 02-fp8-block-bytes
+import torch
+from labkit import precision as P
+w = torch.randn(7168, 7168) * 0.02
+answer = P.quantize_fp8(w, fmt="fp8-e4m3", granularity="block").nbytes     # values + fp32 block scales
+print(f"7168^2 x 1 B + (7168 / 128)^2 x 4 B = {7168**2 + (7168 // 128) ** 2 * 4:,} B")
+
+# %% 02-mixed-saves-a-quarter
+def saves_a_quarter(seq):
+    mixed, fp32 = (lk.estimate("llama-2-7b", 1, seq, precision=p, device="cuda").total
+                   for p in ("bf16-mixed", "fp32"))
+    return mixed <= 0.75 * fp32
+
+answer = next(seq for seq in range(512, 2**17, 512) if saves_a_quarter(seq))
+
+# %% 02-half-inference-saving
+from labkit.precision import inference_peak
+fp32, half = (inference_peak("small", 2, 256, half=h) for h in (False, True))
+answer = 100 * (1 - half.peak / fp32.peak)
+
+# %% 03-full-recompute-kept
+c = lk.preset("llama-2-7b")
+answer = 4096 * c.hidden * 2 / 2**20                       # one layer's input: tokens x hidden, bf16
+
+# %% 03-padding-waste
+from labkit import batching
+padded = batching.pad_batches(batching.make_documents([100, 300, 50, 550]), 4, pad_to=600)
+print(f"{padded.tokens} real tokens, {padded.padding} padding positions of 4 x 600")
+answer = 100 * padded.waste
+
+# %% 03-accumulation-optimizer
+from labkit import batching
+a = batching.measure_accumulation(lk.preset("small"), micro_batch=1, steps=8, seq=64)   # measured
+print(f"8 accumulation steps: optimizer state {a.optimizer:,} B; estimated for one step "
+      f"{lk.estimate('small', precision='fp32').optimizer:,} B")
+answer = a.optimizer / 2**20
+
+# %% 03-peak-leaves-optimizer-with-selective
+def past_optimizer(seq):
+    return lk.estimate("llama-2-7b", 1, seq, precision="bf16-mixed", device="cuda",
+                       recompute="selective").peak_phase != "optimizer"
+
+lo, hi = 4096, 32768                                       # not past at lo, past at hi: bisect
+while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if past_optimizer(mid) else (mid, hi)
+answer = hi
+
+# %% 03-cheapest-recompute-fits-24gib
+def peak(k):
+    return lk.estimate("llama-2-7b", batch=1, seq=4096, precision="bf16-master", zero_stage=3,
+                       dp=16, recompute=f"every-{k}", device="cuda").total
+
+answer = 1                                                 # every-1 = full recompute: fits
+while peak(answer + 1) <= 24 * 2**30:                      # a larger k keeps more blocks whole
+    answer += 1
+
+# %% 03-varlen-saving
+c = lk.preset("tiny")
+mask = 4 * 512 * 512                                       # the fp32 (1, 1, T, T) additive mask
+lse = c.layers * c.heads * 512 * 4                         # a log-sum-exp per layer, head and token
+answer = (mask + lse) / 1024                               # predicted; the solution quotes the measurement
+
+# %% 04-zero2-bytes-per-parameter
+n = 8 * 10**6                                              # any count that 8 divides
+answer = lk.model_state_bytes(n, "bf16-master", "adamw", zero_stage=2, dp=8) / n   # 2 + (2 + 12) / 8
+
+# %% 04-bucket-view-saves
+def peak(view):
+    return lk.estimate("llama-2-7b", 1, 16, precision="fp32",
+                       layout=lk.Layout(dp=8, gradient_as_bucket_view=view)).total
+
+answer = (peak(False) - peak(True)) / 2**30
+
+# %% 04-zero3-bytes-sent
+n = lk.count_params("llama-2-7b").total
+answer = 3 * (63 / 64) * n * 2 / 2**30                     # all-gather twice, reduce-scatter once, bf16
+sent = lk.estimate("llama-2-7b", 1, 2048, precision="bf16-master",
+                   layout=lk.Layout(dp=64, zero_stage=3)).details["bytes sent per step"]
+print(f"the estimate's bytes sent per step: {sent / 2**30:.2f} GiB")
+
+# %% 04-fewest-gpus-80gib
+def peak(gpus):
+    return lk.estimate("llama-2-13b", 1, 4096, precision="bf16-master", recompute="full",
+                       layout=lk.Layout(dp=gpus, zero_stage=3)).total
+
+answer = next(gpus for gpus in (2**k for k in range(11)) if peak(gpus) <= 80 * 2**30)
+
+# %% 05-tp8-param-share
+from labkit.layers import block_weights, embedding_weights, head_weights
+c = lk.preset("llama-2-7b")
+weights = embedding_weights(c) + head_weights(c) + [
+    w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)]
+answer = 100 * sum(w.local(tp=8) for w in weights) / sum(w.numel for w in weights)
+
+# %% 05-1f1b-in-flight
+from labkit.parallel import pipeline
+answer = pipeline.in_flight(0, 8, 32, "1f1b")              # stage 0, p = 8, m = 32
+
+# %% 05-bubble-m
+answer = next(m for m in range(1, 1000) if lk.pipeline_bubble(8, m, "1f1b") < 0.05)
+
+# %% 05-v3-experts-per-gpu
+c = lk.preset("deepseek-v3")
+per_gpu = c.routed_experts // 256                          # routed experts per MoE layer on one GPU
+answer = c.moe_layers * per_gpu * 3 * c.hidden * c.moe_ffn / 1e9
+
+# %% 06-nf4-bits
+from labkit import quant
+answer = 4 + 8 / 64 + 32 / (64 * 256)                      # code + 8-bit scale + its fp32 scale
+print(f"quant.nf4_bits_per_param(64, double_quant=True): {quant.nf4_bits_per_param(64, True):.4f}")
+
+# %% 06-lora-share
+from labkit.layers import lora_weights
+c = lk.preset("llama-2-7b")
+trained = sum(w.numel for i in range(c.layers) for w in lora_weights(c, i >= c.dense_layers, 16))
+answer = 100 * trained / lk.count_params(c).total
+
+# %% 06-adamw8bit-state
+from labkit import optim8bit
+from labkit.layers import block_weights, embedding_weights, head_weights
+c = lk.preset("llama-2-7b")
+weights = embedding_weights(c) + head_weights(c) + [
+    w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)]
+answer = sum(optim8bit.state_bytes(w.numel) for w in weights) / 2**30
+
+# %% 06-qlora-7b-peak
+e = lk.estimate("llama-2-7b", 1, 2048,
+                recipe=lk.Recipe("bf16-master", trainable="lora", weight_format="nf4"))
+print(e.explain())
+answer = e.total / 2**30
+
+# %% 07-naive-attention-gib
+c = lk.preset("llama-2-7b")
+answer = 1 * c.heads * 4096 * 4096 * (4 + 2) / 2**30       # B x H x T x T pairs, fp32 + bf16 copy
+
+# %% 07-kv-cache-70b
+c = lk.preset("llama-2-70b")
+answer = 2 * c.layers * c.kv_heads * c.head_dim * 2 * 8 * 4096 / 2**30   # K and V, bf16, 8 x 4096
+print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, batch=8, seq=4096, dtype='bf16') / 2**30:.1f} GiB")
+
+# %% 07-mla-bytes-per-token
+c = lk.preset("deepseek-v2")
+answer = (c.kv_lora_rank + c.qk_rope_dim) * c.layers * 2
+print(f"lk.kv_cache_bytes('deepseek-v2', seq=1): {lk.kv_cache_bytes(c, seq=1):,} B")
+
+# %% 07-paged-waste
+per_token = lk.kv_cache_bytes("llama-2-13b", seq=1, dtype="fp16")   # one token, every layer
+answer = (16 - 1) * per_token / 2**20                      # a last block holding one token of 16
+
+# %% 08-shm-image-loader
+from labkit import shm
+batch = 64 * 3 * 224 * 224 * 4                             # one batch of fp32 images
+answer = shm.shm_needed(batch, 8, 2) / 2**20               # (8 x 2 in flight + 2) batches, whole pages
+
+# %% 08-small-pool-tensors
+from labkit import allocator
+rounded = allocator.round_size(100_000)                    # a multiple of 512 B
+answer = allocator.kSmallBuffer // rounded                 # in one 2 MiB segment
+
+# %% 08-reserved-three-tensors
+from labkit import allocator
+a = allocator.CachingAllocator(record_trace=False)
+for key, mib in enumerate((3, 7, 11)):
+    a.malloc(mib * 2**20, key)
+    print(f"{mib} MiB: reserved {a.stats().reserved_bytes / 2**20:g} MiB")
+answer = a.stats().reserved_bytes / 2**20
+
+# %% 08-pinned-staging-buffer
+from labkit import pinned
+answer = pinned.pinned_host_bytes(600 * 2**20) / 2**20     # rounded up to a power of two
+
+# %% 09-fewest-a100s-7b
+from labkit.plan import plan
+answer = next(gpus for gpus in (1, 2, 4, 8, 16)
+              if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
