@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -160,6 +161,19 @@ class LoaderShm:
         return self.peak / self.batch_shm
 
 
+def _from_a_child(name: str) -> bool:
+    """A ``torch_<pid>_<random>_<n>`` name made by a child of this process (a loader's worker),
+    not by another program sharing /dev/shm."""
+    parts = name.split("_")
+    if len(parts) < 3 or parts[0] != "torch" or not parts[1].isdigit():
+        return False
+    try:
+        stat = Path(f"/proc/{parts[1]}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()   # field 4: the parent's pid
+
+
 def _measure_here(batch_bytes, num_workers, prefetch_factor, batches, strategy, shm_path,
                   hold_s) -> LoaderShm:
     """Run the loader in this process and sample ``statvfs(shm_path)`` while it runs."""
@@ -179,7 +193,7 @@ def _measure_here(batch_bytes, num_workers, prefetch_factor, batches, strategy, 
         for _batch in _loader(batch_bytes, num_workers, prefetch_factor, batches, strategy):
             per_batch.append(shm_used(shm_path) - baseline)
             # file_descriptor's names live only between shm_open and unlink; file_system's stay
-            names = max(names, sum(f.startswith("torch_") and f not in others
+            names = max(names, sum(f not in others and _from_a_child(f)
                                    for f in os.listdir(shm_path)))
             time.sleep(hold_s)   # the training step: slow enough that the workers fill the queue
     finally:
