@@ -57,13 +57,16 @@ def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, targets: str = 
 
 def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int = 16,
              weight_format: str | None = None, modules_to_save: tuple[str, ...] = (),
-             lr: float = 3e-3, seed: int = 1, batch: int = 8, seq: int = 32) -> list[float]:
+             lr: float = 3e-3, seed: int = 1, batch: int = 8, seq: int = 32,
+             progress: bool = True) -> list[float]:
     """Fine-tune a copy of ``model`` (``gptq.trained_small()``'s, say) on a new task - the
     bigram corpus of another seed, whose successors differ - fully (``trainable="all"``) or
     through rank-``r`` adapters on a float or NF4 base; the loss per step (fp32 AdamW).
     ``modules_to_save`` (as PEFT's): modules trained whole beside the adapters, e.g.
-    ("embed", "lm_head")."""
+    ("embed", "lm_head"). ``progress`` shows a bar over the steps."""
     import copy
+
+    from tqdm.auto import tqdm
 
     from .gptq import CORPUS_VOCAB
     from .train import bigram_corpus, make_optimizer, train_step
@@ -83,4 +86,7 @@ def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int 
     optimizer = make_optimizer(params, "adamw", lr=lr)
     rows = bigram_corpus(CORPUS_VOCAB, steps * batch * (seq + 1), seed)
     batches = rows.view(steps, batch, seq + 1)                              # (steps, B, T+1)
-    return [train_step(model, optimizer, b[:, :-1], b[:, 1:]).loss for b in batches]
+    what = "all weights" if trainable == "all" else f"LoRA r={r}" + (
+        f" on {weight_format}" if weight_format else "") + "".join(f" + {m}" for m in modules_to_save)
+    return [train_step(model, optimizer, b[:, :-1], b[:, 1:]).loss
+            for b in tqdm(batches, desc=f"fine-tuning {what}", disable=not progress)]
