@@ -19,8 +19,9 @@ Writes, from the README's "## The labs" table, the committed notebooks and labki
 - ``START_HERE.ipynb`` at the repository root: the labs as links, with time and needs.
 
 ``--time`` executes each lab with papermill at the given SCALE in a temporary folder (scripts/
-run_notebooks.py's ``execute``), writes the seconds and the machine to ``workshop/timings.json``
-and regenerates the guide, whose table shows them (or "not measured" before). Everything else is
+run_notebooks.py's ``execute``), adds the seconds and the machine as a run to
+``workshop/timings.json`` (the last five are kept) and regenerates the guide, whose table shows
+each lab's time, or its fastest and slowest over the runs (or "not measured" before). Everything else is
 deterministic: building twice gives the same bytes, which tests/test_workshop.py checks.
 """
 from __future__ import annotations
@@ -334,8 +335,12 @@ def agenda_table(day: Day, labs: list[Lab]) -> str:
 
 # --- 4. the instructor guide ---------------------------------------------------------------------
 
+KEPT_RUNS = 5       # --time adds a run to workshop/timings.json and keeps the last five
+
+
 def read_timings(path: Path = TIMINGS) -> dict | None:
-    """workshop/timings.json if it was measured at SCALE="workshop", else None."""
+    """workshop/timings.json - {"scale", "runs": [{"seconds", "failed", "machine"}, ...]} - if
+    it was measured at SCALE="workshop", else None."""
     if not path.exists():
         return None
     timings = json.loads(path.read_text(encoding="utf-8"))
@@ -348,11 +353,33 @@ def seconds_text(seconds: float) -> str:
 
 
 def run_time(stem: str, timings: dict | None) -> str:
-    """How long the lab took at SCALE="workshop", as the guide's table says it."""
-    timings = timings or {}
-    if stem in timings.get("seconds", {}):
-        return seconds_text(timings["seconds"][stem])
-    return "did not finish" if stem in timings.get("failed", {}) else "not measured"
+    """How long the lab took at SCALE="workshop" in the runs that timed it, as the guide's
+    table says it: one time, or the fastest and slowest of several runs."""
+    runs = [run for run in (timings or {}).get("runs", [])
+            if stem in run.get("seconds", {}) or stem in run.get("failed", {})]
+    seconds = sorted(run["seconds"][stem] for run in runs if stem in run.get("seconds", {}))
+    failed = len(runs) - len(seconds)
+    if not runs:
+        return "not measured"
+    if not seconds:
+        return "did not finish"
+    text = seconds_text(seconds[0]) if len(seconds) == 1 else \
+        f"{seconds_text(seconds[0])} - {seconds_text(seconds[-1])} ({len(seconds)} runs)"
+    return text + (f"; did not finish in {failed} of {len(runs)} runs" if failed else "")
+
+
+def spread_note(runs: list[dict]) -> str:
+    """How far the slowest run of a lab was from its fastest, over the labs timed twice or more."""
+    per_lab = {}
+    for run in runs:
+        for stem, seconds in run.get("seconds", {}).items():
+            per_lab.setdefault(stem, []).append(seconds)
+    ratios = [max(s) / min(s) for s in per_lab.values() if len(s) > 1]
+    if not ratios:
+        return ""
+    return (f" From one run to another the same lab took up to {max(ratios):.1f} times as long "
+            "(other work on the machine, a different host): time the labs on the learners' "
+            "machines.")
 
 
 def lab_table(labs: list[Lab], timings: dict | None) -> str:
@@ -369,10 +396,14 @@ def lab_table(labs: list[Lab], timings: dict | None) -> str:
             + f" | [handout](handouts/{lab.notebook.stem}.md) | {lab.needs} |")
     header = ("| lab | time (README) | runs in, SCALE=\"workshop\" | exercises | handout | needs |\n"
               "| --- | --- | --- | --- | --- | --- |")
-    if timings:
-        m = timings["machine"]
-        note = (f"Measured on {m['date']} with `--time`: {m['cpus']} CPUs, torch {m['torch']}, "
-                f"{m['gpu'] or 'no GPU'}; the seconds a whole lab takes to execute, not to teach.")
+    runs = (timings or {}).get("runs", [])
+    if runs:
+        machines = sorted({f"{m['cpus']} CPUs, torch {m['torch']}, {m['gpu'] or 'no GPU'}"
+                           for m in (run["machine"] for run in runs)})
+        dates = sorted({run["machine"]["date"] for run in runs})
+        note = (f"Measured with `--time` in {len(runs)} run{'s' * (len(runs) > 1)} "
+                f"({', '.join(dates)}) on {'; '.join(machines)}: the seconds a whole lab takes to "
+                "execute, not to teach." + spread_note(runs))
     else:
         note = ("The labs' run times at SCALE=\"workshop\" are not measured yet: "
                 "`python scripts/build_workshop.py --time --scale workshop` on a machine like the "
@@ -451,9 +482,10 @@ def machine() -> dict:
 
 
 def time_labs(paths: list[Path], scale: str, out: Path = TIMINGS) -> dict:
-    """Execute each notebook at SCALE=``scale``, from a copy in a temporary folder; write
-    {"scale", "seconds": {stem: seconds}, "failed": {stem: why}, "machine"} to ``out`` and
-    return it. A lab whose cell fails or hangs is noted, and the others still run."""
+    """Execute each notebook at SCALE=``scale``, from a copy in a temporary folder; add the run,
+    {"seconds": {stem: seconds}, "failed": {stem: why}, "machine"}, to ``out``'s runs at that
+    scale (the last ``KEPT_RUNS``) and return it. A lab whose cell fails or hangs is noted, and
+    the others still run."""
     runner = run_notebooks()
     seconds, failed = {}, {}
     with tempfile.TemporaryDirectory(prefix="workshop-timing-") as folder:
@@ -472,9 +504,12 @@ def time_labs(paths: list[Path], scale: str, out: Path = TIMINGS) -> dict:
                 continue
             seconds[path.stem] = round(time.perf_counter() - start, 1)
             print(f"{seconds[path.stem]:7.1f} s  {path.name}", flush=True)
-    timings = {"scale": scale, "seconds": seconds, "failed": failed, "machine": machine()}
-    out.write_text(json.dumps(timings, indent=1) + "\n", encoding="utf-8")
-    return timings
+    run = {"seconds": seconds, "failed": failed, "machine": machine()}
+    earlier = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+    runs = earlier.get("runs", []) if earlier.get("scale") == scale else []
+    out.write_text(json.dumps({"scale": scale, "runs": (runs + [run])[-KEPT_RUNS:]}, indent=1)
+                   + "\n", encoding="utf-8")
+    return run
 
 
 # --- building ------------------------------------------------------------------------------------

@@ -138,23 +138,39 @@ def test_the_guide_quotes_only_numbers_and_sections_its_labs_have():
             assert (f"{n}. {heading}" if n else heading) in headings, f"lab {number}: {heading}"
 
 
+MACHINE = {"date": "2026-01-01", "cpus": 2, "torch": "2.13.0", "gpu": None}
+
+
 def test_the_guide_says_not_measured_until_the_labs_are_timed(labs):
     table = build_workshop.lab_table(labs, None)
     assert table.count("| not measured |") == len(labs) and "not measured yet" in table
-    timed = build_workshop.lab_table(labs, {
-        "scale": "workshop", "seconds": {"01_parameter_memory": 125.04},
-        "machine": {"date": "2026-01-01", "cpus": 2, "torch": "2.13.0", "gpu": None}})
+    timed = build_workshop.lab_table(labs, {"scale": "workshop", "runs": [
+        {"seconds": {"01_parameter_memory": 125.04}, "failed": {}, "machine": MACHINE}]})
     assert "| 2 min 05 s |" in timed and timed.count("| not measured |") == len(labs) - 1
-    assert "2 CPUs, torch 2.13.0, no GPU" in timed
-    failed = build_workshop.lab_table(labs, {
-        "scale": "workshop", "seconds": {}, "failed": {"04_zero_fsdp": "a cell timed out"},
-        "machine": {"date": "2026-01-01", "cpus": 2, "torch": "2.13.0", "gpu": None}})
+    assert "in 1 run (2026-01-01) on 2 CPUs, torch 2.13.0, no GPU" in timed
+    assert "times as long" not in timed                     # one run: no spread to speak of
+    failed = build_workshop.lab_table(labs, {"scale": "workshop", "runs": [
+        {"seconds": {}, "failed": {"04_zero_fsdp": "a cell timed out"}, "machine": MACHINE}]})
     assert "| 60 min | did not finish |" in failed
+
+
+def test_several_runs_show_each_labs_fastest_and_slowest(labs):
+    later = dict(MACHINE, date="2026-01-02")
+    timings = {"scale": "workshop", "runs": [
+        {"seconds": {"01_parameter_memory": 60.0, "04_zero_fsdp": 200.0}, "failed": {},
+         "machine": MACHINE},
+        {"seconds": {"01_parameter_memory": 150.0}, "failed": {"04_zero_fsdp": "timed out"},
+         "machine": later}]}
+    table = build_workshop.lab_table(labs, timings)
+    assert "| 1 min 00 s - 2 min 30 s (2 runs) |" in table
+    assert "| 3 min 20 s; did not finish in 1 of 2 runs |" in table
+    assert "in 2 runs (2026-01-01, 2026-01-02)" in table
+    assert "up to 2.5 times as long" in table
 
 
 def test_timings_of_another_scale_are_not_shown(tmp_path):
     path = tmp_path / "timings.json"
-    path.write_text(json.dumps({"scale": "ci", "seconds": {}, "machine": {}}))
+    path.write_text(json.dumps({"scale": "ci", "runs": []}))
     assert build_workshop.read_timings(path) is None
     assert build_workshop.read_timings(tmp_path / "absent.json") is None
 
@@ -173,13 +189,18 @@ def test_time_executes_each_notebook_at_the_scale_and_writes_its_seconds(tmp_pat
                          f"from pathlib import Path\nPath({str(ran)!r}).write_text(SCALE)")
     broken = tiny_notebook(tmp_path / "broken.ipynb", 'raise ValueError("broken on purpose")')
     out = tmp_path / "timings.json"
+    out.write_text(json.dumps({"scale": "workshop", "runs": [
+        {"seconds": {"tiny": float(n)}, "failed": {}, "machine": MACHINE}
+        for n in range(build_workshop.KEPT_RUNS)]}))
     assert build_workshop.main(["--time", "--scale", "workshop", "--timings", str(out),
                                 str(tiny), str(broken)]) == 1          # one lab failed
     timings = json.loads(out.read_text())
-    assert timings["scale"] == "workshop" and list(timings["seconds"]) == ["tiny"]
-    assert timings["seconds"]["tiny"] > 0
-    assert "broken on purpose" in timings["failed"]["broken"]
-    assert {"cpus", "torch", "date"} <= set(timings["machine"])
+    assert timings["scale"] == "workshop" and len(timings["runs"]) == build_workshop.KEPT_RUNS
+    assert timings["runs"][0]["seconds"]["tiny"] == 1.0     # the oldest run (0.0) dropped
+    run = timings["runs"][-1]                               # this one, added last
+    assert list(run["seconds"]) == ["tiny"] and run["seconds"]["tiny"] > 0
+    assert "broken on purpose" in run["failed"]["broken"]
+    assert {"cpus", "torch", "date"} <= set(run["machine"])
     assert ran.read_text() == "workshop"                   # papermill set SCALE
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # executed in a folder of its own
         "broken.ipynb", "ran.txt", "timings.json", "tiny.ipynb"]
