@@ -22,6 +22,7 @@ from pathlib import Path
 
 import copy
 import difflib
+import re
 
 import nbformat
 import papermill
@@ -55,8 +56,20 @@ def execute(path: Path, parameters: dict = CI, output: Path | None = None):
         execution_timeout=CELL_TIMEOUT_S)
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# tqdm's bar as text: "desc:   0%|          | 0/60 [00:00<?, ?it/s]"
+PROGRESS_BAR = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")
+
+
+def is_progress_bar(output) -> bool:
+    """A tqdm bar shown as a widget: without its state only its first frame (0%) would stay."""
+    data = output.get("data", {})
+    return WIDGET_VIEW in data and bool(PROGRESS_BAR.search(data.get("text/plain", "")))
+
+
 def clean(nb):
-    """Drop papermill's injected cell and metadata, cell timings and widget state; keep outputs."""
+    """Drop papermill's injected cell and metadata, cell timings, widget state and progress bars;
+    keep outputs."""
     nb.cells = [c for c in nb.cells if "injected-parameters" not in c.metadata.get("tags", [])]
     nb.metadata.pop("papermill", None)
     nb.metadata.pop("widgets", None)
@@ -70,12 +83,12 @@ def clean(nb):
             continue
         count += 1                        # renumber: no gap where the injected cell was
         cell.execution_count = count
-        cell.outputs = _joined_streams(cell.outputs)
+        cell.outputs = _joined_streams([o for o in cell.outputs if not is_progress_bar(o)])
         for output in cell.outputs:
             if "execution_count" in output:
                 output.execution_count = count
             # a widget's view points at the state dropped above: keep its text fallback only
-            output.get("data", {}).pop("application/vnd.jupyter.widget-view+json", None)
+            output.get("data", {}).pop(WIDGET_VIEW, None)
     return nb
 
 

@@ -167,15 +167,23 @@ def test_clean_keeps_outputs_and_drops_noise():
     injected = nbformat.v4.new_code_cell("SCALE = 'ci'", metadata={"tags": ["injected-parameters"]})
     cell = nbformat.v4.new_code_cell("w", execution_count=7, metadata={
         "tags": [], "papermill": {"duration": 1.0}, "execution": {"iopub.status.busy": "…"}})
-    cell.outputs = [nbformat.v4.new_output("execute_result", execution_count=7, data={
-        "text/plain": "IntSlider(value=3)", "application/vnd.jupyter.widget-view+json": {}})]
+    view = {"application/vnd.jupyter.widget-view+json": {}}
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data={       # a tqdm bar: its 0% frame goes
+            "text/plain": "fine-tuning LoRA r=16:   0%|          | 0/60 [00:00<?, ?it/s]", **view}),
+        nbformat.v4.new_output("stream", name="stdout", text="a\n"),
+        nbformat.v4.new_output("stream", name="stdout", text="b\n"),
+        nbformat.v4.new_output("execute_result", execution_count=7, data={
+            "text/plain": "IntSlider(value=3)", **view})]
     nb.cells = [injected, cell]
     nb = run_notebooks.clean(nb)
     assert nb.metadata == {} and len(nb.cells) == 1
     (cell,) = nb.cells
     assert cell.metadata == {} and cell.execution_count == 1
-    assert cell.outputs[0].data == {"text/plain": "IntSlider(value=3)"}
-    assert cell.outputs[0].execution_count == 1
+    assert [o.output_type for o in cell.outputs] == ["stream", "execute_result"]
+    assert cell.outputs[0].text == "a\nb\n"
+    assert cell.outputs[1].data == {"text/plain": "IntSlider(value=3)"}
+    assert cell.outputs[1].execution_count == 1
 
 
 def _notebook(*cells):
