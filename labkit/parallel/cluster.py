@@ -289,7 +289,10 @@ def main(argv: list[str] | None = None):
     if not argv:
         raise SystemExit("usage: torchrun ... -m labkit.parallel.cluster module:function [args ...]")
     result = launch(_load(argv[0]), *map(_literal, argv[1:]))
-    print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {result!r}", flush=True)
+    # one write per line: print() writes the text and its newline apart, and with unbuffered
+    # output (PYTHONUNBUFFERED) two ranks sharing a pipe could run their lines together
+    sys.stdout.write(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: {result!r}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
