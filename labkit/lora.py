@@ -86,7 +86,10 @@ def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int 
     optimizer = make_optimizer(params, "adamw", lr=lr)
     rows = bigram_corpus(CORPUS_VOCAB, steps * batch * (seq + 1), seed)
     batches = rows.view(steps, batch, seq + 1)                              # (steps, B, T+1)
-    what = "all weights" if trainable == "all" else f"LoRA r={r}" + (
-        f" on {weight_format}" if weight_format else "") + "".join(f" + {m}" for m in modules_to_save)
+    if trainable == "all":
+        what = "all weights"
+    else:                                           # e.g. "LoRA r=16 on nf4 + embed + lm_head"
+        what = f"LoRA r={r}" + (f" on {weight_format}" if weight_format else "")
+        what += "".join(f" + {name}" for name in modules_to_save)
     return [train_step(model, optimizer, b[:, :-1], b[:, 1:]).loss
             for b in tqdm(batches, desc=f"fine-tuning {what}", disable=not progress)]

@@ -21,8 +21,8 @@ Writes, from the README's "## The labs" table, the committed notebooks and labki
 ``--time`` executes each lab with papermill at the given SCALE in a temporary folder (scripts/
 run_notebooks.py's ``execute``), adds the seconds and the machine as a run to
 ``workshop/timings.json`` (the last five are kept) and regenerates the guide, whose table shows
-each lab's time, or its fastest and slowest over the runs (or "not measured" before). Everything else is
-deterministic: building twice gives the same bytes, which tests/test_workshop.py checks.
+each lab's time, or its fastest and slowest over the runs (or "not measured" before). Everything
+else is deterministic: building twice gives the same bytes, which tests/test_workshop.py checks.
 """
 from __future__ import annotations
 
@@ -357,12 +357,12 @@ def run_time(stem: str, timings: dict | None) -> str:
     table says it: one time, or the fastest and slowest of several runs."""
     runs = [run for run in (timings or {}).get("runs", [])
             if stem in run.get("seconds", {}) or stem in run.get("failed", {})]
-    seconds = sorted(run["seconds"][stem] for run in runs if stem in run.get("seconds", {}))
-    failed = len(runs) - len(seconds)
     if not runs:
         return "not measured"
+    seconds = sorted(run["seconds"][stem] for run in runs if stem in run.get("seconds", {}))
     if not seconds:
         return "did not finish"
+    failed = len(runs) - len(seconds)
     text = seconds_text(seconds[0]) if len(seconds) == 1 else \
         f"{seconds_text(seconds[0])} - {seconds_text(seconds[-1])} ({len(seconds)} runs)"
     return text + (f"; did not finish in {failed} of {len(runs)} runs" if failed else "")

@@ -121,7 +121,8 @@ def test_compare_on_trained_small_gptq_loss_is_not_above_rtn():
     assert rows["gptq int4 g64"].bits_per_param == rows["rtn int4 g64"].bits_per_param == 4.3125
     assert rows["nf4"].bits_per_param < 4.13
     assert 8 < rows["int8 absmax per channel"].bits_per_param < 8.2
-    # measured: RTN +0.0019, GPTQ +0.0000 nats over fp32 1.6726 (1,024 held-out tokens)
+    # measured: RTN +0.0010 to +0.0019, GPTQ +0.0000 to +0.0003 nats over fp32 1.67-1.76
+    # (1,024 held-out tokens; the fp32 loss itself moves with the CPU kernels)
     assert rows["gptq int4 g64"].loss <= rows["rtn int4 g64"].loss + 1e-3
     assert all(abs(row.loss_increase) < 0.05 for row in rows.values())
     assert rows["gptq int4 g64"].weight_error > rows["rtn int4 g64"].weight_error
