@@ -56,6 +56,28 @@ def execute(path: Path, parameters: dict = CI, output: Path | None = None):
         execution_timeout=CELL_TIMEOUT_S)
 
 
+def alt_parameters(nb) -> dict:
+    """The one alternative parameter set a notebook declares in its metadata
+    (``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``), or {}: the browser test runs
+    the notebook with it, as a learner who edits the parameters cell would."""
+    alt = nb.metadata.get("labkit", {}).get("alt_parameters", {})
+    if not isinstance(alt, dict):
+        raise ValueError(f"alt_parameters must be one dict of parameters, got {alt!r}: each "
+                         "notebook runs once in the browser, with one alternative set at most")
+    return alt
+
+
+def with_parameters(nb, parameters: dict):
+    """A copy of ``nb`` with a cell setting ``parameters`` after its `parameters` cell, tagged
+    `injected-parameters` as papermill tags its own."""
+    nb = copy.deepcopy(nb)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    source = "# Injected parameters\n" + "".join(f"{k} = {v!r}\n" for k, v in parameters.items())
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(
+        source, metadata={"tags": ["injected-parameters"]}))
+    return nb
+
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # tqdm's bar as text: "desc:   0%|          | 0/60 [00:00<?, ?it/s]"
 PROGRESS_BAR = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")

@@ -17,15 +17,35 @@ from labkit.parallel.cluster import RankFailed, ReduceResult, Tracked, all_reduc
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The notebook runs that conftest.py starts beside the tests are our children too, not ranks.
+BACKGROUND = "run_notebooks.py"
+
+
+def _command(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def _in_background(process: psutil.Process) -> bool:
+    """A notebook run or a process it started (a kernel, its ranks), or gone already."""
+    try:
+        return any(BACKGROUND in _command(p) for p in (process, *process.parents()))
+    except psutil.NoSuchProcess:
+        return True
+
+
 def no_children_left():
     """No rank of ours is alive: the ranks are forks of multiprocessing's fork server, our
     grandchildren; our children, the server and the resource tracker (one each per interpreter,
-    started by the first run and shared by every later one), are not ranks and stay."""
-    helpers = set(psutil.Process().children())
-    assert all(any(h in " ".join(p.cmdline()) for h in ("forkserver", "resource_tracker"))
-               for p in helpers), [p.cmdline() for p in helpers]
-    return [p.cmdline() for p in psutil.Process().children(recursive=True)
-            if p not in helpers] == []
+    started by the first run and shared by every later one), are not ranks and stay, and
+    neither are the background notebook runs (BACKGROUND) with all they start."""
+    helpers = {p for p in psutil.Process().children() if not _in_background(p)}
+    assert all(any(h in _command(p) for h in ("forkserver", "resource_tracker"))
+               for p in helpers), [_command(p) for p in helpers]
+    return [_command(p) for p in psutil.Process().children(recursive=True)
+            if p not in helpers and not _in_background(p)] == []
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

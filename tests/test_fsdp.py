@@ -115,11 +115,12 @@ def test_fake_fsdp2_even_placement_spreads_experts():
 
 
 def test_fake_llama_7b_matches_fsdp_mem_tracker():
-    """LLaMA-2-7B over 8 ranks: the tracker's peak is torch's FSDPMemTracker's plus the fp32
-    master shards (labkit's MasterWeights holds them outside the module and the optimizer
-    state, where FSDPMemTracker does not look)."""
-    out = fsdp.fake_fsdp2_peak("llama-2-7b", 8, seq=4096, cross_check=True)
-    n_params = lk.count_params(lk.preset("llama-2-7b")).total
+    """LLaMA-2-7B's shapes (4 of its 32 identical layers) over 8 ranks: the tracker's peak is
+    torch's FSDPMemTracker's plus the fp32 master shards (labkit's MasterWeights holds them
+    outside the module and the optimizer state, where FSDPMemTracker does not look)."""
+    cfg = lk.preset("llama-2-7b", layers=4)
+    out = fsdp.fake_fsdp2_peak(cfg, 8, seq=4096, cross_check=True)
+    n_params = lk.count_params(cfg).total
     masters = 4 * n_params // 8
     theirs = out["fsdp_mem_tracker"]
     assert out["peak"] == theirs["Total"] + masters

@@ -1,10 +1,11 @@
-"""Every notebook executes once at SCALE="ci" (two at a time, each in a process of its own) and
-its checked cells print what is committed; the alternative parameter sets a notebook declares in
-its metadata (``"labkit": {"alt_parameters": {"MODEL": "mistral-7b"}}``) run again, and every
-notebook again under other CPU kernels, marked slow."""
+"""Every notebook executes once at SCALE="ci" under other CPU kernels than the machine's own
+(two at a time, each in a process of its own, started in the background when collection ends),
+and its checked cells print what is committed: the committed outputs come from the machine's
+default kernels, so one run shows both that they are reproduced and that they do not depend on
+the kernels. The browser test (tests/browser) runs each lab once more, with the default kernels,
+and compares the same cells; a notebook's alternative parameters run there."""
 import concurrent.futures
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbclient.exceptions import CellTimeoutError
 
@@ -25,18 +27,10 @@ _spec.loader.exec_module(run_notebooks)
 
 
 def _cases():
-    """(notebook, parameters) for each notebook at CI scale, then for each alternative set."""
-    cases = []
-    for path in run_notebooks.find():
-        cases.append(pytest.param(path, run_notebooks.CI, id=path.stem))
-        alts = nbformat.read(str(path), as_version=4).metadata.get("labkit", {}).get(
-            "alt_parameters", [])
-        for alt in alts if isinstance(alts, list) else [alts]:
-            label = ",".join(f"{k}={v}" for k, v in alt.items())
-            cases.append(pytest.param(path, {**run_notebooks.CI, **alt},
-                                      id=f"{path.stem}:{label}", marks=pytest.mark.slow))
-    return cases or [pytest.param(None, None, id="no-notebooks", marks=pytest.mark.skip(
-        reason=f"no notebooks in {run_notebooks.NOTEBOOKS} yet"))]
+    """Each notebook at CI scale."""
+    return [pytest.param(path, id=path.stem) for path in run_notebooks.find()] or [pytest.param(
+        None, id="no-notebooks", marks=pytest.mark.skip(
+            reason=f"no notebooks in {run_notebooks.NOTEBOOKS} yet"))]
 
 
 def check_conventions(nb):
@@ -48,70 +42,103 @@ def check_conventions(nb):
     assert "widgets" not in nb.metadata, "widget state committed: run scripts/run_notebooks.py"
 
 
-# The notebooks run two at a time, each in a process of its own whose kernel uses one thread:
-# a notebook waits on Python and on its child processes much of the time, so two share a CI
-# machine's 2 cores for about half the wall time of one after another. One thread changes no
-# checked output (the other-kernels run below uses one too).
+# The notebooks run two at a time, each in a process of its own whose kernel uses one thread,
+# beside the other tests: a notebook (and most unit tests) waits on Python much of the time, so
+# the machine's 2 cores are shared for about half the wall time of one after another. The runs
+# start when collection ends (``start_in_background``, called by conftest.py), the longest first;
+# each test then waits for its own.
 PARALLEL = 2
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+LONGEST_FIRST = ("04_zero_fsdp", "06_quantization", "03_activations", "05_tensor_pipeline_expert")
+# Other CPU kernels than the ones the committed outputs were made with (an AVX-512 machine's):
+# a laptop's AVX2 kernels in torch, oneDNN and MKL (1.0-1.2x the time here), or with
+# LABKIT_OTHER_KERNELS=sse4 kernels without vector extensions (2-3x the time: labs 02 and 06
+# 144 and 316 s). One thread. Losses then move in the third decimal; bytes, counts and
+# verdicts must not.
+KERNEL_SETS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "sse4": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+             "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+OTHER_KERNELS = {**KERNEL_SETS[os.environ.get("LABKIT_OTHER_KERNELS", "avx2")],
+                 "OMP_NUM_THREADS": "1"}
+TEST_NAME = "test_notebook_executes"
+_runs: dict = {}             # case id -> (its folder, a future of (seconds, completed process))
+_running: set = set()        # the runner processes alive now, ended if the session stops early
 
 
-def _execute(path, parameters, folder: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
-    """``scripts/run_notebooks.py --to``, in a new process: (seconds, what it returned)."""
-    extra = {k: v for k, v in parameters.items() if k not in run_notebooks.CI}
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, run_notebooks.__file__, str(path), "--to",
-                           str(folder / path.name), "--parameters", json.dumps(extra)],
-                          env=env, capture_output=True, text=True, timeout=30 * 60)
-    return time.perf_counter() - start, done
-
-
-@pytest.fixture(scope="module")
-def notebook_runs(request, tmp_path_factory):
-    """Every selected (notebook, parameters) case at CI scale, started PARALLEL at a time; the
-    read-only lab under the audit hook, whose log the test then reads."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        yield _submit(pool, request, tmp_path_factory, "test_notebook_executes", ONE_THREAD,
-                      audit=True)
-
-
-def _submit(pool, request, tmp_path_factory, test_name: str, env: dict, audit=False) -> dict:
-    """Each selected case of ``test_name``, submitted to ``pool`` with ``env`` over ours (and
-    the audit hook, with ``audit``, where ``audited``): {case id: (its folder, a future of
-    (seconds, completed process))}."""
-    runs = {}
-    for item in request.session.items:
-        if item.originalname != test_name:
-            continue
+def start_in_background(items, tmp_path_factory) -> None:
+    """Submit each selected notebook case: OTHER_KERNELS over our environment, and the
+    read-only lab under the audit hook, whose log its test then reads."""
+    cases = [item for item in items if item.originalname == TEST_NAME
+             and item.callspec.params["path"] is not None]
+    rank = {stem: i for i, stem in enumerate(LONGEST_FIRST)}
+    cases.sort(key=lambda item: rank.get(item.callspec.params["path"].stem, len(rank)))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL)
+    for item in cases:
         path = item.callspec.params["path"]
-        parameters = item.callspec.params.get("parameters", run_notebooks.CI)
         folder = tmp_path_factory.mktemp(path.stem)
-        environ = {**os.environ, **env}
-        if audit and audited(path, parameters):   # the kernel and all it starts log their writes
+        environ = {**os.environ, **OTHER_KERNELS}
+        if audited(path):          # the kernel and all it starts log their writes
             environ = readonly_audit.audit_env(folder / "audit", environ)
-        runs[item.callspec.id] = folder, pool.submit(_execute, path, parameters, folder, environ)
-    return runs
+        _runs[item.callspec.id] = folder, pool.submit(_execute, path, folder, environ)
+    pool.shutdown(wait=False)
 
 
-def audited(path, parameters) -> bool:
-    return path.stem in READ_ONLY_LABS and parameters == run_notebooks.CI
+def stop_background() -> None:
+    """End every runner still alive, with its kernel and what that started (the session ended
+    early: a failure with -x, or Ctrl-C)."""
+    for proc in list(_running):
+        try:
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for p in family:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=10)
+
+
+def _execute(path, folder: Path, env: dict) -> tuple[float, subprocess.CompletedProcess]:
+    """``scripts/run_notebooks.py --to``, in a new process: (seconds, what it returned)."""
+    start = time.perf_counter()
+    command = [sys.executable, run_notebooks.__file__, str(path), "--to", str(folder / path.name)]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as runner:
+        proc = psutil.Process(runner.pid)
+        _running.add(proc)
+        try:
+            stdout, stderr = runner.communicate(timeout=30 * 60)
+        except subprocess.TimeoutExpired:
+            runner.kill()
+            stdout, stderr = runner.communicate()
+        finally:
+            _running.discard(proc)
+    return time.perf_counter() - start, subprocess.CompletedProcess(
+        command, runner.returncode, stdout, stderr)
+
+
+def audited(path) -> bool:
+    return path.stem in READ_ONLY_LABS
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("path, parameters", _cases())
-def test_notebook_executes(path, parameters, request, notebook_runs, record_notebook_seconds):
+@pytest.mark.parametrize("path", _cases())
+def test_notebook_executes(path, request, tmp_path_factory, record_notebook_seconds):
     committed = nbformat.read(str(path), as_version=4)
     check_conventions(committed)
-    folder, executed = _executed(notebook_runs[request.node.callspec.id], path, parameters,
-                                 record_notebook_seconds)
-    if parameters == run_notebooks.CI:          # other parameters print other numbers
-        problems = run_notebooks.compare_checked(committed, executed)
-        assert not problems, f"{path.name}: " + "\n\n".join(problems)
-    if audited(path, parameters):
+    if request.node.callspec.id not in _runs:       # collected outside a session's start
+        start_in_background([request.node], tmp_path_factory)
+    folder, executed = _executed(_runs[request.node.callspec.id], path, record_notebook_seconds)
+    problems = run_notebooks.compare_checked(committed, executed)
+    assert not problems, f"{path.name} with {OTHER_KERNELS}: " + "\n\n".join(problems)
+    if audited(path):
         check_read_only(readonly_audit.read_events(folder / "audit"))
 
 
-def _executed(run, path, parameters, record_seconds=None):
+def _executed(run, path, record_seconds=None):
     """Wait for a submitted run: (its folder, the executed notebook); a failure names the cell."""
     folder, future = run
     seconds, done = future.result()
@@ -119,7 +146,7 @@ def _executed(run, path, parameters, record_seconds=None):
         record_seconds(seconds)
     output = folder / path.name
     if done.returncode != 0:                    # the failing cell, not a stack
-        pytest.fail(f"{path.name} with {parameters} failed (executed copy: {output})\n"
+        pytest.fail(f"{path.name} failed under {OTHER_KERNELS} (executed copy: {output})\n"
                     f"{done.stdout[-5000:]}\n{done.stderr[-3000:]}", pytrace=False)
     return folder, nbformat.read(str(output), as_version=4)
 
@@ -207,29 +234,6 @@ def test_a_changed_checked_cell_is_named_with_its_difference():
     (problem,) = run_notebooks.compare_checked(committed, other)
     assert problem.startswith("cell [2] `print(loss)`")
     assert "-loss 2.783" in problem and "+loss 2.784" in problem
-
-
-# Other CPU kernels, one thread: torch's own kernels without vector extensions, oneDNN and
-# MKL held to SSE4. Losses then move in the third decimal; bytes, counts and verdicts must not.
-OTHER_KERNELS = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-                 "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def other_kernel_runs(request, tmp_path_factory):
-    """The selected notebooks under OTHER_KERNELS, PARALLEL at a time (one thread each)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=PARALLEL) as pool:
-        yield _submit(pool, request, tmp_path_factory,
-                      "test_checked_cells_print_the_same_with_other_cpu_kernels", OTHER_KERNELS)
-
-
-@pytest.mark.slow
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", run_notebooks.find(), ids=lambda p: p.stem)
-def test_checked_cells_print_the_same_with_other_cpu_kernels(path, request, other_kernel_runs):
-    _, executed = _executed(other_kernel_runs[request.node.callspec.id], path, OTHER_KERNELS)
-    problems = run_notebooks.compare_checked(nbformat.read(str(path), as_version=4), executed)
-    assert not problems, f"{path.name} with {OTHER_KERNELS}: " + "\n\n".join(problems)
 
 
 def test_a_stuck_cell_times_out_naming_the_cell(tmp_path, monkeypatch):

@@ -5,9 +5,10 @@ import os
 import shutil
 from pathlib import Path
 
+import nbformat
 import pytest
 
-from labdriver import BROWSER_TIMES, ROOT, LabServer, ProcessWatch
+from labdriver import BROWSER_TIMES, ROOT, LabServer, ProcessWatch, run_notebooks
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 
@@ -35,12 +36,18 @@ def watch():
 @pytest.fixture(scope="session")
 def lab_root(tmp_path_factory) -> Path:
     """A scratch copy of notebooks/ (and data/, which sits beside it): JupyterLab writes
-    checkpoints and autosaves there, never into the repository."""
+    checkpoints and autosaves there, never into the repository. A notebook that declares
+    alternative parameters gets them in a cell after its parameters cell, as a learner who
+    edits that cell would run it (its one run with them)."""
     root = tmp_path_factory.mktemp("lab")
     for folder in ("notebooks", "data"):
         if (ROOT / folder).exists():
             shutil.copytree(ROOT / folder, root / folder,
                             ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    for path in (root / "notebooks").glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        if alt := run_notebooks.alt_parameters(nb):
+            nbformat.write(run_notebooks.with_parameters(nb, alt), path)
     return root / "notebooks"
 
 
@@ -84,7 +91,8 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def keep_screenshots():
-    """Screenshots stay when a check fails; on success only with LABKIT_SCREENSHOTS=1."""
+    """A failed check always leaves its screenshots; the ones that record checks that passed
+    (each lab after Run All, each panel before and after) are taken with LABKIT_SCREENSHOTS=1."""
     return os.environ.get("LABKIT_SCREENSHOTS") == "1"
 
 

@@ -6,6 +6,7 @@ except ``Page.fail``, which screenshots the page and names the file in the failu
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -18,10 +19,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
+_spec = importlib.util.spec_from_file_location("run_notebooks", ROOT / "scripts" / "run_notebooks.py")
+run_notebooks = importlib.util.module_from_spec(_spec)      # alt parameters, compare_checked
+_spec.loader.exec_module(run_notebooks)
 BROWSER_TIMES = "browser_times"           # the user property the closing summary prints
 # JupyterLab's settings for the test: every cell attached to the page (the default
 # "contentVisibility" skips painting cells off screen), no request for Jupyter news.
@@ -181,7 +185,8 @@ LAB_JS = r"""
         count: c.model.executionCount, prompt: c.promptNode ? c.promptNode.textContent : ''})
         .filter(Boolean);
     },
-    // per code cell: its source and its outputs as text (images as their mime type only)
+    // per code cell: its source, its outputs as text (images as their mime type only) and
+    // as the notebook file would store them (raw)
     cells() {
       const text = t => Array.isArray(t) ? t.join('') : (t || '');
       return panel().content.widgets.map((c, i) => c.model.type !== 'code' ? null : {
@@ -191,7 +196,8 @@ LAB_JS = r"""
               : o.output_type === 'error' ? o.ename + ': ' + o.evalue + '\n' +
                   (o.traceback || []).join('\n').replace(/\x1b\[[0-9;]*m/g, '')
               : text((o.data || {})['text/plain']),
-          mimes: Object.keys(o.data || {})}))}).filter(Boolean);
+          mimes: Object.keys(o.data || {})})),
+        raw: c.model.outputs.toJSON()}).filter(Boolean);
     },
     run(command) {
       window.__run = {done: false, result: null, error: null};
@@ -232,9 +238,9 @@ class CheckFailed(AssertionError):
 class NotebookPage:
     """One notebook open in JupyterLab in its own browser page."""
 
-    def __init__(self, browser, server: LabServer, name: str, artifacts: Path):
+    def __init__(self, browser, server: LabServer, name: str, artifacts: Path, keep: bool = True):
         self.server, self.name, self.stem = server, name, Path(name).stem
-        self.artifacts = artifacts
+        self.artifacts, self.keep = artifacts, keep
         artifacts.mkdir(parents=True, exist_ok=True)
         self.context = browser.new_context(viewport={"width": 1400, "height": 1000})
         self.page = self.context.new_page()
@@ -288,6 +294,11 @@ class NotebookPage:
             self.page.screenshot(path=str(path))
         self.shots.append(path)
         return path
+
+    def snapshot(self, label: str, locator=None, whole: bool = False) -> Path | None:
+        """A screenshot kept as a record of a check that passed: taken only when the page keeps
+        them (a whole notebook is a PNG of up to 1400 x 32,000 px, seconds of CPU each)."""
+        return self.screenshot(label, locator, whole) if self.keep else None
 
     def fail(self, message: str, locator=None):
         """Screenshot the page (and ``locator``) now, then fail naming the files."""
@@ -358,6 +369,16 @@ class NotebookPage:
 
     def cells(self) -> list[dict]:
         return self.page.evaluate("() => window.__lab.cells()")
+
+    @staticmethod
+    def as_notebook(cells: list[dict]):
+        """The page's code cells and outputs as a notebook, for ``run_notebooks.compare_checked``."""
+        nb = nbformat.v4.new_notebook()
+        for cell in cells:
+            code = nbformat.v4.new_code_cell(cell["source"], execution_count=cell["count"])
+            code.outputs = [nbformat.from_dict(o) for o in cell["raw"]]
+            nb.cells.append(code)
+        return nb
 
     def kernel_errors(self) -> list[str]:
         return self.page.evaluate("() => window.__errors")
