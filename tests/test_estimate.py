@@ -27,11 +27,18 @@ def test_estimate_within_3_percent_of_llama_2_7b_on_fake_tensors(precision, reco
     _within("llama-2-7b", precision, recompute, seq, fake=True)
 
 
+# The MoE models with every kind of layer they have but fewer of each: DeepSeek-V2-Lite's dense
+# layer and 2 of its 26 MoE layers, DeepSeek-V3's 3 dense layers and 2 of its 58 MoE layers
+# (the whole of V3 took 10-21 s a case; at 5 layers estimate / measured is 1.0000 in every case).
+LAYERS = {"mistral-7b": None, "deepseek-v2-lite": 3, "deepseek-v3": 5}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision, recompute, seq", GRID)
-@pytest.mark.parametrize("name", ["mistral-7b", "deepseek-v2-lite", "deepseek-v3"])
+@pytest.mark.parametrize("name", list(LAYERS))
 def test_estimate_within_3_percent_of_larger_models_on_fake_tensors(name, precision, recompute, seq):
-    _within(name, precision, recompute, seq, fake=True)
+    cfg = lk.preset(name, layers=LAYERS[name]) if LAYERS[name] else lk.preset(name)
+    _within(cfg, precision, recompute, seq, fake=True)
 
 
 @pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])

@@ -5,6 +5,7 @@ default kernels, so one run shows both that they are reproduced and that they do
 the kernels. The browser test (tests/browser) runs each lab once more, with the default kernels,
 and compares the same cells; a notebook's alternative parameters run there."""
 import concurrent.futures
+import contextlib
 import importlib.util
 import os
 import re
@@ -94,10 +95,8 @@ def stop_background() -> None:
         except psutil.NoSuchProcess:
             continue
         for p in family:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
         psutil.wait_procs(family, timeout=10)
 
 
