@@ -22,7 +22,6 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
@@ -108,16 +107,10 @@ def default_backend(world_size: int) -> str:
     return "nccl" if torch.cuda.is_available() and world_size <= torch.cuda.device_count() else "gloo"
 
 
-def free_port() -> int:
-    """A free loopback port, chosen once so every rank meets at the same one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- one rank ------------------------------------------------------------------------------
-def _init_from_env(backend: str | None, timeout_s: float) -> RankContext:
-    """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (as torchrun sets)."""
+def _init_from_env(backend: str | None, timeout_s: float, store: dist.Store | None = None) -> RankContext:
+    """Join the group that RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe (as torchrun sets);
+    with ``store``, meet there instead of at a store that rank 0 hosts."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -129,8 +122,12 @@ def _init_from_env(backend: str | None, timeout_s: float) -> RankContext:
         device = torch.device("cpu")
         # N ranks share the cores: one thread pool each as large as the machine oversubscribes it
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return RankContext(rank, world_size, dist.group.WORLD, device)
 
 
@@ -155,7 +152,15 @@ def _rank_main(rank, world_size, port, backend, timeout_s, fn, args, kwargs, tra
     if "OMP_NUM_THREADS" not in os.environ:    # share the cores, as torchrun does
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        ctx = _init_from_env(backend, timeout_s)
+        # the parent hosts the store, as torchrun's agent does: a rank that finishes first (and
+        # exits) must not take the store away from one still joining
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = _init_from_env(backend, timeout_s, store)
+        # gloo's handshake can end on one rank before the other: wait until every rank has
+        # joined, so that one whose fn returns at once does not exit under a peer still joining
+        store.set(f"joined/{rank}", "1")
+        store.wait([f"joined/{r}" for r in range(world_size)])
         result = _call(fn, ctx, args, kwargs, track)
         # plain pickle, tensors on the CPU: the parent must not depend on this process staying alive
         message = ("ok", tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, result))
@@ -219,7 +224,10 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
 
     start = _start_method()
     where = (dict(os.environ), os.getcwd())
-    port, procs, readers = free_port(), [], {}
+    # the ranks' meeting point lives as long as this call (port 0: the system picks a free one)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    port, procs, readers = store.port, [], {}
     results, pending = [None] * world_size, set(range(world_size))
     deadline = time.monotonic() + timeout_s
     try:
