@@ -2,60 +2,138 @@
 
     python -m labkit estimate --model deepseek-v2-lite --seq 4096 --precision bf16-mixed \\
         --zero-stage 2 --dp 8
+    python -m labkit estimate --model path/to/config.json      # a Hugging Face model's config
     python -m labkit measure --model llama-2-7b --seq 2048      # one step on fake tensors
+    python -m labkit measure --model tiny --real                # real tensors: the GPU, else the CPU
     python -m labkit presets
     python -m labkit plan --model deepseek-v2-lite --gpu a100-80gb --gpus 8 --seq 4096
     python -m labkit doctor                                     # the host, read-only
     python -m labkit doctor --course [--no-smoke]               # does every lab run here?
+
+Every choice list is labkit's own vocabulary. Bad input exits with code 2 and one line that
+names the fix; a reader that leaves early (``| head``) ends the output quietly.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 
-from .config import preset, presets
+import torch
+
+from . import __version__
 from .checkpointing import RECOMPUTE_POLICIES
+from .config import ModelConfig, preset, presets
+from .gpus import GPUS
+from .hf import from_hf_config
+from .measure import measure_step
+from .parallel.pipeline import SCHEDULES
+from .parallel.zero import SHARDED_FROM_STAGE
+from .plan import TRAINABLE, plan
 from .predict import count_params, estimate
 from .recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout
-from .measure import measure_step
 from .units import CATEGORIES, fmt_bytes
+
+PROG = "python -m labkit"
+ZERO_STAGES = tuple(range(max(SHARDED_FROM_STAGE.values()) + 1))   # 0 (DDP) up to 3 (params)
+INTERLEAVED_CHUNKS = 2          # model chunks per stage when --schedule interleaved gives none
+MOMENTS = "moments (the peak is the largest)"
+EXIT_SIGPIPE = 128 + 13         # what a shell reports for a Unix tool whose reader left
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line naming the fix (no usage block), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer of at least ``low`` (argparse names the option if not)."""
+    def number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            wanted = "a positive integer" if low == 1 else f"an integer of at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+    return number
+
+
+COUNT, COUNT_OR_ZERO = _at_least(1), _at_least(0)
+
+
+def _model(text: str) -> ModelConfig:
+    """--model: a preset name, or a Hugging Face config.json (or the folder that holds one)."""
+    path = Path(text)
+    file = path / "config.json" if path.is_dir() else path
+    names_a_file = file.suffix == ".json" or path.exists()
+    try:
+        if text in presets() or not names_a_file:
+            return preset(text)                 # a ValueError lists the presets
+        return from_hf_config(json.loads(file.read_text()))
+    except FileNotFoundError:
+        message = (f"no such file: {file}; give the path of a Hugging Face config.json, or a "
+                   f"preset name ({PROG} presets lists them)")
+    except KeyError as key:
+        message = f"{file} has no {key}: is it a Hugging Face config.json?"
+    except ValueError as error:            # an unknown preset, unsupported model, bad JSON
+        message = str(error)
+    raise argparse.ArgumentTypeError(message)
+
+
+def _model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, type=_model,
+                        help="preset name (see: presets), or a Hugging Face config.json "
+                             "or its folder")
+
+
+def _json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _step_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="preset name (see: presets)")
-    parser.add_argument("--batch", type=int, default=1, help="micro-batch size per device")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length")
+    _model_option(parser)
+    parser.add_argument("--batch", type=COUNT, default=1, help="micro-batch size per device")
+    parser.add_argument("--seq", type=COUNT, default=2048, help="sequence length")
     parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS,
                         help="AdamW implementation (default: what torch picks on --device)")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES,
                         help="activation recomputation policy (every-k uses --every)")
-    parser.add_argument("--every", type=int, default=2, help="k of the every-k policy")
-    parser.add_argument("--device", default="cuda", choices=DEVICES,
-                        help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--every", type=COUNT, default=2, help="k of the every-k policy")
+    _json_option(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m labkit",
-                                     description="GPU memory of LLM training: predict and measure.")
+    parser = _Parser(prog=PROG, description="GPU memory of LLM training: predict and measure.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     est = sub.add_parser("estimate", help="closed-form memory of one training step, per device")
     _step_options(est)
-    est.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
-    est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    est.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    est.add_argument("--device", default="cuda", choices=DEVICES,
+                     help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
+    est.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES)
+    est.add_argument("--dp", type=COUNT, default=1, help="data-parallel degree")
+    est.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel degree")
+    est.add_argument("--pp", type=COUNT, default=1, help="pipeline-parallel degree")
     est.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
-    est.add_argument("--micro-batches", type=int, help="pipeline micro-batches (default: pp)")
-    est.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"), help="pipeline schedule")
-    est.add_argument("--ep", type=int, default=1,
+    est.add_argument("--micro-batches", type=COUNT, help="pipeline micro-batches (default: pp)")
+    est.add_argument("--schedule", default=Layout.schedule, choices=SCHEDULES,
+                     help="pipeline schedule")
+    est.add_argument("--virtual-stages", type=COUNT,
+                     help=f"model chunks per pipeline stage (interleaved only; default "
+                          f"{INTERLEAVED_CHUNKS} there)")
+    est.add_argument("--ep", type=COUNT, default=1,
                      help="expert-parallel degree (divides --dp: the experts split over ep of "
                           "the dp ranks)")
-    est.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    est.add_argument("--cp", type=COUNT, default=1, help="context-parallel degree")
     est.add_argument("--bucket-view", action="store_true",
                      help="DDP's gradient_as_bucket_view (with --zero-stage 0)")
     est.add_argument("--offload", action="store_true",
@@ -63,25 +141,29 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
+    mea.add_argument("--device", choices=DEVICES,
+                     help="whose defaults (default: cuda's); with --real also where the step "
+                          "runs (default: cuda when present, else cpu)")
     mea.add_argument("--real", action="store_true",
-                     help="real tensors on --device (default: fake tensors, any size)")
+                     help="real tensors (default: fake tensors, any size)")
     pre = sub.add_parser("presets", help="list the model presets with their sizes")
-    pre.add_argument("--json", action="store_true")
+    _json_option(pre)
     pla = sub.add_parser("plan", help="rank the layouts that fit a cluster by step time")
-    pla.add_argument("--model", required=True, help="preset name (see: presets)")
-    pla.add_argument("--gpu", required=True, help="GPU type (labkit.gpus.GPUS)")
-    pla.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    pla.add_argument("--gpus-per-node", type=int, default=8)
-    pla.add_argument("--seq", type=int, default=4096, help="sequence length")
-    pla.add_argument("--global-batch", type=int, help="sequences per step (default: one per GPU)")
-    pla.add_argument("--trainable", default="all", choices=("all", "lora", "qlora"))
-    pla.add_argument("--top", type=int, default=10, help="how many fitting layouts to rank")
-    pla.add_argument("--verify", type=int, default=0,
+    _model_option(pla)
+    pla.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(GPUS)}")
+    pla.add_argument("--gpus", type=COUNT, required=True, help="number of GPUs")
+    pla.add_argument("--gpus-per-node", type=COUNT, default=8)
+    pla.add_argument("--seq", type=COUNT, default=4096, help="sequence length")
+    pla.add_argument("--global-batch", type=COUNT,
+                     help="sequences per step (default: one per GPU)")
+    pla.add_argument("--trainable", default="all", choices=TRAINABLE)
+    pla.add_argument("--top", type=COUNT, default=10, help="how many fitting layouts to rank")
+    pla.add_argument("--verify", type=COUNT_OR_ZERO, default=0,
                      help="check the top K on fake tensors where a fake run applies")
-    pla.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _json_option(pla)
     doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
                                         "cgroup and memlock limits, allocator settings, GPUs")
-    doc.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _json_option(doc)
     doc.add_argument("--course", action="store_true",
                      help="before the workshop: does every lab run here (versions, packages, "
                           "memory, disk, cores, GPU, a smoke run of lab 00)? Exit 1 on a problem")
@@ -113,7 +195,6 @@ def _run(args) -> str:
         report = host_report()
         return json.dumps(report.as_dict(), indent=2) if args.json else report.text()
     if args.command == "plan":
-        from .plan import plan
         result = plan(args.model, args.gpu, args.gpus, args.gpus_per_node, args.seq,
                       args.global_batch, trainable=args.trainable, top=args.top,
                       verify=args.verify, progress=not args.json)
@@ -132,33 +213,52 @@ def _run(args) -> str:
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device)
+    name = args.model.name
     if args.command == "estimate":
+        chunks = args.virtual_stages or (INTERLEAVED_CHUNKS if args.schedule == "interleaved"
+                                         else 1)
         layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
                         pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
-                        ep=args.ep, cp=args.cp, gradient_as_bucket_view=args.bucket_view,
-                        offload=args.offload)
+                        virtual_stages=chunks, ep=args.ep, cp=args.cp,
+                        gradient_as_bucket_view=args.bucket_view, offload=args.offload)
         result = estimate(args.model, layout=layout, **step)
-        extra = {**result.details,
-                 "moments (the peak is the largest)": {k: fmt_bytes(v)
-                                                       for k, v in result.moments.items()}}
+        extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
         if args.json:
             extra["tensors"] = [dataclasses.asdict(t) for t in result.tensors]
-        elif args.explain:
-            extra["tensors alive at the peak"] = "\n" + result.explain()
-        title = (f"{args.model}: predicted bytes per device, {args.device} defaults\n(batch "
+        else:
+            extra[MOMENTS] = {k: fmt_bytes(v) for k, v in result.moments.items()}
+            if args.explain:
+                extra["tensors alive at the peak"] = "\n" + result.explain()
+        title = (f"{name}: predicted bytes per device, {args.device} defaults\n(batch "
                  f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
                  f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, tp {args.tp}{' with sp' if args.sp else ''}, "
                  f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
     else:
+        if args.real and args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--real --device cuda, but CUDA is not available here: use "
+                             "--device cpu (or leave --device out), or drop --real to measure "
+                             "fake tensors with CUDA's defaults")
         result = measure_step(args.model, fake=not args.real, **step)
         extra = {"tensors": (f"fake (shapes only), {result.device} defaults" if result.fake
-                             else result.device),
+                             else f"real, on {result.device}"),
                  "optimizer implementation": result.optimizer_impl}
-        title = (f"{args.model}: measured bytes at the peak of one training step\n"
+        if result.cuda_peak is not None:
+            extra["torch.cuda.max_memory_allocated"] = result.cuda_peak
+        title = (f"{name}: measured bytes at the peak of one training step\n"
                  f"(batch {args.batch}, seq {args.seq}, {args.precision}, {args.optimizer})")
     if args.json:
         return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)
     return _table(title, result, extra)
+
+
+def _show(args) -> int:
+    """Print what the command computes: 0; or on bad input one line naming the fix: 2."""
+    try:
+        print(_run(args))
+    except ValueError as error:       # the library's messages name the fix
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _course(args) -> int:
@@ -177,14 +277,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "doctor" and args.no_smoke and not args.course:
         parser.error("--no-smoke goes with --course")
-    if args.command == "doctor" and args.course:
-        return _course(args)
     try:
-        print(_run(args))
-    except ValueError as error:       # bad input: the message names the fix
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+        code = _course(args) if args.command == "doctor" and args.course else _show(args)
+        sys.stdout.flush()            # a reader that left shows here, not at the exit's flush
+    except BrokenPipeError:           # `| head` has what it wanted: stop as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())     # the exit's flush of the rest goes nowhere
+        os.close(devnull)
+        return EXIT_SIGPIPE
+    return code
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
 """The command line prints a readable breakdown, JSON on request, and errors without tracebacks."""
 import json
+import os
+import re
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
 
 import labkit as lk
-from labkit.__main__ import main
+from labkit.__main__ import build_parser, main
 
 
 def test_estimate_prints_a_breakdown(capsys):
@@ -44,6 +51,17 @@ def test_estimate_explains_the_tensors_at_the_peak_and_the_weight_cache(capsys):
     assert "q, k, v and attention output" in out
 
 
+def test_a_model_may_be_a_hugging_face_config_json(tmp_path, capsys):
+    qwen2 = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                 vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(qwen2))
+    for model in (tmp_path / "config.json", tmp_path):           # the file, or its folder
+        assert main(["estimate", "--model", str(model), "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["total"] == lk.estimate(lk.from_hf_config(qwen2)).total
+
+
 def test_bad_input_prints_the_fix_without_a_traceback():
     run = subprocess.run([sys.executable, "-m", "labkit", "estimate", "--model", "llama-2-7b",
                           "--tp", "3"], capture_output=True, text=True)
@@ -56,3 +74,107 @@ def test_unknown_model_lists_the_presets():
     run = subprocess.run([sys.executable, "-m", "labkit", "estimate", "--model", "gpt-5"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "known presets" in run.stderr
+
+
+def test_measure_real_runs_where_this_machine_can_and_says_where(capsys):
+    assert main(["measure", "--model", "tiny", "--seq", "32", "--real", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    here = lk.device().type                     # cuda when present, else cpu
+    assert printed["tensors"] == f"real, on {here}"
+    assert printed["total"] == lk.measure_step("tiny", seq=32, fake=False).total
+
+
+def test_every_byte_count_in_the_json_is_an_integer(capsys):
+    def numbers(value):
+        if isinstance(value, dict):
+            return [n for v in value.values() for n in numbers(v)]
+        if isinstance(value, list):
+            return [n for v in value for n in numbers(v)]
+        assert not (isinstance(value, str) and re.fullmatch(r"-?[\d.]+ (B|KiB|MiB|GiB|TiB)", value)), value
+        return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+    for argv in (["estimate", "--model", "deepseek-v2-lite", "--pp", "2", "--dp", "2",
+                  "--zero-stage", "3", "--offload"],
+                 ["measure", "--model", "tiny", "--seq", "64"]):
+        assert main([*argv, "--json"]) == 0
+        printed = numbers(json.loads(capsys.readouterr().out))
+        assert printed and all(isinstance(n, int) for n in printed), argv
+    assert main(["plan", "--model", "tiny", "--gpu", "l4-24gb", "--gpus", "2", "--top", "2",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    memory = [plan["usable"], plan["gpu"]["memory"], *(n for fit in plan["fits"]
+                                                       for n in numbers(fit["memory"]))]
+    assert all(isinstance(n, int) for n in memory)
+
+
+def test_a_reader_that_leaves_early_ends_the_output_quietly():
+    """`python -m labkit presets | head -1`: the reader is gone before anything is written."""
+    reader, writer = os.pipe()
+    os.close(reader)
+    run = subprocess.run([sys.executable, "-m", "labkit", "presets"], stdout=writer,
+                         stderr=subprocess.PIPE, text=True)
+    os.close(writer)
+    assert run.stderr == "" and run.returncode == 128 + 13        # as a Unix tool killed by SIGPIPE
+
+
+def test_the_choice_lists_are_labkits_vocabulary():
+    from labkit.checkpointing import RECOMPUTE_POLICIES
+    from labkit.parallel.pipeline import SCHEDULES
+    from labkit.plan import TRAINABLE
+    from labkit.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+
+    vocabulary = {"--precision": PRECISIONS, "--optimizer": OPTIMIZERS,
+                  "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
+                  "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
+                  "--zero-stage": (0, 1, 2, 3)}
+    commands = next(a.choices for a in build_parser()._actions if a.dest == "command")
+    for command in ("estimate", "measure", "plan"):
+        for action in commands[command]._actions:
+            if action.choices is not None:
+                assert tuple(action.choices) == vocabulary[action.option_strings[-1]], action
+
+
+def test_every_pipeline_schedule_of_the_library_runs_from_the_command_line(capsys):
+    for schedule, virtual_stages in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        assert main(["estimate", "--model", "llama-2-7b", "--pp", "4", "--micro-batches", "8",
+                     "--schedule", schedule, "--json"]) == 0
+        layout = lk.Layout(pp=4, micro_batches=8, schedule=schedule, virtual_stages=virtual_stages)
+        assert json.loads(capsys.readouterr().out)["total"] == lk.estimate("llama-2-7b",
+                                                                           layout=layout).total
+
+
+def test_version_comes_from_the_package_and_all_names_the_public_api(capsys):
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        assert lk.__version__ == tomllib.load(f)["project"]["version"]
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.split()[-1] == lk.__version__
+    design = {"preset", "presets", "from_hf_config", "count_params", "estimate", "Recipe",
+              "Layout", "measure_step", "MemoryTracker", "kv_cache_bytes", "model_state_bytes",
+              "megatron_activation_bytes", "pipeline_bubble", "fmt_bytes", "device"}
+    assert design <= set(lk.__all__)
+    assert all(hasattr(lk, name) for name in lk.__all__)
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["estimate", "--model", "gpt-5"], "known presets: deepseek-moe-16b"),
+    (["estimate", "--model", "tiny", "--precision", "fp8"], "invalid choice: 'fp8' (choose from"),
+    (["plan", "--model", "tiny", "--gpu", "l4-24gb", "--gpus", "2", "--top", "-1"],
+     "--top: must be a positive integer, got '-1'"),
+    (["estimate", "--model", "tiny", "--recompute", "every-k", "--every", "-1"],
+     "--every: must be a positive integer, got '-1'"),
+    (["measure", "--model", "no/such/config.json"], "no such file: no/such/config.json"),
+])
+def test_bad_input_is_one_line_naming_the_fix_and_exit_code_2(capsys, argv, fix):
+    try:
+        code = main(argv)
+    except SystemExit as exit:                  # argparse's own checks exit at once
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and fix in err and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_measure_real_on_cuda_without_cuda_names_the_device_to_use(capsys):
+    assert main(["measure", "--model", "tiny", "--real", "--device", "cuda"]) == 2
+    assert "use --device cpu" in capsys.readouterr().err
