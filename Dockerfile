@@ -57,4 +57,5 @@ USER learner
 EXPOSE 8888
 # --ip=0.0.0.0: listen on the container's interface, or -p cannot reach it;
 # --no-browser: there is no browser in the container. The token is printed in the log.
-CMD ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "notebooks/"]
+# Rooted at /labs (the working folder), opened on the landing page that links every lab
+CMD ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "START_HERE.ipynb"]

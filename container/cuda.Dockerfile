@@ -35,7 +35,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /labs
 
-# torch comes with the base image: labkit's `torch>=2.5` is met, so pip keeps the CUDA build.
+# torch comes with the base image: labkit's `torch>=2.13` is met, so pip keeps the CUDA build.
 COPY pyproject.toml README.md LICENSE ./
 COPY labkit/ labkit/
 COPY data/ data/
@@ -52,4 +52,5 @@ RUN useradd --create-home --uid 1000 learner && chown -R learner /labs
 USER learner
 
 EXPOSE 8888
-CMD ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "notebooks/"]
+# Rooted at /labs (the working folder), opened on the landing page that links every lab
+CMD ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "START_HERE.ipynb"]

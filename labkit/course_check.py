@@ -113,7 +113,8 @@ class Requirement:
 
 
 REQUIREMENTS = (
-    Requirement("torch", "2.5", "every lab (SDPA's enable_gqa)", ""),
+    Requirement("torch", "2.13", "labs 04-05 (torch.distributed's all_gather_single, "
+                "reduce_scatter_single); the version the course is tested on", ""),
     Requirement("numpy", "", "every lab's figures; lab 03", ""),
     Requirement("matplotlib", "", "every lab's figures", ""),
     Requirement("ipywidgets", "8", "every lab's panel", ""),

@@ -131,7 +131,19 @@ def test_the_cpu_dockerfile_has_no_problems_and_the_settings_it_promises():
     assert [e.text for e in by_keyword(ins, "EXPOSE")] == ["8888"]
     assert by_keyword(ins, "USER")[-1].text not in ("root", "0")
     assert by_keyword(ins, "CMD")[-1].exec_form == \
-        ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "notebooks/"]
+        ["jupyter", "lab", "--ip=0.0.0.0", "--no-browser", "START_HERE.ipynb"]
+
+
+@pytest.mark.parametrize("dockerfile", [CPU, CUDA], ids=["cpu", "cuda"])
+def test_jupyterlab_opens_at_the_course_root_on_start_here(dockerfile):
+    """The server's root is the working folder (the whole course, START_HERE.ipynb included)
+    and the page it opens is the landing page, which the build context holds."""
+    ins = dr.parse(dockerfile.read_text())
+    cmd = by_keyword(ins, "CMD")[-1].exec_form
+    assert by_keyword(ins, "WORKDIR")[-1].text == "/labs"
+    assert cmd[:2] == ["jupyter", "lab"] and cmd[-1] == "START_HERE.ipynb"
+    assert not [a for a in cmd if a.startswith("--notebook-dir") or a.startswith("--ServerApp.root_dir")]
+    assert "START_HERE.ipynb" in dr.context_files(REPO)
 
 
 def test_the_cpu_dockerfile_installs_torch_first_then_the_project_then_checks_it():
@@ -200,4 +212,5 @@ def test_the_cpu_dockerfiles_run_steps_succeed_here_in_order(scratch, record_pro
     labs = build.root / "labs"
     assert (labs / "notebooks").is_dir() and build.workdir == "/labs" and build.user == "learner"
     assert (build.venv / "bin" / build.cmd[0]).exists()                   # CMD's jupyter installed
+    assert (labs / build.cmd[-1]).is_file()                               # and the page it opens
     assert "deepseek-v2-lite" in runs[2].output_tail                      # `labkit presets` ran

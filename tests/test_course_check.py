@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 
 import pytest
+import torch
 
 from labkit import course_check
 from labkit.__main__ import main
@@ -48,7 +49,7 @@ def test_every_package_at_the_version_it_needs_is_ok_with_no_fix():
     checks = check_packages(versions())
     assert [c.name for c in checks] == [r.name for r in REQUIREMENTS]
     assert all(c.status == "ok" and c.fix == "" for c in checks)
-    assert by_name(checks)["torch"].found == "2.5 (>= 2.5 needed)"
+    assert by_name(checks)["torch"].found == "2.13 (>= 2.13 needed)"
 
 
 def test_a_missing_package_fails_with_the_pip_command_that_installs_it():
@@ -60,16 +61,27 @@ def test_a_missing_package_fails_with_the_pip_command_that_installs_it():
     assert all(c.status == "ok" for c in others)
 
 
-def test_an_old_torch_fails_with_pip_install_torch_2_5():
-    check = by_name(check_packages(versions(torch="2.4.1+cpu")))["torch"]
+def test_an_old_torch_fails_with_pip_install_torch_2_13():
+    check = by_name(check_packages(versions(torch="2.12.1+cpu")))["torch"]
     assert check.status == "fail"
-    assert check.found.startswith("2.4.1+cpu, older than 2.5")
-    assert check.fix == 'pip install "torch>=2.5"'
+    assert check.found.startswith("2.12.1+cpu, older than 2.13")
+    assert check.fix == 'pip install "torch>=2.13"'
+
+
+def test_the_torch_floor_is_one_version_everywhere_and_has_the_collectives_labs_04_05_call():
+    """pyproject, the pre-flight check and the README state the same floor, and the torch
+    the course is tested on has what the floor is for (older ones lack these names)."""
+    import torch.distributed as dist
+    floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert by_name(REQUIREMENTS)["torch"].minimum == floor
+    assert f"PyTorch {floor} or newer is required" in (ROOT / "README.md").read_text()
+    assert version_tuple(torch.__version__) >= version_tuple(floor)
+    assert hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")
 
 
 def test_a_missing_torch_is_installed_on_its_own_so_its_build_can_be_chosen():
     check = by_name(check_packages(versions(torch=None)))["torch"]
-    assert (check.status, check.fix) == ("fail", 'pip install "torch>=2.5"')
+    assert (check.status, check.fix) == ("fail", 'pip install "torch>=2.13"')
 
 
 def test_an_old_package_fails_with_the_minimum_it_needs():
