@@ -494,6 +494,14 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
 
 
 # ---- when nothing fits -------------------------------------------------------------------
+def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
+    """The next cluster size to try: twice as many GPUs, but never part of a second node
+    (3 -> 6 -> 8 -> 16 with 8 per node)."""
+    if 2 * n <= gpus_per_node:
+        return 2 * n
+    return max(gpus_per_node, 2 * (n // gpus_per_node) * gpus_per_node)
+
+
 def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
             global_batch) -> list[str]:
     """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
@@ -507,7 +515,7 @@ def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
     out = []
     n = gpus
     while n < 16384:
-        n = n * 2 if n < gpus_per_node else (n // gpus_per_node * 2) * gpus_per_node
+        n = _twice_the_gpus(n, gpus_per_node)
         k = first_fit(gpus=n)
         if k:
             out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU)")

@@ -7,6 +7,7 @@ import pytest
 import labkit as lk
 from labkit.__main__ import main
 from labkit.gpus import GPU, GPUS, GiB, gpu
+from labkit import plan as plan_module
 from labkit.plan import plan
 
 SMALL = dict(gpus=1, seq=256)
@@ -153,3 +154,10 @@ def test_zero3_over_dp_is_verified_by_fsdp2_on_a_fake_group_within_3_percent():
     (v,) = verify_candidates(lk.preset("small"), zero3[:1], 1024)
     assert v["result"].startswith("FSDP2 on a fake group of 4")
     assert abs(v["ratio"] - 1) < 0.03
+
+
+def test_advice_from_a_part_of_a_node_tries_whole_nodes_after_it():
+    # 3 GPUs used to try 6 and then 12, which spans nodes of 8, and the advice crashed
+    assert [plan_module._twice_the_gpus(n, 8) for n in (1, 3, 4, 6, 8, 16)] == [2, 6, 8, 8, 16, 32]
+    p = plan("llama-2-7b", "a100-80gb", 3, seq=2048, global_batch=4)
+    assert not p.fits and p.advice and "8 x" in p.advice[0]
