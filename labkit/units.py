@@ -115,6 +115,16 @@ def fmt_count(n: float) -> str:
     return str(int(n))
 
 
+def _difference_share(diff: int, measured: int, total: int) -> str:
+    """The difference as a share of the category, or of the peak where the category is under
+    1% of it (a few bytes off a 4-byte category are not "+100000%")."""
+    if not diff:
+        return " (+0.00%)" if measured else ""
+    if measured and 100 * abs(measured) >= total:
+        return f" ({100 * diff / measured:+.2f}%)"
+    return f" ({100 * diff / total:+.2f}% of the peak)" if total else ""
+
+
 def reconciliation(predicted: Breakdown, measured: Breakdown) -> str:
     """A predicted-vs-measured table by category, with each difference in bytes and percent."""
     rows = [*CATEGORIES.items(), ("total", "total (peak)"),
@@ -123,7 +133,7 @@ def reconciliation(predicted: Breakdown, measured: Breakdown) -> str:
     lines = [f"{'':<25}{'predicted':>13}{'measured':>13}{'difference':>13}"]
     for field, label in rows:
         p, m = getattr(predicted, field), getattr(measured, field)
-        pct = f" ({100 * (p - m) / m:+.2f}%)" if m else ""
+        pct = _difference_share(p - m, m, measured.total)
         lines.append(f"{label:<25}{fmt_bytes(p):>13}{fmt_bytes(m):>13}{fmt_bytes(p - m):>13}{pct}")
     lines.append(f"peak during: predicted {predicted.peak_phase}, measured {measured.peak_phase}")
     return "\n".join(lines)
