@@ -210,6 +210,8 @@ def _run(args) -> str:
                   for n, p in rows.items()]
         return "\n".join(lines)
     recompute = f"every-{args.every}" if args.recompute == "every-k" else args.recompute
+    if args.seq > args.model.max_seq:   # as plan does: the RoPE tables cover the sequence asked for
+        args.model = args.model.replace(max_seq=args.seq)
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device)

@@ -178,3 +178,12 @@ def test_bad_input_is_one_line_naming_the_fix_and_exit_code_2(capsys, argv, fix)
 def test_measure_real_on_cuda_without_cuda_names_the_device_to_use(capsys):
     assert main(["measure", "--model", "tiny", "--real", "--device", "cuda"]) == 2
     assert "use --device cpu" in capsys.readouterr().err
+
+
+def test_estimate_and_measure_take_the_same_sequence_lengths(capsys):
+    # past the preset's max_seq both size the RoPE tables for the sequence, as plan does
+    assert main(["estimate", "--model", "tiny", "--seq", "4096", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert main(["measure", "--model", "tiny", "--seq", "4096", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert abs(est["total"] - measured["total"]) <= 4     # one fp32 scalar, as lab 00 shows
