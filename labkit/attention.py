@@ -3,7 +3,8 @@
 - ``naive_attention``: softmax(q k^T / sqrt(d)) v written out: the (B, H, T, T) probabilities
   are made in memory and autograd keeps them for the backward pass.
 - ``tiled_attention``: FlashAttention's online softmax (Dao et al. 2022; the loop order of
-  FlashAttention-2, Dao 2023) in plain PyTorch, as a ``torch.autograd.Function``. Queries and
+  FlashAttention-2, Dao 2023) in plain PyTorch, as a ``torch.autograd.Function`` taking what
+  SDPA takes (any leading dims, any number of keys, grouped kv heads). Queries and
   keys are taken a block at a time with a running max and sum; the forward pass keeps only
   q, k, v, the output and one log-sum-exp per row, and the backward pass recomputes the
   probabilities block by block.
@@ -34,23 +35,24 @@ def repeat_kv(x, groups: int):
 def naive_attention(q, k, v, causal: bool = True):
     """softmax(q k^T / sqrt(d) + mask) v, every matrix made in memory.
 
-    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention: the
-    key and value heads are repeated). Autograd keeps the probabilities (B, H, T, T) - in
-    fp32 and a bf16 copy under autocast - the repeated k and v, and q.
+    q: (B, H, T, d); k, v: (B, Hkv, Tk, d) with Hkv dividing H (grouped-query attention: the
+    key and value heads are repeated). Causal: query i sees keys 0..i (top-left, as SDPA).
+    Autograd keeps the probabilities (B, H, T, Tk) - in fp32 and a bf16 copy under autocast -
+    the repeated k and v, and q.
     """
-    H, T, d = q.shape[1], q.shape[2], q.shape[3]
+    H, T, d, Tk = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
     _check_heads(H, k.shape[1])
-    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])      # (B, H, T, d)
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])      # (B, H, Tk, d)
     # scale the scores, not q: a scaled copy of q would be kept for the backward pass too
-    scores = (q @ k.transpose(-2, -1)) * d ** -0.5                          # (B, H, T, T)
+    scores = (q @ k.transpose(-2, -1)) * d ** -0.5                          # (B, H, T, Tk)
     if causal:     # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
-        scores = scores + torch.full((T, T), float("-inf"), dtype=scores.dtype,
-                                     device=scores.device).triu(1)            # (T, T)
+        scores = scores + torch.full((T, Tk), float("-inf"), dtype=scores.dtype,
+                                     device=scores.device).triu(1)            # (T, Tk)
     # under autocast the softmax runs in fp32, as CUDA's autocast runs it (CPU's would leave
     # it in bf16): a CPU step then keeps what a GPU step keeps, fp32 probabilities and the
     # bf16 copy the next matmul makes of them
     fp32 = torch.float32 if torch.is_autocast_enabled(q.device.type) else None
-    probs = scores.softmax(dim=-1, dtype=fp32)                                 # (B, H, T, T)
+    probs = scores.softmax(dim=-1, dtype=fp32)                                 # (B, H, T, Tk)
     return probs @ v                                                           # (B, H, T, dv)
 
 
@@ -61,17 +63,47 @@ def _check_heads(heads: int, kv_heads: int) -> None:
 
 
 # ---- tiled: online softmax, block by block ----------------------------------------------------
-def _query_block(q, start: int, end: int, groups: int):
-    """q's rows start..end of every head, in fp32, grouped under their key/value head:
+def _check_shapes(q, k, v) -> None:
+    """A ValueError naming the fix for q, k, v the tiled core cannot take."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.dim() == k.dim() == v.dim() >= 2:
+        raise ValueError(f"q, k and v must be (..., T, d) with as many dims each, got {shapes}: "
+                         f"give k and v q's dims (unsqueeze the missing ones)")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim (their last), got {shapes}: "
+                         f"project them to the same d")
+    if k.shape[-2] != v.shape[-2] or k.shape[-2] == 0:
+        raise ValueError(f"k and v must hold the same number of keys, one or more, got {shapes}: "
+                         f"give one value per key")
+    if q.dim() == 2:
+        return
+    if k.shape[-3] != v.shape[-3]:
+        raise ValueError(f"k and v must have as many heads, got {shapes}: give each key head "
+                         f"its value head")
+    _check_heads(q.shape[-3], k.shape[-3])
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        raise ValueError(f"q, k and v must have the same dims before the heads, got {shapes}: "
+                         f"expand k and v to q's leading dims {tuple(q.shape[:-3])}")
+
+
+def _as_4d(x):
+    """(..., H, T, d) -> (B, H, T, d), every leading dim in B (a view where strides allow);
+    (T, d) -> (1, 1, T, d); a (B, H, T, d) tensor is returned as it is."""
+    return x.flatten(0, -4) if x.dim() >= 4 else x.view((1,) * (4 - x.dim()) + x.shape)
+
+
+def _query_block(q, start: int, end: int, groups: int, dtype):
+    """q's rows start..end of every head, in ``dtype``, grouped under their key/value head:
     (B, H, T, d) -> (B, Hkv, groups * rows, d), so one matmul with k (B, Hkv, cols, d) serves
     a whole group of query heads (no repeated k or v)."""
     B, H, _, d = q.shape
-    block = q[:, :, start:end].float()                                         # (B, H, rows, d)
+    block = q[:, :, start:end].to(dtype)                                       # (B, H, rows, d)
     return block.reshape(B, H // groups, groups * (end - start), d)
 
 
 def _future(start: int, end: int, k_start: int, k_end: int, groups: int, device):
-    """(groups * rows, cols) bool: True where a query row would see a later key (causal mask)."""
+    """(groups * rows, cols) bool: True where query row i would see a key past i (causal mask,
+    top-left aligned)."""
     rows = torch.arange(start, end, device=device).repeat(groups)              # (groups * rows,)
     cols = torch.arange(k_start, k_end, device=device)                         # (cols,)
     return rows[:, None] < cols[None, :]
@@ -85,29 +117,35 @@ def _ungroup(x, groups: int):
 
 class TiledAttention(torch.autograd.Function):
     """FlashAttention's forward and backward passes (Algorithms 1 and 2 of FlashAttention-2)
-    in PyTorch: every block in fp32, never a (T, T) matrix, never repeated key/value heads.
+    in PyTorch: every block in fp32 (fp64 for fp64 inputs), never a (T_q, T_k) matrix, never
+    repeated key/value heads. Takes what ``tiled_attention`` takes.
 
     Keeps for backward: q, k, v, the output O (in q's dtype) and the log-sum-exp of each row
-    (B, H, T) in fp32 - what SDPA's flash kernel keeps.
+    (B, H, T_q) in the blocks' dtype - what SDPA's flash kernel keeps.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, block: int):
-        B, H, T, _ = q.shape
-        Hkv, dv, g = k.shape[1], v.shape[-1], q.shape[1] // k.shape[1]
-        scale = q.shape[-1] ** -0.5
-        out = q.new_empty(B, T, H, dv)           # (B, T, H, dv): wo's layout, so no copy later
-        lse = q.new_empty(B, H, T, dtype=torch.float32)                            # (B, H, T)
-        with torch.autocast(q.device.type, enabled=False):     # the blocks compute in fp32
-            for i in range(0, T, block):
-                i_end = min(i + block, T)
-                qi = _query_block(q, i, i_end, g) * scale                  # (B, Hkv, g*rows, d)
+        _check_shapes(q, k, v)
+        inputs, shape = (q, k, v), (*q.shape[:-1], v.shape[-1])                # (..., T_q, dv)
+        q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)      # (B, H, T_q, d), (B, Hkv, T_k, d or dv)
+        B, H, Tq, _ = q.shape
+        Hkv, Tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        g, scale = H // Hkv, q.shape[-1] ** -0.5
+        work = torch.promote_types(q.dtype, torch.float32)           # the blocks' dtype
+        out = q.new_empty(B, Tq, H, dv)         # (B, T_q, H, dv): wo's layout, so no copy later
+        lse = q.new_empty(B, H, Tq, dtype=work)                                  # (B, H, T_q)
+        with torch.autocast(q.device.type, enabled=False):     # the blocks compute in `work`
+            for i in range(0, Tq, block):
+                i_end = min(i + block, Tq)
+                qi = _query_block(q, i, i_end, g, work) * scale            # (B, Hkv, g*rows, d)
                 row_max = qi.new_full(qi.shape[:-1], float("-inf"))        # (B, Hkv, g*rows)
                 row_sum = qi.new_zeros(qi.shape[:-1])                      # (B, Hkv, g*rows)
                 acc = qi.new_zeros(*qi.shape[:-1], dv)                     # (B, Hkv, g*rows, dv)
-                for j in range(0, i_end if causal else T, block):      # causal: not above it
-                    j_end = min(j + block, T)
-                    kj, vj = k[:, :, j:j_end].float(), v[:, :, j:j_end].float()  # (B, Hkv, cols, d)
+                for j in range(0, min(i_end, Tk) if causal else Tk, block):  # causal: no key
+                    j_end = min(j + block, Tk)                               # past the last row
+                    kj = k[:, :, j:j_end].to(work)                         # (B, Hkv, cols, d)
+                    vj = v[:, :, j:j_end].to(work)                         # (B, Hkv, cols, dv)
                     s = qi @ kj.transpose(-2, -1)                          # (B, Hkv, g*rows, cols)
                     if causal and j_end > i:                                 # the diagonal block
                         s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
@@ -120,32 +158,36 @@ class TiledAttention(torch.autograd.Function):
                 o = _ungroup(acc / row_sum[..., None], g)                  # (B, H, rows, dv)
                 out[:, i:i_end] = o.transpose(1, 2)
                 lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
-        out = out.transpose(1, 2)                                              # (B, H, T, dv)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.transpose(1, 2).view(shape)                # (B, H, T_q, dv) as (..., T_q, dv)
+        ctx.save_for_backward(*inputs, out, lse)
         ctx.causal, ctx.block = causal, block
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
+        shapes = q.shape, k.shape, v.shape
+        q, k, v, out, grad_out = (_as_4d(t) for t in (q, k, v, out, grad_out))
         causal, block = ctx.causal, ctx.block
-        B, H, T, _ = q.shape
-        g, scale = H // k.shape[1], q.shape[-1] ** -0.5
+        B, H, Tq, _ = q.shape
+        Tk, g, scale = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5
+        work = lse.dtype
         with torch.autocast(q.device.type, enabled=False):
             # D = rowsum(dO * O): the softmax's backward needs it once per row
-            delta = (grad_out.float() * out.float()).sum(dim=-1)                    # (B, H, T)
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)       # (B, H, T, d)
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)     # (B, Hkv, T, d)
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)    # (B, Hkv, T, dv)
-            for j in range(0, T, block):                 # each key block once, as in the paper
-                j_end = min(j + block, T)
-                kj, vj = k[:, :, j:j_end].float(), v[:, :, j:j_end].float()  # (B, Hkv, cols, d)
-                for i in range(j if causal else 0, T, block):        # causal: the rows below it
-                    i_end = min(i + block, T)
-                    qi = _query_block(q, i, i_end, g)                      # (B, Hkv, g*rows, d)
-                    doi = _query_block(grad_out, i, i_end, g)              # (B, Hkv, g*rows, dv)
-                    lse_i = _query_block(lse[..., None], i, i_end, g)      # (B, Hkv, g*rows, 1)
-                    delta_i = _query_block(delta[..., None], i, i_end, g)  # (B, Hkv, g*rows, 1)
+            delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)                # (B, H, T_q)
+            dq = torch.zeros(q.shape, dtype=work, device=q.device)              # (B, H, T_q, d)
+            dk = torch.zeros(k.shape, dtype=work, device=k.device)            # (B, Hkv, T_k, d)
+            dv = torch.zeros(v.shape, dtype=work, device=v.device)           # (B, Hkv, T_k, dv)
+            for j in range(0, Tk, block):                # each key block once, as in the paper
+                j_end = min(j + block, Tk)
+                kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
+                vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
+                for i in range(j if causal else 0, Tq, block):  # causal: the rows that see it
+                    i_end = min(i + block, Tq)
+                    qi = _query_block(q, i, i_end, g, work)                # (B, Hkv, g*rows, d)
+                    doi = _query_block(grad_out, i, i_end, g, work)        # (B, Hkv, g*rows, dv)
+                    lse_i = _query_block(lse[..., None], i, i_end, g, work)     # (.., g*rows, 1)
+                    delta_i = _query_block(delta[..., None], i, i_end, g, work)  # (.., g*rows, 1)
                     s = (qi @ kj.transpose(-2, -1)) * scale                # (B, Hkv, g*rows, cols)
                     if causal and j_end > i:
                         s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
@@ -154,15 +196,18 @@ class TiledAttention(torch.autograd.Function):
                     ds = p * (doi @ vj.transpose(-2, -1) - delta_i)      # softmax's backward
                     dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
                     dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None)
 
 
 def tiled_attention(q, k, v, causal: bool = True, block: int = 128):
-    """``naive_attention``'s result, ``block`` queries by ``block`` keys at a time.
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)``'s result,
+    ``block`` queries by ``block`` keys at a time.
 
-    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H. Returns (B, H, T, dv).
+    q: (..., H, T_q, d); k, v: (..., Hkv, T_k, d) with Hkv dividing H, or all three (T, d).
+    Returns (..., H, T_q, dv).
+    Causal: query i sees keys 0..i (top-left, as SDPA; FlashAttention-2's kernel: bottom-right).
     """
-    _check_heads(q.shape[1], k.shape[1])
     check_positive("block (queries and keys per tile)", block)
     return TiledAttention.apply(q, k, v, causal, block)
 

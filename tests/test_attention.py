@@ -25,7 +25,7 @@ def _qkv(heads, kv_heads, T, d=16, batch=2, dtype=torch.float32, seed=0):
 
 def _output_and_grads(fn, q, k, v):
     y = fn(q, k, v)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
     return (y, *torch.autograd.grad(y, (q, k, v), dy))
 
 
@@ -48,6 +48,59 @@ def test_tiled_equals_sdpa(one_thread, causal):
     tiled = _output_and_grads(lambda *t: tiled_attention(*t, causal=causal, block=32), q, k, v)
     for a, b in zip(sdpa, tiled):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+# ---- any shape SDPA takes: leading dims, T_q != T_k, grouped kv heads --------------------------
+LEADING = {"(T, d)": ((), ()),                            # q's dims before T, then k's and v's
+           "(H, T, d)": ((3,), (3,)),
+           "(B, H, T, d) grouped": ((2, 4), (2, 2)),
+           "(B, B, H, T, d) multi-query": ((2, 3, 2), (2, 3, 1))}
+
+
+def _assert_tiled_equals_sdpa_in_fp64(q, k, v, causal: bool, block: int = 128):
+    """The output and the gradients of q, k, v, to 1e-12."""
+    sdpa = _output_and_grads(lambda *t: F.scaled_dot_product_attention(
+        *t, is_causal=causal, enable_gqa=q.dim() > 2), q, k, v)
+    tiled = _output_and_grads(lambda *t: tiled_attention(*t, causal=causal, block=block), q, k, v)
+    for a, b in zip(sdpa, tiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("block", [4, 5])
+@pytest.mark.parametrize("keys", ["same", "more", "fewer"])
+@pytest.mark.parametrize("Tq", [1, 4, 7, 8, 33])
+@pytest.mark.parametrize("leading", LEADING.values(), ids=LEADING.keys())
+def test_tiled_equals_sdpa_for_any_shape(one_thread, leading, Tq, keys, block, causal):
+    """Causal with T_q != T_k is SDPA's top-left mask (T_q = 1: "fewer" keys is one, as "same")."""
+    Tk = {"same": Tq, "more": 2 * Tq + 3, "fewer": (Tq + 1) // 2}[keys]
+    g = torch.Generator().manual_seed(Tq * 100 + Tk)
+    q_lead, kv_lead = leading
+    q, k, v = (torch.randn(*lead, T, d, generator=g, dtype=torch.float64).requires_grad_()
+               for lead, T, d in ((q_lead, Tq, 8), (kv_lead, Tk, 8), (kv_lead, Tk, 6)))
+    _assert_tiled_equals_sdpa_in_fp64(q, k, v, causal, block)
+
+
+def test_four_queries_see_all_eight_keys():
+    """The key loop once stopped at the number of queries: keys 4..7 were never seen."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, T, 8, generator=g, dtype=torch.float64).requires_grad_()
+               for T in (4, 8, 8))
+    _assert_tiled_equals_sdpa_in_fp64(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("q, k, v, fix", [
+    ((2, 4, 8, 16), (2, 4, 8, 8), (2, 4, 8, 8), "project them to the same d"),
+    ((2, 4, 8, 16), (2, 3, 8, 16), (2, 3, 8, 16), "among the divisors of 4"),
+    ((2, 4, 8, 16), (2, 2, 8, 16), (2, 4, 8, 16), "give each key head its value head"),
+    ((2, 4, 8, 16), (1, 4, 8, 16), (1, 4, 8, 16), r"to q's leading dims \(2,\)"),
+    ((2, 4, 8, 16), (4, 8, 16), (4, 8, 16), "unsqueeze the missing ones"),
+    ((16,), (16,), (16,), "unsqueeze the missing ones"),
+    ((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 7, 16), "give one value per key"),
+    ((2, 4, 8, 16), (2, 4, 0, 16), (2, 4, 0, 16), "give one value per key")])
+def test_shapes_the_tiled_core_cannot_take_raise_naming_the_fix(q, k, v, fix):
+    with pytest.raises(ValueError, match=fix):
+        tiled_attention(torch.zeros(q), torch.zeros(k), torch.zeros(v))
 
 
 def _saved(fn, *inputs) -> list[torch.Tensor]:
@@ -192,3 +245,13 @@ def test_hbm_accesses_grow_with_the_sequence():
 def test_h200_has_the_h100s_on_chip_memory():
     assert SRAM_PER_SM["H200"] == SRAM_PER_SM["H100 SXM"]
     assert SRAM_PER_SM["A100"].sms == 108 and SRAM_PER_SM["H100 SXM"].sms == 132
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t_q, t_k", [(4, 8), (1, 5), (6, 3)])
+def test_naive_equals_sdpa_with_other_numbers_of_keys(t_q, t_k, causal):
+    """Its causal mask is (T_q, T_k), top-left as SDPA's; it once assumed T_q == T_k."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, t, 8, generator=g, dtype=torch.float64) for t in (t_q, t_k, t_k))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(naive_attention(q, k, v, causal=causal), expected)
