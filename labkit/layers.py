@@ -302,15 +302,19 @@ def _mlp_saved(c: ModelConfig, d: Dtypes, moe: bool, tp: int, sp: int) -> Saved:
         Term("shared experts' SwiGLU", cdt, _swiglu_saved(shared * c.moe_ffn // tp, d))])
 
 
-def _matmul_outputs(c: ModelConfig, d: Dtypes, moe: bool, tp: int) -> Saved:
+def _matmul_outputs(c: ModelConfig, d: Dtypes, moe: bool, tp: int, lora_rank: int = 0) -> Saved:
     """What the ``selective`` policy keeps besides the block's input: every matmul's output
-    and fused attention's output (padded to the query width under MLA) and log-sum-exp."""
+    and fused attention's output (padded to the query width under MLA) and log-sum-exp. With
+    LoRA adapters each adapter's two matmuls too: x A^T (r wide) and its update (out wide)."""
     H = c.heads // tp
     matmuls = sum(w.out_width(tp) for w in attention_weights(c) + mlp_weights(c, moe) if w.matmul)
     attention_out = H * c.qk_head_dim
+    adapters = sum(lora_rank + w.fan_out for w in lora_targets(c, moe)) if lora_rank else 0
     return Saved([Term("matmul and attention outputs", d.name,
                        (matmuls + attention_out) * d.compute),
-                  Term("attention log-sum-exp", "fp32", 4 * H)])
+                  Term("attention log-sum-exp", "fp32", 4 * H),
+                  *([Term("LoRA adapters' x A^T and updates", d.name, adapters * d.compute)]
+                    if lora_rank else [])])
 
 
 def weight_copies(c: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
@@ -318,9 +322,32 @@ def weight_copies(c: ModelConfig, moe: bool, tp: int = 1, ep: int = 1) -> int:
     return 2 * sum(w.local(tp, ep) for w in block_weights(c, moe) if w.matmul)
 
 
+# the linears that read a block's first norm: in the model's first block under LoRA their input
+# (the frozen embedding's output, normalised) needs no gradient
+READ_THE_BLOCK_INPUT = ("attn.wq", "attn.wk", "attn.wv", "attn.wq_a", "attn.wkv_a")
+
+
+def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
+                       weight_format: str | None = None) -> int:
+    """Bytes of the bf16 weight copies a LoRA block keeps under autocast. None is cached
+    (autocast caches only leaf weights that train; the adapters reach their matmuls as views,
+    A^T), but a matmul whose input needs a gradient keeps its weight's copy for it: every frozen
+    matmul weight but an NF4 one (``quant.QuantLinear`` dequantises it again in backward), and
+    each adapter's A and B. In the model's first block the linears reading the first norm keep
+    neither their weight's copy nor A's."""
+    skip = READ_THE_BLOCK_INPUT if first else ()
+    targets = lora_targets(c, moe)
+    frozen = sum(w.numel for w in block_weights(c, moe) if w.matmul and w not in targets)
+    if weight_format is None:
+        frozen += sum(w.numel for w in targets if w.name not in skip)
+    adapters = sum(r * (w.fan_out + (0 if w.name in skip else w.fan_in)) for w in targets)
+    return 2 * (frozen + adapters)
+
+
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                 recompute: str = "none", sp: bool = False, ep: int = 1, lora_rank: int = 0,
-                first: bool = False, attention: str = "sdpa") -> Saved:
+                first: bool = False, attention: str = "sdpa",
+                weight_format: str | None = None) -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
     ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
@@ -328,22 +355,24 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     tensors every rank would hold whole (norms, the residual stream, the inputs of
     column-parallel projections) are split over the ranks too. Under autocast the bf16
     weight copies are a term of their own (category "weight_cache"). ``lora_rank`` > 0: the
-    block is frozen with rank-``lora_rank`` adapters (``labkit.lora``); ``first``: it is the
-    model's first block. ``attention``: the core (``labkit.attention``); "naive" keeps its
-    (T, T) probabilities.
+    block is frozen with rank-``lora_rank`` adapters (``labkit.lora``) on weights stored as
+    ``weight_format`` (None or "nf4"), with any recompute policy and precision (autocast:
+    ``lora_weight_copies``; "selective": the adapters' matmul outputs too); ``first``: it is
+    the model's first block.
+    ``attention``: the core (``labkit.attention``); "naive" keeps its (T, T) probabilities.
     """
     d, split = Dtypes.of(precision), (tp if sp else 1)
-    if lora_rank and (recompute != "none" or d.mixed or tp > 1 or ep > 1):
-        raise ValueError("LoRA's saved tensors are modelled without recompute, autocast or "
-                         "tensor/expert parallelism; use recompute='none', tp=ep=1 and a "
-                         "precision other than the -mixed ones")
+    if lora_rank and (tp > 1 or ep > 1):
+        raise ValueError("LoRA's saved tensors are modelled on one device (tp=ep=1)")
     block_input = Saved([Term("block input (residual stream)", d.stream_name,
                               c.hidden * d.stream / split)])
     if recompute == "full":
         return block_input
     if recompute == "selective":
-        return Saved(block_input + _matmul_outputs(c, d, moe, tp))
-    copies = weight_copies(c, moe, tp, ep) if d.mixed else 0
+        return Saved(block_input + _matmul_outputs(c, d, moe, tp, lora_rank))
+    copies = 0 if not d.mixed else (
+        lora_weight_copies(c, moe, lora_rank, first, weight_format) if lora_rank else
+        weight_copies(c, moe, tp, ep))
     # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
     # (its input, the frozen embedding's output, needs no gradient)
     frozen, norms = lora_rank > 0, 1 if first else 2

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .recipe import DEVICES, Recipe, check_loss_chunk, default_optimizer_impl
+from .recipe import DEVICES, Recipe
 from .track import MemoryTracker, Timeline
 from .train import device as default_device, make_optimizer, param_dtype, train_step
 from .units import Breakdown, check_choice, check_positive
@@ -91,10 +91,12 @@ def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
 
 
 def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None = None,
-           trainable: str = "all", lora_rank: int = 16, weight_format: str | None = None):
-    """The module to train: labkit's model built from its config (with ``recompute``,
-    ``loss_chunk`` and LoRA adapters), the given module, or what the given function builds in
-    the precision's weight dtype."""
+           trainable: str = "all", lora_rank: int = 16, weight_format: str | None = None,
+           every: int = 2):
+    """The module to train: labkit's model built from its config (with ``recompute`` - k of
+    "every-k" from ``every`` - ``loss_chunk`` and LoRA adapters), the given module, or what
+    the given function builds in the precision's weight dtype. Recompute is set before the
+    adapters go in: checkpointing runs whole blocks, whatever their linears have become."""
     from .checkpointing import apply_recompute
     from .config import ModelConfig
     from .model import Transformer, build_model
@@ -121,7 +123,7 @@ def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None
             raise ValueError(f"recompute={recompute!r} applies to labkit's model only; for another "
                              f"module turn on its own checkpointing (Hugging Face: "
                              f"model.gradient_checkpointing_enable()) and pass recompute='none'")
-        apply_recompute(model, recompute)
+        apply_recompute(model, recompute, every)
     if loss_chunk is not None:
         if not isinstance(model, Transformer):
             raise ValueError(f"loss_chunk={loss_chunk} applies to labkit's model only; give "
@@ -179,7 +181,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  warmup: bool = True, seed: int = 0, loss_fn=None,
                  loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
                  weight_format: str | None = None, attention: str = "sdpa",
-                 events: bool = False, then: list[tuple[int, int]] = ()) -> Measurement:
+                 events: bool = False, then: list[tuple[int, int]] = (),
+                 recipe: Recipe | None = None) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -193,6 +196,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     and trains rank-``lora_rank`` adapters (alpha = 2 r) on every linear of its blocks, on an
     NF4 base with ``weight_format="nf4"`` (QLoRA; ``labkit.lora``). ``attention``: labkit's
     model runs its attention core as "sdpa", "naive" or "tiled" (``labkit.attention``).
+    ``recipe=lk.Recipe(...)`` gives all of these at once (and wins over them), as ``estimate``
+    takes it: LoRA and QLoRA compose with every recompute policy and autocast.
 
     ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
     ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
@@ -205,18 +210,18 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     ``then``: (batch, seq) of further steps run after the first under the same tracker (batches
     whose shape changes from step to step, the allocator's hard case); the peak is over all.
     """
-    from .checkpointing import parse_policy
     from .config import ModelConfig, preset
     from .model import Transformer, use_attention
 
     for b, s in [(batch, seq), *then]:
         check_positive("batch", b)
         check_positive("seq", s)
+    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute,
+                              trainable=trainable, lora_rank=lora_rank,
+                              weight_format=weight_format, loss_chunk=loss_chunk,
+                              attention=attention)
+    precision, optimizer, attention = recipe.precision, recipe.optimizer, recipe.attention
     param_dtype(precision)
-    parse_policy(recompute)
-    check_loss_chunk(loss_chunk)
-    Recipe(precision, optimizer, recompute=recompute, trainable=trainable, lora_rank=lora_rank,
-           weight_format=weight_format, attention=attention)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     longest = max(s for _, s in [(batch, seq), *then])
     if isinstance(cfg, ModelConfig) and longest > cfg.max_seq:
@@ -226,11 +231,11 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
         raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
                         f"function that builds one, got {type(cfg).__name__}")
     setup = _setup(cfg, fake, device)
-    impl = optimizer_impl or default_optimizer_impl(setup.whose)
+    impl = recipe.impl(setup.whose)
     torch.manual_seed(seed)
     with setup.mode or contextlib.nullcontext():
-        model = _build(setup, precision, recompute, loss_chunk, trainable, lora_rank,
-                       weight_format)
+        model = _build(setup, precision, recipe.recompute, recipe.loss_chunk, recipe.trainable,
+                       recipe.lora_rank, recipe.weight_format, recipe.every)
         if attention != "sdpa" and not isinstance(model, Transformer):
             raise ValueError(f"attention={attention!r} switches labkit's model only; measure "
                              f"another module with its own attention and attention='sdpa'")

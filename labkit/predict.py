@@ -224,13 +224,15 @@ class _Step:
         for u in units:
             kept[u.first] = "selective" if name == "selective" else ("full" if u.recompute else "none")
             kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
-        lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0) if self.lora else {}
+        lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0,
+                     weight_format=self.recipe.weight_format) if self.lora else {}
                 for j in range(len(self.moe))]
         full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j],
                                                     attention=self.recipe.attention), m)
                 for j, m in enumerate(self.moe)]
         saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
-                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep) for j, m in enumerate(self.moe)]
+                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep, **lora[j])
+                 for j, m in enumerate(self.moe)]
         self.kept = kept
         return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}
 
@@ -293,7 +295,8 @@ class _Step:
                    **self._later_micro_batch_moments(always, saved, label),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always),
-                   **self._dequantise_moment(always, saved)}
+                   **self._lora_recompute_moment(always, saved, full, unit_start),
+                   **self._dequantise_moment(always, saved, full, unit_start)}
         if self.zero == 3:
             moments.update(self._gather_moments(always, saved, kept + head))
             for phase, tensors in moments.values():   # the root unit stays gathered throughout
@@ -307,9 +310,11 @@ class _Step:
         backward (the log-softmax's and the logits' gradients), both (N, V) fp32."""
         c, tp, alive = self.c, self.L.tp, kept + head
         # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
-        # layer saves none of them, so for it the cache is extra
+        # layer saves none of them, so for it the cache is extra. Under LoRA nothing is cached:
+        # autocast caches leaf weights that train, and the adapters reach their matmuls as A^T
         cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
-                    for j, m in enumerate(self.moe) if self.kept[j] != "none") if self.mixed else 0
+                    for j, m in enumerate(self.moe)
+                    if self.kept[j] != "none") if self.mixed and not self.lora else 0
         cache = Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)
         if self.recipe.loss_chunk:
             return self._chunked_loss_moments(kept, head, cache)
@@ -354,12 +359,13 @@ class _Step:
         """A chunked loss (``labkit.loss``) holds one chunk's fp32 logits (and their bf16
         original when the matmuls run in bf16) in the forward pass, and again in the backward
         pass beside the LM head's gradients being formed. Under autocast those are bf16, and
-        their fp32 copies are made after the loss has freed what it saved."""
+        their fp32 copies are made after the loss has freed what it saved. LoRA: the frozen LM
+        head forms no gradient."""
         c, tp, cb, alive = self.c, self.L.tp, 4 if self.cdt == "fp32" else 2, kept + head
         rows = min(self.recipe.loss_chunk, self.N)
         chunk = rows * c.vocab_size // tp * (4 if cb == 4 else 6)    # (rows, V) fp32 (+ bf16)
         dtype = "fp32" if cb == 4 else "fp32 + bf16"
-        head_numel = c.vocab_size * c.hidden // tp
+        head_numel = 0 if self.lora else c.vocab_size * c.hidden // tp
         forming = [Tensor("gradient of the LM head's input", "other", self.cdt, self.N * c.hidden * cb),
                    Tensor("LM head gradient being formed", "other", self.cdt, head_numel * cb)]
         moments = {
@@ -391,14 +397,11 @@ class _Step:
     def _worst_layer_moment(self, always, saved, full, unit_start) -> dict:
         """Inside each layer's backward (last layer first): what the layers below still keep,
         the gradients done so far, the layer's transients and what recomputation rebuilt."""
-        c, B, T, stream, flight = self.c, self.B, self.T, self.bytes.weights, self.in_flight
+        c, stream, flight = self.c, self.bytes.weights, self.in_flight
         head_grads = (sum(w.local(self.L.tp) for w in head_weights(c)) * stream
                       if self.last and not self.lora else 0)
         worst, worst_reduce = None, None
         for i in reversed(range(len(self.layers))):
-            a = unit_start[i]
-            rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
-                       - sum(s.bytes(B, T) for s in saved[a:i + 1]))
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
@@ -410,7 +413,7 @@ class _Step:
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
                        self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream),
-                Tensor("recomputed activations", "other", self.cdt, rebuilt)]
+                self._recomputed(i, saved, full, unit_start)]
             if worst is None or _total(tensors) > _total(worst[1]):
                 worst = (i, tensors)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
@@ -426,6 +429,15 @@ class _Step:
             out[f"backward: reduce-scatter of layer {self.layers[worst_reduce[0]]}"] = (
                 "backward", worst_reduce[1])
         return out
+
+    def _recomputed(self, i: int, saved, full, unit_start) -> Tensor:
+        """What recomputation has rebuilt by layer i's backward: the layers of its unit from the
+        unit's first to i, less what they keep anyway (the unit's input: the first norm's fp32
+        input itself when the stream is fp32)."""
+        a, B, T = unit_start[i], self.B, self.T
+        rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
+                   - sum(s.bytes(B, T) for s in saved[a:i + 1]))
+        return Tensor("recomputed activations", "other", self.cdt, rebuilt)
 
     def _naive_attention_moment(self, always, saved, full, unit_start) -> dict:
         """Naive attention's backward in each layer (``layers.naive_backward_alive``): the
@@ -551,22 +563,105 @@ class _Step:
                    pending * per_micro_batch),
             Tensor("a weight's new gradient, before it is added", "other", self.wdt, largest)])}
 
-    def _dequantise_moment(self, always, saved) -> dict:
+    # ---- LoRA and QLoRA: the forward run again inside the backward, NF4's dequantisation --------
+    def _lora_recompute_moment(self, always, saved, full, unit_start) -> dict:
+        """A recomputed LoRA layer peaks in its forward run again, at its MLP's widest adapted
+        linear (w_up): the base output, the update, the scaled update and their sum stand where
+        up and the product will (as much as the MLP's backward transients), and the down
+        projection has made nothing yet: no x A^T, no autocast copies of its frozen weight and
+        adapters (``_forward_again``)."""
+        if not self.lora:
+            return {}
+        N, h, r, cb, worst = self.N, self.c.hidden, self.lora_rank, compute_bytes(
+            self.recipe.precision), None
+        for i in reversed(range(len(self.layers))):
+            if self.kept[unit_start[i]] == "none":
+                continue
+            width = self._mlp_width(self.moe[i])
+            frozen = width * h if self.recipe.weight_format is None else 0     # NF4: no copy
+            down = N * r * cb + (2 * (frozen + r * (width + h)) if self.mixed else 0)
+            up_and_product = 2 * N * width * cb
+            tensors = self._lora_backward(always, saved, i) + self._forward_again(
+                i, saved, full, unit_start, not_yet=up_and_product + down) + [
+                Tensor("w_up's base output, update, scaled update and sum (LoRA)", "other",
+                       self.cdt, 4 * N * width * cb)]
+            if worst is None or _total(tensors) > _total(worst[1]):
+                worst = (i, tensors)
+        return {f"backward: recomputing layer {self.layers[worst[0]]}": ("backward", worst[1])
+                } if worst else {}
+
+    def _dequantise_moment(self, always, saved, full, unit_start) -> dict:
         """QLoRA dequantises each NF4 weight in its forward and again in its backward
-        (``quant.QuantLinear``). The largest, in the last layer's backward (every layer kept,
-        the residual stream's gradient in flight), makes and frees per weight: the unpacked
-        codes (1 byte), their int64 indices into the codebook (8), the fp32 values (4), and the
-        fp32 block scales (1/16) and the 16-level codebook once."""
+        (``quant.QuantLinear``), making and freeing per weight: the unpacked codes (1 byte),
+        their int64 indices into the codebook (8), the fp32 values (4), and the fp32 block
+        scales (1/16) and the 16-level codebook once. The worst: a layer's largest weight in its
+        backward (every layer kept, the residual stream's gradient in flight), or in a
+        recomputed layer's forward run again (its unit rebuilt, ``_forward_again``); and the
+        last layer's in the forward pass, beside the stream its forward holds."""
         if self.recipe.weight_format != "nf4":
             return {}
-        c, last = self.c, len(self.layers) - 1
-        largest = max(w.numel for w in lora_targets(c, self.moe[last]))
-        return {f"backward: dequantising layer {self.layers[last]}'s largest weight": (
-            "backward", always + self._kept_up_to(saved, last) + [
-                Tensor("gradient of the residual stream", "other", self.wdt,
-                       self.N * c.hidden * self.bytes.weights),
-                Tensor("dequantised NF4 weight (codes, int64 indices, fp32 values, scales)",
-                       "other", "fp32", 13 * largest + 4 * (largest // 64) + 64)])}
+        c, last, worst = self.c, len(self.layers) - 1, {}
+        for i in reversed(range(len(self.layers))):
+            largest = max(w.numel for w in lora_targets(c, self.moe[i]))
+            dequantised = Tensor("dequantised NF4 weight (codes, int64 indices, fp32 values, "
+                                 "scales)", "other", "fp32",
+                                 13 * largest + 4 * (largest // 64) + 64)
+            if self.kept[unit_start[i]] != "none":
+                moments = {"backward": self._lora_backward(always, saved, i) + self._forward_again(
+                    i, saved, full, unit_start, not_yet=self.N * self.lora_rank * compute_bytes(
+                        self.recipe.precision)) + [dequantised]}
+            else:        # the down projection's base runs its backward after its adapter's
+                width, r = self._mlp_width(self.moe[i]), self.lora_rank
+                moments = {"backward": self._lora_backward(always, saved, i) + [dequantised, Tensor(
+                    "gradients of the down projection's adapter", "grads", self.wdt,
+                    r * (width + c.hidden) * self.bytes.grads)]}
+                if i == last:   # what the forward pass makes is the tracker's "activations"
+                    moments["forward"] = always + self._kept_up_to(saved, i) + [
+                        replace(t, category="activations")
+                        for t in (self._forward_locals(0), dequantised)]
+            for phase, tensors in moments.items():
+                if phase not in worst or _total(tensors) > _total(worst[phase][1]):
+                    worst[phase] = (i, tensors)
+        return {f"{phase}: dequantising layer {self.layers[i]}'s largest weight": (phase, tensors)
+                for phase, (i, tensors) in worst.items()}
+
+    def _lora_backward(self, always, saved, i: int) -> list[Tensor]:
+        """What is alive in layer i's backward under LoRA (one device): the states, what layers
+        0 .. i keep, the adapters' gradients of the layers done, the residual stream's gradient
+        (and under autocast its bf16 copy, for the MLP's bf16 output)."""
+        stream, wide = self.bytes.weights, self.N * self.c.hidden
+        return always + self._kept_up_to(saved, i) + [
+            Tensor("gradients of the layers done", "grads", self.wdt,
+                   sum(self.block_trained[i + 1:]) * stream),
+            Tensor("gradient of the residual stream", "other", self.wdt, wide * stream),
+            Tensor("its bf16 copy (autocast)", "other", "bf16", wide * 2 if self.mixed else 0)]
+
+    def _forward_again(self, i: int, saved, full, unit_start, not_yet: int) -> list[Tensor]:
+        """What a recomputed LoRA layer holds while its forward runs again inside its backward,
+        ``not_yet`` bytes short of its unit rebuilt. Beside it: the gradient of the last
+        adapter's (the down projection's) output scaled by alpha / r, made before the recompute
+        starts (that adapter's x A^T is the first tensor unpacked) and held through it; and
+        what the forward holds in Python's hands (``_forward_locals``)."""
+        rebuilt = self._recomputed(i, saved, full, unit_start)
+        held = self.N * self.c.hidden * compute_bytes(self.recipe.precision)
+        return [replace(rebuilt, nbytes=rebuilt.nbytes - not_yet),
+                Tensor("down projection's output gradient, scaled, held while recomputing (LoRA)",
+                       "other", self.cdt, held),
+                self._forward_locals(i - unit_start[i])]
+
+    def _forward_locals(self, inner: int) -> Tensor:
+        """What a block's forward holds in Python's hands at its MLP beside what autograd keeps.
+        In a 16-bit stream, whose norms keep fp32 copies: the block's input and its mid-block
+        sum; in a recomputed unit, the fp32 copy the unit's first norm rebuilds beside the kept
+        input too (the rebuilt bytes take that input for it, as in an fp32 stream), in place of
+        the input in the unit's first block and besides it ``inner`` > 0 blocks further. Under
+        autocast: the MLP's fp32 input (its adapted linears keep bf16 copies)."""
+        N, h, stream = self.N, self.c.hidden, self.bytes.weights
+        if stream == 2:
+            return Tensor("the block's 16-bit residual stream, held by its forward", "other",
+                          self.wdt, (2 + (inner > 0)) * N * h * stream)
+        return Tensor("the MLP's fp32 input, held by its forward (autocast)", "other", "fp32",
+                      N * h * 4 if self.mixed else 0)
 
     def _embedding_moment(self, always) -> dict:
         """Backward ends in the embedding: every other gradient is done, its own is forming."""
@@ -752,12 +847,15 @@ class _Step:
         """
         c, N, stream = self.c, self.N, self.bytes.weights
         compute = 4 if self.recipe.precision == "fp32" else 2
-        width = (c.shared_experts * c.moe_ffn if moe else c.ffn) // self.L.tp
-        swiglu = 2 * N * width * compute
+        swiglu = 2 * N * self._mlp_width(moe) * compute
         if not moe:
             return swiglu
         routed = N * c.top_k * (c.hidden * (2 * stream + (2 if self.mixed else 0)) + 4)
         return max(swiglu, routed)
+
+    def _mlp_width(self, moe: bool) -> int:
+        """The SwiGLU's width on this rank: the dense MLP's, or an MoE layer's shared experts'."""
+        return (self.c.shared_experts * self.c.moe_ffn if moe else self.c.ffn) // self.L.tp
 
     def _optimizer_temporaries(self) -> int:
         """Bytes the optimizer step allocates and frees: AdamW's sqrt(v) and bias correction.

@@ -372,8 +372,13 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = self.dropout(x).to(self.A.dtype) @ self.A.T @ self.B.T      # (..., out)
-        return self.base(x) + (self.scaling * update).to(x.dtype)
+        out = self.base(x)                                                  # (..., out)
+        x = self.dropout(x)
+        # under autocast the matmul casts x itself: a copy in A's dtype would only be cast back
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.A.dtype)
+        update = x @ self.A.T @ self.B.T                                    # (..., out)
+        return out + (self.scaling * update).to(out.dtype)      # the base's dtype, as PEFT's
 
     def merge(self) -> nn.Linear:
         """A plain nn.Linear with W + (alpha / r) B A: the adapter folded in for inference."""

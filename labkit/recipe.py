@@ -85,7 +85,10 @@ class Recipe:
     ``recompute``: a ``labkit.checkpointing`` policy (``every`` is k of "every-k").
     ``trainable``: which parameters train: "all", or "lora" (``labkit.lora``: the model frozen,
     rank-``lora_rank`` adapters on ``lora_targets``). ``weight_format``: how the frozen targeted
-    weights are stored: None (the precision's own) or "nf4" (QLoRA; only with "lora").
+    weights are stored: None (the precision's own) or "nf4" (QLoRA; only with "lora"). Both
+    compose with every recompute policy (blocks rerun with their adapters; an NF4 weight's
+    dequantised copy is a transient either way) and every precision (under autocast, the
+    matmuls in 16 bits over frozen weights stored in fp32 or NF4, as QLoRA computes in bf16).
     ``loss_chunk``: None computes the (tokens, vocab)
     logits at once; n runs the LM head and the loss n tokens at a time (``labkit.loss``).
     ``attention``: the attention core (``labkit.attention``): "sdpa" (PyTorch's fused kernel),
@@ -118,12 +121,6 @@ class Recipe:
             raise ValueError(f"weight_format={self.weight_format!r} stores the frozen weights "
                              f"under trainable adapters: pass trainable='lora' (QLoRA), or leave "
                              f"weight_format None")
-        if self.trainable == "lora" and (self.precision.endswith("-mixed") or
-                                         self.recompute != "none"):
-            raise ValueError(f"trainable='lora' is estimated and measured without autocast or "
-                             f"recompute so far (got precision={self.precision!r}, recompute="
-                             f"{self.recompute!r}): use precision 'fp32', 'bf16' or 'bf16-master' "
-                             f"and recompute='none'")
         check_loss_chunk(self.loss_chunk)
         check_choice("attention", self.attention, ATTENTION_IMPLS)
         if self.attention != "sdpa" and self.recompute == "selective":

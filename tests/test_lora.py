@@ -1,9 +1,11 @@
 """LoRA and QLoRA (lab 06): the frozen model and its adapters, measured against the estimate
-on `small`, and a QLoRA fine-tune whose loss goes down."""
+on `small`, with every recompute policy and precision on `tiny`, `small` and LLaMA-2-7B, and
+a QLoRA fine-tune whose loss goes down."""
 import pytest
 import torch
 
 import labkit as lk
+from labkit.checkpointing import apply_recompute
 from labkit.lora import apply_lora
 from labkit.quant import QuantLinear
 from labkit.quant import LoRALinear
@@ -103,7 +105,6 @@ def test_finetune_trains_modules_to_save_beside_the_adapters():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: lk.Recipe("fp32", weight_format="nf4"), "pass trainable='lora'"),
-    (lambda: lk.Recipe("bf16-mixed", trainable="lora"), "use precision 'fp32'"),
     (lambda: lk.Recipe("fp32", trainable="lora", weight_format="int3"), "unknown weight_format"),
     (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
                          layout=lk.Layout(dp=2)), "default Layout"),
@@ -111,3 +112,97 @@ def test_finetune_trains_modules_to_save_beside_the_adapters():
 def test_bad_lora_recipes_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# ---- LoRA and QLoRA compose with every recompute policy and precision ------------------------
+POLICIES = ["none", "selective", "full", "every-2", "sqrt"]
+
+
+def _measured_and_estimated(cfg, batch, seq, recipe, fake=False):
+    torch.set_num_threads(1)
+    m = lk.measure_step(cfg, batch, seq, recipe=recipe, fake=fake,
+                        device="cuda" if fake else "cpu")
+    return m, lk.estimate(cfg, batch, seq, recipe=recipe, device=m.device)
+
+
+def _assert_within(m, e, tolerance):
+    assert e.total == pytest.approx(m.total, rel=tolerance), (e.details["peak moment"], e.moments)
+    assert e.saved_activations == pytest.approx(m.saved_activations, rel=tolerance)
+    assert e.peak_phase == m.peak_phase
+
+
+@pytest.mark.parametrize("recompute", POLICIES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master", "bf16-mixed"])
+def test_lora_with_any_recompute_and_precision_matches_the_estimate(precision, recompute):
+    # tiny at 1024 tokens: its layers, not its logits, make the peak, so the recomputed layers'
+    # moments are what is compared (measured: equal to 4 bytes, the loss's scalar)
+    m, e = _measured_and_estimated("tiny", 1, 1024, lk.Recipe(precision, recompute=recompute,
+                                                               trainable="lora"))
+    _assert_within(m, e, 0.001)
+
+
+@pytest.mark.parametrize("recompute", POLICIES)
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master", "bf16-mixed"])
+def test_qlora_with_any_recompute_and_precision_matches_the_estimate(precision, recompute):
+    # small (tiny's weights are too small for NF4's blocks of 64 x 256); measured: equal to 4 bytes
+    m, e = _measured_and_estimated("small", 1, 1024, lk.Recipe(
+        precision, recompute=recompute, trainable="lora", weight_format="nf4"))
+    _assert_within(m, e, 0.001)
+
+
+LLAMA_CASES = [("bf16-master", "full", "nf4"),       # QLoRA, its dequantisation inside recompute
+               ("bf16-master", "selective", None),    # LoRA, op-level selective recompute
+               ("bf16-mixed", "full", None)]          # LoRA under autocast, full recompute
+
+
+@pytest.mark.parametrize("precision, recompute, weight_format", LLAMA_CASES)
+def test_lora_on_llama_2_7b_matches_the_estimate_on_fake_tensors(precision, recompute,
+                                                                   weight_format):
+    # 4 of its 32 layers, full width, 2048 tokens; measured: equal to 4 bytes
+    m, e = _measured_and_estimated(lk.preset("llama-2-7b", layers=4), 1, 2048, lk.Recipe(
+        precision, recompute=recompute, trainable="lora", weight_format=weight_format), fake=True)
+    _assert_within(m, e, 0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, recompute, weight_format", LLAMA_CASES)
+def test_lora_on_all_of_llama_2_7b_matches_the_estimate(precision, recompute, weight_format):
+    m, e = _measured_and_estimated("llama-2-7b", 1, 2048, lk.Recipe(
+        precision, recompute=recompute, trainable="lora", weight_format=weight_format), fake=True)
+    _assert_within(m, e, 0.03)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "sqrt"])
+@pytest.mark.parametrize("weight_format", [None, "nf4"])
+def test_recomputed_adapters_get_the_gradients_they_get_without_recompute(recompute,
+                                                                          weight_format):
+    # torch.utils.checkpoint reruns the blocks with their adapters, NF4 dequantisation and
+    # autocast in the backward pass: bit for bit the step it replaces
+    torch.set_num_threads(1)
+    grads = {}
+    for policy in ("none", recompute):
+        torch.manual_seed(0)
+        model = apply_recompute(lk.build_model(lk.preset("small")), policy)
+        apply_lora(model, weight_format=weight_format)
+        rows = bigram_corpus(model.cfg.vocab_size, 2 * (T + 1)).view(2, T + 1)   # (2, T + 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(rows[:, :-1], rows[:, 1:])
+        loss.backward()
+        grads[policy] = [p.grad for p in model.parameters() if p.requires_grad]
+    assert len(grads["none"]) == 7 * 2 * model.cfg.layers                 # A and B of each target
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[recompute]))
+
+
+def test_an_adapter_under_autocast_returns_the_bases_dtype():
+    lora = LoRALinear(torch.nn.Linear(64, 32), r=4, alpha=8)
+    x = torch.randn(2, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lora(x).dtype == torch.bfloat16            # the base's output's, not x's fp32
+    assert lora(x).dtype == torch.float32
+
+
+def test_combinations_without_meaning_still_name_the_fix():
+    with pytest.raises(ValueError, match="stores the frozen weights under trainable adapters"):
+        lk.Recipe("bf16-mixed", recompute="full", weight_format="nf4")   # NF4 with nothing to train
+    with pytest.raises(ValueError, match=r"would keep every\s+\(T, T\) score matrix"):
+        lk.Recipe("bf16-mixed", recompute="selective", trainable="lora", attention="naive")
