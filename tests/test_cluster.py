@@ -17,8 +17,9 @@ from labkit.parallel.cluster import RankFailed, ReduceResult, Tracked, all_reduc
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# The notebook runs that conftest.py starts beside the tests are our children too, not ranks.
-BACKGROUND = "run_notebooks.py"
+# What test modules start beside the tests (conftest.py's start_in_background: the notebook
+# runs, the Triton interpreter's cases) are our children too, not ranks.
+BACKGROUND = ("run_notebooks.py", "flash_triton_cases.py")
 
 
 def _command(process: psutil.Process) -> str:
@@ -29,9 +30,12 @@ def _command(process: psutil.Process) -> str:
 
 
 def _in_background(process: psutil.Process) -> bool:
-    """A notebook run or a process it started (a kernel, its ranks), or gone already."""
+    """A background run or a process it started (a kernel, its ranks), or gone already (a
+    background run that ended is a zombie until its test reads its result)."""
     try:
-        return any(BACKGROUND in _command(p) for p in (process, *process.parents()))
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return any(b in _command(p) for p in (process, *process.parents()) for b in BACKGROUND)
     except psutil.NoSuchProcess:
         return True
 
