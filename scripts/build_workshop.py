@@ -448,7 +448,9 @@ def landing(labs: list[Lab]) -> dict[Path, bytes]:
             for lab in labs]
     table = ("## The labs\n\n| lab | time | needs |\n| --- | --- | --- |\n" + "\n".join(rows))
     more = ("## Before you start, and more\n\n"
-            "- Set up once: `pip install -e \".[dev]\"`; then `jupyter lab START_HERE.ipynb` "
+            "- Set up once: `pip install -e \".[dev]\" --extra-index-url "
+            "https://download.pytorch.org/whl/cpu` on a machine without an NVIDIA GPU, "
+            "`pip install -e \".[dev]\"` on one with it; then `jupyter lab START_HERE.ipynb` "
             "in the repository's folder opens JupyterLab on this page.\n"
             "- Pre-flight check: `python -m labkit doctor --course` says whether every lab runs "
             "on this machine, with a fix for each problem.\n"
