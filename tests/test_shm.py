@@ -61,8 +61,11 @@ def test_file_descriptor_shows_no_files_and_file_system_leaves_named_ones():
     before = torch.multiprocessing.get_sharing_strategy()
     fd = measure_loader_shm(MiB, strategy="file_descriptor", batches=6, private=False)
     fs = measure_loader_shm(MiB, strategy="file_system", batches=6, private=False)
-    assert fd.peak >= 4 * MiB and fd.named_files == 0          # bytes counted, no name to see
-    assert fs.peak >= 4 * MiB and fs.named_files >= 1
+    # bytes counted either way; file_descriptor's name lives only from shm_open to unlink (a
+    # listing on a loaded machine caught one, once in 12), file_system's stay, one per batch in
+    # flight (5 here on a quiet machine)
+    assert fd.peak >= 4 * MiB and fs.peak >= 4 * MiB
+    assert fd.named_files <= 1 < 2 <= fs.named_files
     assert torch.multiprocessing.get_sharing_strategy() == before   # set in the workers only
 
 
