@@ -48,6 +48,13 @@ def jit(fn):
     return fn if triton is None else triton.jit(fn)
 
 
+@jit
+def _load_tile(ptr, index, stride, dims, n):
+    """The rows ``index`` (those below n; zeros past it) of a (n, d) matrix: (len(index), d)."""
+    return tl.load(ptr + index[:, None] * stride + dims[None, :], mask=index[:, None] < n,
+                   other=0.0)
+
+
 # ---- forward: Algorithm 1 ----------------------------------------------------------------------
 @jit
 def _forward_kernel(Q, K, V, O, LSE,
@@ -65,8 +72,7 @@ def _forward_kernel(Q, K, V, O, LSE,
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + kv_h * stride_kh
     V += b * stride_vb + kv_h * stride_vh
-    q = tl.load(Q + rows[:, None] * stride_qt + dims[None, :],
-                mask=rows[:, None] < T_Q, other=0.0)                        # (BLOCK_M, d)
+    q = _load_tile(Q, rows, stride_qt, dims, T_Q)                           # (BLOCK_M, d)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)  # m: the largest score so far
     row_sum = tl.zeros([BLOCK_M], tl.float32)                 # l: sum of exp(score - m)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)           # sum of exp(score - m) * v
@@ -75,10 +81,8 @@ def _forward_kernel(Q, K, V, O, LSE,
         end = tl.minimum(T_K, (pid_m + 1) * BLOCK_M)
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)                                # (BLOCK_N,)
-        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :],
-                    mask=cols[:, None] < T_K, other=0.0)                    # (BLOCK_N, d)
-        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :],
-                    mask=cols[:, None] < T_K, other=0.0)                    # (BLOCK_N, d)
+        k = _load_tile(K, cols, stride_kt, dims, T_K)                       # (BLOCK_N, d)
+        v = _load_tile(V, cols, stride_vt, dims, T_K)                       # (BLOCK_N, d)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # (BLOCK_M, BLOCK_N)
         seen = cols[None, :] < T_K
         if CAUSAL:
@@ -108,11 +112,8 @@ def _delta_kernel(O, DO, DELTA,
     b, h = (bh // H).to(tl.int64), bh % H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    inside = rows[:, None] < T_Q
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + dims[None, :],
-                mask=inside, other=0.0)                                     # (BLOCK_M, d)
-    do = tl.load(DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dt + dims[None, :],
-                 mask=inside, other=0.0)                                    # (BLOCK_M, d)
+    o = _load_tile(O + b * stride_ob + h * stride_oh, rows, stride_ot, dims, T_Q)  # (BLOCK_M, d)
+    do = _load_tile(DO + b * stride_db + h * stride_dh, rows, stride_dt, dims, T_Q)  # (BLOCK_M, d)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)                 # (BLOCK_M,)
     tl.store(DELTA + (b * H + h) * T_Q + rows, delta, mask=rows < T_Q)
 
@@ -135,10 +136,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     dims = tl.arange(0, HEAD_DIM)
     K += b * stride_kb + kv_h * stride_kh
     V += b * stride_vb + kv_h * stride_vh
-    k = tl.load(K + cols[:, None] * stride_kt + dims[None, :],
-                mask=cols[:, None] < T_K, other=0.0)                        # (BLOCK_N, d)
-    v = tl.load(V + cols[:, None] * stride_vt + dims[None, :],
-                mask=cols[:, None] < T_K, other=0.0)                        # (BLOCK_N, d)
+    k = _load_tile(K, cols, stride_kt, dims, T_K)                           # (BLOCK_N, d)
+    v = _load_tile(V, cols, stride_vt, dims, T_K)                           # (BLOCK_N, d)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     start_m = 0
@@ -150,10 +149,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         row_ptr = (b * H + h) * T_Q                           # into LSE and DELTA (B, H, T_q)
         for start in range(start_m, T_Q, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)                            # (BLOCK_M,) queries
-            q = tl.load(q_ptr + rows[:, None] * stride_qt + dims[None, :],
-                        mask=rows[:, None] < T_Q, other=0.0)                # (BLOCK_M, d)
-            do = tl.load(do_ptr + rows[:, None] * stride_dt + dims[None, :],
-                         mask=rows[:, None] < T_Q, other=0.0)               # (BLOCK_M, d)
+            q = _load_tile(q_ptr, rows, stride_qt, dims, T_Q)               # (BLOCK_M, d)
+            do = _load_tile(do_ptr, rows, stride_dt, dims, T_Q)             # (BLOCK_M, d)
             lse = tl.load(LSE + row_ptr + rows, mask=rows < T_Q, other=0.0)      # (BLOCK_M,)
             delta = tl.load(DELTA + row_ptr + rows, mask=rows < T_Q, other=0.0)  # (BLOCK_M,)
             s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale  # (BLOCK_N, BLOCK_M)
@@ -191,10 +188,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     dims = tl.arange(0, HEAD_DIM)
     K += b * stride_kb + kv_h * stride_kh
     V += b * stride_vb + kv_h * stride_vh
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :],
-                mask=rows[:, None] < T_Q, other=0.0)                        # (BLOCK_M, d)
-    do = tl.load(DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dt + dims[None, :],
-                 mask=rows[:, None] < T_Q, other=0.0)                       # (BLOCK_M, d)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, rows, stride_qt, dims, T_Q)  # (BLOCK_M, d)
+    do = _load_tile(DO + b * stride_db + h * stride_dh, rows, stride_dt, dims, T_Q)  # (BLOCK_M, d)
     lse = tl.load(LSE + (b * H + h) * T_Q + rows, mask=rows < T_Q, other=0.0)       # (BLOCK_M,)
     delta = tl.load(DELTA + (b * H + h) * T_Q + rows, mask=rows < T_Q, other=0.0)   # (BLOCK_M,)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -203,10 +198,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         end = tl.minimum(T_K, (pid_m + 1) * BLOCK_M)
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)                                # (BLOCK_N,)
-        k = tl.load(K + cols[:, None] * stride_kt + dims[None, :],
-                    mask=cols[:, None] < T_K, other=0.0)                    # (BLOCK_N, d)
-        v = tl.load(V + cols[:, None] * stride_vt + dims[None, :],
-                    mask=cols[:, None] < T_K, other=0.0)                    # (BLOCK_N, d)
+        k = _load_tile(K, cols, stride_kt, dims, T_K)                       # (BLOCK_N, d)
+        v = _load_tile(V, cols, stride_vt, dims, T_K)                       # (BLOCK_N, d)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # (BLOCK_M, BLOCK_N)
         seen = (cols[None, :] < T_K) & (rows[:, None] < T_Q)
         if CAUSAL:
