@@ -144,10 +144,16 @@ def step_flops(cfg, policy: str = "none", seq: int = 512, batch: int = 1, every:
 
     Elementwise ops are not counted (they are memory-bound): ``selective`` costs ~0 here.
     Attention counts as a whole T x T product: FlopCounterMode ignores causality.
+    The count depends on shapes only, so each is counted once per process (7 s for LLaMA-2-7B).
     """
+    return _counted_flops(preset(cfg) if isinstance(cfg, str) else cfg, policy, seq, batch,
+                          every, fake)
+
+
+@functools.lru_cache(maxsize=128)
+def _counted_flops(cfg, policy: str, seq: int, batch: int, every: int, fake: bool) -> int:
     from .model import build_model          # imported here: the estimate imports this module
 
-    cfg = preset(cfg) if isinstance(cfg, str) else cfg
     with FakeTensorMode() if fake else contextlib.nullcontext():
         torch.manual_seed(0)
         model = apply_recompute(build_model(cfg), policy, every)
