@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .recipe import DEVICES, Recipe
+from .recipe import Layout, Recipe, device_type, layout_from, recipe_from
 from .track import MemoryTracker, Timeline
 from .train import device as default_device, make_optimizer, param_dtype, train_step
-from .units import Breakdown, check_choice, check_positive
+from .units import Breakdown, check_positive
 
 
 @dataclass
@@ -48,6 +48,19 @@ def init_optimizer_state(model_or_params, optimizer):
     optimizer.zero_grad(set_to_none=True)
 
 
+def _check_one_device(layout: Layout) -> None:
+    """measure_step runs one device's step: a layout over several ranks is measured on them."""
+    spread = {name: getattr(layout, name) for name in ("dp", "tp", "pp", "ep", "cp")
+              if getattr(layout, name) > 1}
+    if spread or layout.offload:
+        what = ", ".join(f"{k}={v}" for k, v in spread.items()) or "offload=True"
+        raise ValueError(f"measure_step measures one device's step; {what} spreads it over "
+                         "ranks: measure those with labkit.parallel (cluster.run(zero_steps, "
+                         "...) for dp and ZeRO, fsdp.fake_fsdp2_peak for FSDP2 on a fake group, "
+                         "tensor/pipeline/expert for tp, pp and ep), or compare with "
+                         "lk.estimate(..., layout=...)")
+
+
 # ---- what is measured, where, and whose defaults ---------------------------------------------
 @dataclass
 class _Setup:
@@ -71,10 +84,10 @@ def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
     """Fake or real, whose defaults, where: from the arguments, or a given module's tensors."""
     if not isinstance(cfg, torch.nn.Module):
         fake = True if fake is None else fake
-        whose = torch.device(device or ("cuda" if fake else default_device())).type
-        check_choice("device", whose, DEVICES)
+        where = device or ("cuda" if fake else default_device())
+        whose = device_type(where)
         return _Setup(cfg, FakeTensorMode() if fake else None, whose,
-                      torch.device("cpu" if fake else whose))
+                      torch.device("cpu" if fake else where))
     mode = _fake_mode_of(cfg)
     if fake is not None and fake != (mode is not None):
         raise ValueError(f"fake={fake} but the module's parameters are "
@@ -82,12 +95,10 @@ def _setup(cfg, fake: bool | None, device: str | None) -> _Setup:
                          f"FakeTensorMode (or pass a function that builds it) to measure it on "
                          f"fake tensors, or leave fake unset")
     here = next(cfg.parameters()).device
-    if mode is None and device is not None and torch.device(device).type != here.type:
+    if mode is None and device is not None and device_type(device) != here.type:
         raise ValueError(f"the module's parameters are on {here}, not {device}; move it with "
                          f"module.to({device!r}) or pass device={here.type!r}")
-    whose = torch.device(device or ("cuda" if mode else here.type)).type
-    check_choice("device", whose, DEVICES)
-    return _Setup(cfg, mode, whose, here)
+    return _Setup(cfg, mode, device_type(device or ("cuda" if mode else here.type)), here)
 
 
 def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None = None,
@@ -176,13 +187,14 @@ def _batch(model, batch: int, seq: int, loss_fn, device):
 
 # ---- the measurement ---------------------------------------------------------------------------
 def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mixed",
-                 optimizer: str = "adamw", recompute: str = "none", fake: bool | None = None,
-                 device: str | None = None, optimizer_impl: str | None = None,
-                 warmup: bool = True, seed: int = 0, loss_fn=None,
-                 loss_chunk: int | None = None, trainable: str = "all", lora_rank: int = 16,
-                 weight_format: str | None = None, attention: str = "sdpa",
-                 events: bool = False, then: list[tuple[int, int]] = (),
-                 recipe: Recipe | None = None) -> Measurement:
+                 optimizer: str = "adamw", recompute: str = "none", *,
+                 zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
+                 optimizer_impl: str | None = None, device=None, every: int = 2,
+                 loss_chunk: int | None = None, attention: str = "sdpa", trainable: str = "all",
+                 lora_rank: int = 16, weight_format: str | None = None,
+                 recipe: Recipe | None = None, layout: Layout | None = None,
+                 fake: bool | None = None, warmup: bool = True, seed: int = 0, loss_fn=None,
+                 events: bool = False, then: list[tuple[int, int]] = ()) -> Measurement:
     """Run one training step under the tracker; bytes at its peak.
 
     ``cfg``: a ``ModelConfig`` or preset name (labkit's model, fake by default); an
@@ -196,11 +208,13 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     and trains rank-``lora_rank`` adapters (alpha = 2 r) on every linear of its blocks, on an
     NF4 base with ``weight_format="nf4"`` (QLoRA; ``labkit.lora``). ``attention``: labkit's
     model runs its attention core as "sdpa", "naive" or "tiled" (``labkit.attention``).
-    ``recipe=lk.Recipe(...)`` gives all of these at once (and wins over them), as ``estimate``
-    takes it: LoRA and QLoRA compose with every recompute policy and autocast.
+    ``recipe=lk.Recipe(...)`` gives all of these at once, as ``estimate`` takes it (a keyword
+    it contradicts raises): LoRA and QLoRA compose with every recompute policy and autocast.
+    The layout (``layout=`` or dp=, zero_stage=, ...) is one device's: a step spread over
+    ranks is measured on them (``labkit.parallel``).
 
-    ``device``: whose step it is, "cuda" or "cpu". A real step runs there (default:
-    ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
+    ``device``: whose step it is, "cuda" ("cuda:1", a torch.device) or "cpu". A real step runs
+    there (default: ``device()``, or where a given module is). A fake step runs on CPU fake tensors - shapes
     and bytes real, no memory used, labkit's MoE routing balanced - with that device's
     defaults (default "cuda": AdamW foreach), because fake CUDA tensors cannot run on a
     CPU-only build; what a real GPU adds (CUDA context, allocator rounding, library
@@ -213,13 +227,13 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     from .config import ModelConfig, preset
     from .model import Transformer, use_attention
 
-    for b, s in [(batch, seq), *then]:
-        check_positive("batch", b)
-        check_positive("seq", s)
-    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute,
-                              trainable=trainable, lora_rank=lora_rank,
-                              weight_format=weight_format, loss_chunk=loss_chunk,
-                              attention=attention)
+    batch, seq = check_positive("batch", batch), check_positive("seq", seq)
+    then = [(check_positive("batch", b), check_positive("seq", s)) for b, s in then]
+    recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
+                         optimizer_impl=optimizer_impl, recompute=recompute, every=every,
+                         loss_chunk=loss_chunk, attention=attention, trainable=trainable,
+                         lora_rank=lora_rank, weight_format=weight_format)
+    _check_one_device(layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp))
     precision, optimizer, attention = recipe.precision, recipe.optimizer, recipe.attention
     param_dtype(precision)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg

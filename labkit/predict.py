@@ -24,8 +24,9 @@ from .optim8bit import LOOKUP_BYTES, MAP_BYTES, step_temporary_bytes
 from .optim8bit import state_bytes as eight_bit_state_bytes
 from .quant import nf4_bits_per_param
 from .parallel import compose, pipeline, zero
-from .recipe import DEVICES, STATE_NUMBERS, Layout, Recipe, compute_bytes, state_bytes
-from .units import CATEGORIES, HOST, Breakdown, check_choice, check_positive, dtype_bytes, fmt_bytes
+from .recipe import (STATE_NUMBERS, Layout, Recipe, compute_bytes, device_type, layout_from,
+                     recipe_from, state_bytes)
+from .units import CATEGORIES, HOST, Breakdown, check_positive, dtype_bytes, fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,17 @@ class Estimate(Breakdown):
 def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
              zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
-             optimizer_impl: str | None = None, device: str = "cuda", every: int = 2,
-             loss_chunk: int | None = None, attention: str = "sdpa",
+             optimizer_impl: str | None = None, device="cuda", every: int = 2,
+             loss_chunk: int | None = None, attention: str = "sdpa", trainable: str = "all",
+             lora_rank: int = 16, weight_format: str | None = None,
              recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
-    Give the step as keywords or as ``recipe=lk.Recipe(...)`` (which then wins) and
-    ``layout=lk.Layout(...)`` (never with layout keywords: a ValueError says so). ``device``:
-    whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU adds its CUDA
-    context, allocator rounding and library workspaces.
+    The arguments are ``measure_step``'s. Give the step as keywords or as
+    ``recipe=lk.Recipe(...)``, and the layout as keywords or as ``layout=lk.Layout(...)``:
+    a keyword the recipe or layout contradicts raises. ``device`` ("cuda", "cuda:0", a
+    torch.device): whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU
+    adds its CUDA context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
     of a chunked loss (``labkit.loss``), None for the full logits. ``attention``: the core
     (``labkit.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device is
@@ -75,16 +78,13 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
     """
     c = preset(cfg) if isinstance(cfg, str) else cfg
-    recipe = recipe or Recipe(precision, optimizer, optimizer_impl, recompute, every,
-                              loss_chunk=loss_chunk, attention=attention)
-    keywords = dict(dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
-    if layout is not None and keywords != dict(dp=1, zero_stage=0, tp=1, sp=False, pp=1):
-        raise ValueError("give the layout either as keywords (dp=, zero_stage=, tp=, sp=, pp=) or "
-                         "as layout=lk.Layout(...), not both: put them all in the Layout")
-    layout = layout or Layout(**keywords)
-    check_positive("batch", batch)
-    check_positive("seq", seq)
-    check_choice("device", device, DEVICES)
+    recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
+                         optimizer_impl=optimizer_impl, recompute=recompute, every=every,
+                         loss_chunk=loss_chunk, attention=attention, trainable=trainable,
+                         lora_rank=lora_rank, weight_format=weight_format)
+    layout = layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
+    batch, seq = check_positive("batch", batch), check_positive("seq", seq)
+    device = device_type(device)
     layout.check(c, seq)
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
               for chunks in pipeline.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]

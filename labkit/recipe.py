@@ -64,17 +64,25 @@ def compute_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def check_loss_chunk(loss_chunk) -> None:
-    """ValueError unless ``loss_chunk`` is None (full logits) or a positive number of tokens."""
+def check_loss_chunk(loss_chunk) -> int | None:
+    """``loss_chunk``: None (full logits) or a positive number of tokens; else ValueError."""
     if loss_chunk is not None:
-        check_positive("loss_chunk (tokens per chunk; None for the full logits)", loss_chunk)
+        return check_positive("loss_chunk (tokens per chunk; None for the full logits)",
+                              loss_chunk)
+    return None
 
 
 def default_optimizer_impl(device: str) -> str:
     """What ``torch.optim.AdamW()`` runs when left to choose: foreach on CUDA, a for-loop on CPU."""
-    device = str(device).split(":")[0]
-    check_choice("device", device, DEVICES)
+    device = device_type(device)
     return "foreach" if device == "cuda" else "for-loop"
+
+
+def device_type(device) -> str:
+    """"cuda" or "cpu" from a name, "cuda:1" or a torch.device; ValueError naming them."""
+    kind = str(device).partition(":")[0]
+    check_choice("device", kind, DEVICES)
+    return kind
 
 
 @dataclass(frozen=True)
@@ -109,19 +117,20 @@ class Recipe:
 
     def __post_init__(self):
         from .checkpointing import parse_policy      # the policies live with the mechanism
+        object.__setattr__(self, "every", check_positive("every", self.every))
+        object.__setattr__(self, "loss_chunk", check_loss_chunk(self.loss_chunk))
         state_bytes(self.precision, self.optimizer)
         if self.optimizer_impl is not None:
             check_choice("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
         parse_policy(self.recompute, self.every)
         check_choice("trainable", self.trainable, TRAINABLE)
         check_choice("weight_format", self.weight_format, WEIGHT_FORMATS)
-        check_positive("lora_rank", self.lora_rank)
+        object.__setattr__(self, "lora_rank", check_positive("lora_rank", self.lora_rank))
         check_choice("lora_targets", self.lora_targets, LORA_TARGETS)
         if self.weight_format is not None and self.trainable != "lora":
             raise ValueError(f"weight_format={self.weight_format!r} stores the frozen weights "
                              f"under trainable adapters: pass trainable='lora' (QLoRA), or leave "
                              f"weight_format None")
-        check_loss_chunk(self.loss_chunk)
         check_choice("attention", self.attention, ATTENTION_IMPLS)
         if self.attention != "sdpa" and self.recompute == "selective":
             raise ValueError(f"recompute='selective' keeps the outputs of fused attention "
@@ -170,10 +179,11 @@ class Layout:
     ddp_buckets: bool | None = None
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep", "cp"):
-            check_positive(name, getattr(self, name))
+        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages"):
+            object.__setattr__(self, name, check_positive(name, getattr(self, name)))
         if self.micro_batches is not None:
-            check_positive("micro_batches", self.micro_batches)
+            object.__setattr__(self, "micro_batches",
+                               check_positive("micro_batches", self.micro_batches))
         if type(self.zero_stage) is not int or self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         if self.offload and not self.zero_stage:
@@ -198,7 +208,6 @@ class Layout:
             raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
                              "parallel group: it needs tp > 1")
         check_choice("schedule", self.schedule, SCHEDULES)
-        check_positive("virtual_stages", self.virtual_stages)
         if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
             raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
                              f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
@@ -230,3 +239,34 @@ class Layout:
         if seq % (self.cp * (self.tp if self.sp else 1)):
             raise ValueError(f"seq={seq} must be divisible by cp x (tp with sp) = "
                              f"{self.cp * (self.tp if self.sp else 1)}")
+
+
+def recipe_from(recipe: Recipe | None, **keywords) -> Recipe:
+    """The step's Recipe: ``recipe``, or one made of the keywords. A keyword moved from its
+    default that the recipe contradicts raises: it would be silently ignored."""
+    if recipe is None:
+        return Recipe(**keywords)
+    default = Recipe()
+    clashes = [f"{name}={value!r} (the recipe has {getattr(recipe, name)!r})"
+               for name, value in keywords.items()
+               if value != getattr(default, name) and value != getattr(recipe, name)]
+    if clashes:
+        raise ValueError("give the step either as keywords or as recipe=lk.Recipe(...), not "
+                         f"both: {', '.join(clashes)}; put them all in the Recipe")
+    return recipe
+
+
+def layout_from(layout: Layout | None, **keywords) -> Layout:
+    """The step's Layout: ``layout``, or one made of the keywords (dp=, zero_stage=, ...),
+    never both."""
+    if layout is None:
+        return Layout(**keywords)
+    default = Layout()
+    moved = [f"{name}={value!r}" for name, value in keywords.items()
+             if value != getattr(default, name)]
+    if moved:
+        raise ValueError(f"give the layout either as keywords ({', '.join(keywords)}) or as "
+                         f"layout=lk.Layout(...), not both ({', '.join(moved)}): put them all in "
+                         "the Layout")
+    return layout
+

@@ -1,7 +1,10 @@
 """Bytes: sizes of number formats, human-readable printing, and the breakdown every lab shows."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
+
+import numpy as np
 
 import torch
 
@@ -25,10 +28,13 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"unknown {name} {value!r}; use one of {', '.join(map(str, choices))}")
 
 
-def check_positive(name: str, value) -> None:
-    """ValueError when ``value`` is not a positive integer (bools are not sizes)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+def check_positive(name: str, value) -> int:
+    """``value`` as an int; ValueError when it is not a positive integer (numpy's integers
+    are; bools are not sizes)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) \
+            or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def dtype_bytes(dtype) -> float:

@@ -1,10 +1,13 @@
 """A step as a Recipe and a Layout: the keyword form and the dataclass form agree, every
 layout splits the model into real stages, and the estimate explains itself tensor by tensor."""
+import inspect
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,6 +57,34 @@ def test_keywords_and_recipe_with_layout_give_the_same_estimate():
     assert by_keywords == by_objects
 
 
+def test_estimate_and_measure_step_take_the_same_arguments():
+    est = inspect.signature(lk.estimate).parameters
+    measured = inspect.signature(lk.measure_step).parameters
+    only_measured = {"fake", "warmup", "seed", "loss_fn", "events", "then"}   # how it runs
+    assert set(measured) - set(est) == only_measured and set(est) <= set(measured)
+    assert all(est[name].default == measured[name].default for name in est
+               if name not in ("device", "cfg"))           # measure_step: the machine's device
+
+
+def test_a_keyword_that_agrees_with_the_recipe_or_keeps_its_default_is_accepted():
+    recipe = lk.Recipe("bf16", recompute="full", trainable="lora")
+    assert lk.estimate("tiny", seq=64, recipe=recipe) == lk.estimate(
+        "tiny", seq=64, precision="bf16", recompute="full", recipe=recipe) == lk.estimate(
+        "tiny", seq=64, precision="bf16", recompute="full", trainable="lora")
+
+
+def test_devices_and_numpy_integers_are_taken_as_users_write_them():
+    base = lk.estimate("small", batch=2, seq=128, layout=lk.Layout(dp=2, zero_stage=1))
+    assert lk.estimate("small", batch=np.int64(2), seq=np.int32(128), device="cuda:1",
+                       layout=lk.Layout(dp=np.int64(2), zero_stage=1)) == base
+    assert lk.estimate("small", batch=2, seq=128, device=torch.device("cuda", 0),
+                       layout=lk.Layout(dp=2, zero_stage=1)) == base
+    assert type(lk.Layout(dp=np.int64(4)).dp) is int and type(lk.Recipe(every=np.int8(3)).every) is int
+    one = lk.measure_step("tiny", seq=32, fake=False, device="cpu")
+    assert lk.measure_step("tiny", seq=np.int64(32), fake=False, device=torch.device("cpu"),
+                           layout=lk.Layout()).total == one.total
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_tensors_alive_at_the_peak_add_up_to_every_category(precision):
     e = lk.estimate("tiny-moe", batch=2, seq=256, precision=precision)
@@ -94,6 +125,18 @@ def test_state_bytes_follow_the_table_of_precisions():
     (lambda: lk.estimate("deepseek-v2-lite", layout=lk.Layout(dp=3, ep=3)), "ep=3 must divide"),
     (lambda: lk.estimate("llama-2-7b", seq=1000, layout=lk.Layout(cp=3)), "seq=1000 must be divisible"),
     (lambda: lk.estimate("llama-2-7b", device="tpu"), "unknown device 'tpu'"),
+    (lambda: lk.estimate("tiny", precision="fp32", recipe=lk.Recipe("bf16")),
+     r"not both: precision='fp32' \(the recipe has 'bf16'\)"),
+    (lambda: lk.measure_step("tiny", seq=32, recompute="full", recipe=lk.Recipe("bf16")),
+     r"not both: recompute='full' \(the recipe has 'none'\)"),
+    (lambda: lk.measure_step("tiny", seq=32, zero_stage=1, layout=lk.Layout()), "not both"),
+    (lambda: lk.measure_step("tiny", seq=32, layout=lk.Layout(dp=8, zero_stage=3)),
+     "measures one device's step; dp=8 spreads it over ranks"),
+    (lambda: lk.measure_step("tiny", seq=32, tp=2), "tp=2 spreads it over ranks"),
+    (lambda: lk.measure_step("tiny", seq=32, device="tpu"),
+     "unknown device 'tpu'"),
+    (lambda: lk.estimate("tiny", batch=2.0), "batch must be a positive integer"),
+    (lambda: lk.Layout(dp=np.bool_(True)), "dp must be a positive integer"),
 ])
 def test_bad_layouts_and_recipes_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
