@@ -1,35 +1,50 @@
-"""labkit: the mechanisms behind GPU Memory Labs, importable from notebooks and scripts."""
-from importlib.metadata import PackageNotFoundError, version
+"""labkit: the mechanisms behind GPU Memory Labs, importable from notebooks and scripts.
 
-from .config import ModelConfig, preset, presets
-from .hf import from_hf_config
-from .model import Transformer, build_model, use_attention
-from .layers import ParamCount, count_params
-from .predict import Estimate, estimate, kv_cache_bytes
-from .recipe import Layout, Recipe
-from .papers import (megatron_activation_bytes, megatron_params, model_state_bytes,
-                     pipeline_bubble, pipeline_bubble_ratio)
-from .track import MemoryTracker, activations_per_module
-from .measure import Measurement, measure_step
-from .train import device
-from .units import CATEGORIES, Breakdown, fmt_bytes, fmt_count, reconciliation
+Names load on first use (PEP 562): ``import labkit`` imports no torch, so the estimate
+(``labkit.estimate``, ``labkit.Recipe``, ``labkit.Layout``) runs where torch is not installed.
+"""
+import importlib
+import importlib.util
+from importlib.metadata import PackageNotFoundError, version
 
 try:
     __version__ = version("gpu-memory-labs")     # pyproject.toml's [project] name and version
 except PackageNotFoundError:                     # a source checkout that was never installed
     __version__ = "0+unknown"
 
-__all__ = [
+# public name -> the module that defines it
+_HOMES = {
     # models
-    "ModelConfig", "preset", "presets", "from_hf_config", "Transformer", "build_model",
-    "use_attention", "ParamCount", "count_params",
+    "ModelConfig": "config", "preset": "config", "presets": "config",
+    "from_hf_config": "hf", "Transformer": "model", "build_model": "model",
+    "use_attention": "model", "ParamCount": "layers", "count_params": "layers",
     # predict
-    "Recipe", "Layout", "Estimate", "estimate", "kv_cache_bytes",
+    "Recipe": "recipe", "Layout": "recipe", "Estimate": "predict", "estimate": "predict",
+    "kv_cache_bytes": "predict",
     # the papers' own formulas
-    "model_state_bytes", "megatron_activation_bytes", "megatron_params", "pipeline_bubble",
-    "pipeline_bubble_ratio",
+    "model_state_bytes": "papers", "megatron_activation_bytes": "papers",
+    "megatron_params": "papers", "pipeline_bubble": "papers", "pipeline_bubble_ratio": "papers",
     # measure
-    "MemoryTracker", "activations_per_module", "Measurement", "measure_step", "device",
+    "MemoryTracker": "track", "activations_per_module": "track", "Measurement": "measure",
+    "measure_step": "measure", "device": "train",
     # bytes
-    "CATEGORIES", "Breakdown", "fmt_bytes", "fmt_count", "reconciliation",
-]
+    "CATEGORIES": "units", "Breakdown": "units", "fmt_bytes": "units", "fmt_count": "units",
+    "reconciliation": "units",
+}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str):
+    """A public name from its module, or a submodule (``labkit.parallel``), imported now."""
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .recipe import ATTENTION_IMPLS  # noqa: F401  (the vocabulary lives in the core)
 from .units import check_choice, check_positive, dtype_bytes
-
-ATTENTION_IMPLS = ("sdpa", "naive", "tiled")
 
 
 # ---- naive: the (T, T) matrix in memory -------------------------------------------------------

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .config import preset
-
-RECOMPUTE_POLICIES = ("none", "selective", "every-k", "sqrt", "full")
+from .recompute import RECOMPUTE_POLICIES, Unit, parse_policy, plan  # noqa: F401
 
 aten = torch.ops.aten
 # what ``selective`` keeps: the outputs of matmuls and of fused attention (any backend)
@@ -42,40 +40,6 @@ KEEP_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_cudnn_attention.default}
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Blocks ``first`` .. ``last - 1`` run together; ``recompute``: checkpointed as one unit."""
-
-    first: int
-    last: int
-    recompute: bool
-
-
-def parse_policy(policy: str, every: int = 2) -> tuple[str, int]:
-    """(policy name, k) from ``"every-k"`` + ``every``, ``"every-3"``, or another name."""
-    name, k = policy, every
-    if isinstance(policy, str) and policy.startswith("every-") and policy[6:].isdigit():
-        name, k = "every-k", int(policy[6:])
-    if name not in RECOMPUTE_POLICIES:
-        raise ValueError(f"unknown recompute policy {policy!r}; use one of "
-                         f"{', '.join(RECOMPUTE_POLICIES)} (or 'every-3' for k=3)")
-    if name == "every-k" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-        raise ValueError(f"every must be a positive whole number of blocks, got {k!r}; "
-                         f"every=1 recomputes every block (the same as 'full')")
-    return name, k
-
-
-def plan(layers: int, policy: str = "none", every: int = 2) -> list[Unit]:
-    """The units a model of ``layers`` blocks runs under ``policy``, in order."""
-    name, k = parse_policy(policy, every)
-    if name == "sqrt":
-        size = max(1, round(math.sqrt(layers)))
-        return [Unit(i, min(i + size, layers), True) for i in range(0, layers, size)]
-    recompute = {"none": lambda i: False, "full": lambda i: True,
-                 "selective": lambda i: True, "every-k": lambda i: (i + 1) % k == 0}[name]
-    return [Unit(i, i + 1, recompute(i)) for i in range(layers)]
 
 
 # ... and of the MoE experts' grouped matmul (``labkit.model.grouped_mm``), by name: the op

@@ -25,7 +25,7 @@ from fractions import Fraction
 import torch
 
 from .quant import _bytes, pack_4bit, quantize_int8, unpack_4bit
-from .units import TORCH_DTYPES, check_positive
+from .units import check_positive, torch_dtype
 
 SPARSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
 METHODS = ("2:4 fp16", "2:4 int8", "low-rank 25% fp16")
@@ -206,12 +206,12 @@ def compress_weight(method: str, weight: torch.Tensor) -> tuple[torch.Tensor, in
     sparse = re.fullmatch(r"2:4 (fp16|bf16|fp32|int8)", method)
     factored = re.fullmatch(r"low-rank (\d+(?:\.\d+)?)% (fp16|bf16|fp32)", method)
     if sparse:
-        dtype = torch.int8 if sparse[1] == "int8" else TORCH_DTYPES[sparse[1]]
+        dtype = torch.int8 if sparse[1] == "int8" else torch_dtype(sparse[1])
         s = compress_2_4(weight, dtype)
         return decompress_2_4(s), s.nbytes
     if factored:
         rank = rank_for_saving(*weight.shape, float(factored[1]) / 100)
-        f = low_rank(weight, rank, TORCH_DTYPES[factored[2]])
+        f = low_rank(weight, rank, torch_dtype(factored[2]))
         return f.dense(), f.nbytes
     raise ValueError(f"unknown compression method {method!r}; use one of {METHODS} ('2:4 D' "
                      "with D in fp16, bf16, fp32, int8; 'low-rank N% D' with D in fp16, bf16, "

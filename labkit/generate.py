@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .config import ModelConfig, preset, presets
 from .model import LatentAttention, Transformer, build_model, rotate
 from .predict import kv_cache_bytes
-from .units import TORCH_DTYPES, check_positive
+from .units import TORCH_DTYPE_NAMES, check_positive, torch_dtype
 
 
 # ---- caches --------------------------------------------------------------------------------
@@ -321,9 +321,9 @@ def cache_bytes_per_token(model_or_cfg: Transformer | ModelConfig | str, tokens:
         cache = new_cache(model, 1, tokens, dtype=dtype)
         step(model, torch.zeros(1, tokens, dtype=torch.long, device=cache.device), cache)
         measured = cache.nbytes // tokens
-    name = {v: k for k, v in TORCH_DTYPES.items()}.get(dtype)
+    name = {torch_dtype(n): n for n in TORCH_DTYPE_NAMES}.get(dtype)
     if name is None:
-        raise ValueError(f"no format name for {dtype}; cache in one of {', '.join(TORCH_DTYPES)}")
+        raise ValueError(f"no format name for {dtype}; cache in one of {', '.join(TORCH_DTYPE_NAMES)}")
     predicted = kv_cache_bytes(cfg, 1, tokens, name) // tokens
     return CacheBytes(cfg.name, attention_kind(cfg), name, measured, predicted)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from .parallel import zero
-from .parallel.pipeline import SCHEDULES
+from .parallel.schedules import SCHEDULES
 from .recipe import OPTIMIZERS, PRECISIONS, state_bytes
 from .units import check_choice
 

@@ -4,10 +4,11 @@
 the start of backward, the worst layer of the backward pass, the embedding's backward, the
 optimizer step). Each moment is a list of named tensors: the model states (by the recipe's
 bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
-autocast's weight copies, the transient gradients and the optimizer's temporaries. Each
-mechanism's byte rule sits beside it: ``recipe`` (precisions), ``layers`` (the model),
-``checkpointing`` (recompute policies), ``parallel.zero``, ``parallel.pipeline`` and
-``parallel.compose`` (expert parallelism inside data parallelism).
+autocast's weight copies, the transient gradients and the optimizer's temporaries. The byte
+rules it reads are torch-free and import no mechanism (tests/test_layers.py checks the
+import graph): ``recipe`` (precisions), ``layers`` (the model), ``recompute`` (the policies),
+``formats`` (NF4, 8-bit AdamW), ``parallel.zero``, ``parallel.schedules`` (pipeline stages)
+and ``parallel.compose`` (expert parallelism inside data parallelism).
 """
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ from collections import defaultdict
 from fractions import Fraction
 from dataclasses import dataclass, field, replace
 
-from .checkpointing import parse_policy, plan
+from .recompute import parse_policy, plan
 from .config import ModelConfig, preset
 from .layers import (SOFTMAX, ParamCount, Saved, Term, Weight, block_weights,  # noqa: F401
                      count_params, embedding_weights, head_saved, head_weights, layer_saved,
                      lora_targets, lora_weights, naive_backward_alive)
-from .optim8bit import LOOKUP_BYTES, MAP_BYTES, step_temporary_bytes
-from .optim8bit import state_bytes as eight_bit_state_bytes
-from .quant import nf4_bits_per_param
-from .parallel import compose, pipeline, zero
+from .formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
+                      step_temporary_bytes)
+from .parallel import compose, schedules, zero
 from .recipe import (STATE_NUMBERS, Layout, Recipe, compute_bytes, device_type, layout_from,
                      recipe_from, state_bytes)
 from .units import CATEGORIES, HOST, Breakdown, check_positive, dtype_bytes, fmt_bytes
@@ -87,7 +87,7 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     device = device_type(device)
     layout.check(c, seq)
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
-              for chunks in pipeline.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
+              for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
     per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
                  for s, layers in enumerate(stages)]
     busiest = max(per_stage, key=lambda e: e.total)
@@ -107,7 +107,7 @@ class _Step:
         self.N = self.B * self.T
         self.layers = list(layers)
         self.stage, self.first, self.last = stage, stage == 0, stage == layout.pp - 1
-        self.in_flight = pipeline.in_flight(stage, layout.pp, layout.micro_batch_count,
+        self.in_flight = schedules.in_flight(stage, layout.pp, layout.micro_batch_count,
                                             layout.schedule, layout.virtual_stages)
         # AdamW's implementation: the device's default; offloaded, the step runs on the host,
         # where torch's default is the for-loop

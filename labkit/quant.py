@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import torch.nn.functional as F
 from torch import nn
 
+from .formats import nf4_bits_per_param  # noqa: F401
 from .units import check_choice, check_positive
 
 SCHEMES = ("absmax", "zero-point")
@@ -209,14 +210,6 @@ def quantize_nf4(w: torch.Tensor, block: int = 64, double_quant: bool = True,
         quantized.scales = quantize_int8(scales - mean, "absmax", "block", dq_block)
         quantized.scales_mean = mean
     return quantized
-
-
-def nf4_bits_per_param(block: int = 64, double_quant: bool = True, dq_block: int = 256) -> float:
-    """QLoRA's overhead formula: 4 + 32/block, or 4 + 8/block + 32/(block * dq_block) with
-    double quantisation (4.127 bits at the defaults); a tensor adds 32 bits for the mean."""
-    if not double_quant:
-        return 4 + 32 / block
-    return 4 + 8 / block + 32 / (block * dq_block)
 
 
 # ----------------------------------------------------------------------------- LLM.int8()

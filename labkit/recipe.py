@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import ATTENTION_IMPLS
-from .parallel.pipeline import SCHEDULES
+from .parallel.schedules import SCHEDULES
+from .recompute import parse_policy
 from .units import check_choice, check_positive
 
 PRECISIONS = ("fp32", "bf16", "bf16-master", "fp16-master", "bf16-mixed", "fp16-mixed")
@@ -26,6 +26,7 @@ DEVICES = ("cuda", "cpu")
 TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
 WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
 LORA_TARGETS = ("all-linear",)
+ATTENTION_IMPLS = ("sdpa", "naive", "tiled")   # labkit.attention's cores: fused, (T, T), online
 # optimizer-state numbers kept per parameter, and the bytes of one when not the precision's
 STATE_NUMBERS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1, "adamw-8bit": 2}
 EIGHT_BIT = {"adamw-8bit"}
@@ -116,7 +117,6 @@ class Recipe:
     attention: str = "sdpa"
 
     def __post_init__(self):
-        from .checkpointing import parse_policy      # the policies live with the mechanism
         object.__setattr__(self, "every", check_positive("every", self.every))
         object.__setattr__(self, "loss_chunk", check_loss_chunk(self.loss_chunk))
         state_bytes(self.precision, self.optimizer)

@@ -1,25 +1,24 @@
-"""Bytes: sizes of number formats, human-readable printing, and the breakdown every lab shows."""
+"""Bytes: sizes of number formats, human-readable printing, and the breakdown every lab shows.
+Torch-free (``torch_dtype`` imports torch when called): the estimate stands on it."""
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
 
-import numpy as np
-
-import torch
-
 # number formats by one name each (labkit.precision's format table uses the same names)
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8-e4m3": 1, "fp8-e5m2": 1,
                "int8": 1, "int4": 0.5}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPE_NAMES = ("fp32", "bf16", "fp16")      # the formats a torch tensor is stored in
 
 
-def torch_dtype(dtype) -> torch.dtype:
+def torch_dtype(dtype):
     """A torch dtype from a format name ("bf16") or a torch dtype; ValueError naming the names."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
-    check_choice("dtype", dtype, TORCH_DTYPES)
-    return TORCH_DTYPES[dtype]
+    check_choice("dtype", dtype, TORCH_DTYPE_NAMES)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -31,15 +30,14 @@ def check_choice(name: str, value, choices) -> None:
 def check_positive(name: str, value) -> int:
     """``value`` as an int; ValueError when it is not a positive integer (numpy's integers
     are; bools are not sizes)."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) \
-            or value <= 0:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
 def dtype_bytes(dtype) -> float:
     """Bytes per element of a format name ("bf16") or a torch dtype."""
-    if isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, str) and hasattr(dtype, "itemsize"):      # a torch.dtype
         return dtype.itemsize
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")

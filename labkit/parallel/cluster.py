@@ -189,7 +189,8 @@ def _start_method() -> mp.context.BaseContext:
     context = mp.get_context("forkserver")
     # imported once by the server when it starts (once per parent), not by every rank: the
     # first optimizer a rank makes imports torch._dynamo (2.5 s of a 4 s ZeRO step, 2 cores)
-    context.set_forkserver_preload([__name__, "labkit", "labkit.parallel.fsdp", "torch._dynamo"])
+    context.set_forkserver_preload([__name__, "labkit.measure", "labkit.model",
+                                    "labkit.parallel.fsdp", "torch._dynamo"])
     return context
 
 

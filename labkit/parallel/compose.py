@@ -25,8 +25,6 @@ rank (``labkit.parallel.expert.routing_imbalance`` measures it).
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ..config import ModelConfig
 
 
@@ -52,6 +50,8 @@ def new_groups(ctx, ep: int) -> tuple:
     when dp = 1; either is None where there is nothing to send (ep = 1: every rank holds every
     expert, dp = 1: one copy of each). Every rank calls ``dist.new_group`` for every group, in
     the same order (torch.distributed asks it), when ep and dp are both > 1."""
+    import torch.distributed as dist
+
     dp = dp_degree(ctx.world_size, ep)
     if dp == 1 or ep == 1:        # one group of every rank, or nothing to shard
         return (ctx.group if dp == 1 else None), None

@@ -26,6 +26,48 @@ from typing import Callable, NamedTuple
 
 from ..units import check_choice, check_positive
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # the schedules labkit.estimate models
+
+
+def stage_layers(layers: int, pp: int) -> list[range]:
+    """Layer indices of each of ``pp`` stages: contiguous, non-empty, sizes differing by at
+    most one (the first stages take the extra layers). 32 layers over pp=6: 6,6,5,5,5,5."""
+    if not 1 <= pp <= layers:
+        raise ValueError(f"pp={pp} must be between 1 and layers={layers}; a pipeline stage needs "
+                         f"at least one layer")
+    base, extra = divmod(layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b",
+              v: int = 1) -> Fraction:
+    """Micro-batches whose activations stage ``stage`` holds at once: GPipe runs every
+    forward first (all ``micro_batches``); 1F1B starts backward after ``pp - stage``; ZB-H1
+    defers the weight gradients, which keep their inputs: ``pp`` on every stage. Interleaved
+    1F1B holds min(m v, 2 (p - s - 1) + (v - 1) p + 1) chunks of 1/v of the stage's layers."""
+    m = micro_batches
+    if schedule == "gpipe":
+        return Fraction(m)
+    if schedule == "zb-h1":
+        return Fraction(min(m, pp))
+    if schedule == "interleaved":
+        return Fraction(min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1), v)
+    return Fraction(min(m, pp - stage))
+
+
+def chunk_layers(layers: int, p: int, v: int = 1) -> list[list[range]]:
+    """Per stage, the layers of each of its ``v`` chunks: the model cut into p * v chunks by
+    ``stage_layers``, stage s holding chunks s, s + p, s + 2p, ... (virtual stages)."""
+    if v > 1 and p * v > layers:
+        raise ValueError(f"{p} stages x {v} chunks need at least {p * v} layers (got {layers}): "
+                         f"use fewer chunks per stage or a deeper model")
+    chunks = stage_layers(layers, p * v)
+    return [[chunks[c * p + s] for c in range(v)] for s in range(p)]
+
+
 KINDS = ("F", "B", "W")
 
 

@@ -1,0 +1,126 @@
+"""labkit's layers point one way: the estimate (torch-free) imports nothing above it, even
+inside a function, and no module joins an import cycle that is not already known."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import labkit
+
+PACKAGE = Path(labkit.__file__).parent
+# the core (vocabulary, units, configs) and the estimate: torch-free byte rules
+ESTIMATE = {"labkit.units", "labkit.config", "labkit.recipe", "labkit.recompute",
+            "labkit.formats", "labkit.layers", "labkit.predict", "labkit.papers",
+            "labkit.parallel.zero", "labkit.parallel.compose", "labkit.parallel.schedules"}
+# the mechanisms that still import each other (train's run helpers build models, apply LoRA
+# and recompute; demos in optim8bit, gptq and lora train with train's step): issue 28 item 1
+KNOWN_CYCLE = {"labkit.checkpointing", "labkit.gptq", "labkit.lora", "labkit.loss",
+               "labkit.model", "labkit.optim8bit", "labkit.train"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("labkit",) + path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict) -> list[tuple[str, bool]]:
+    """(imported module, at top level?) for every import in the file, functions included."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            targets = [t for t in targets if t in known] or [base]
+        else:
+            continue
+        found += [(t, id(node) in top) for t in targets]
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {t for t, _ in imports(name, path, known) if t in known and t != name
+                   and t not in ("labkit", "labkit.parallel")}
+            for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or v not in component:
+                component.add(stack.pop())
+            on_stack.difference_update(component)
+            if len(component) > 1:
+                found.append(component)
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_estimate_imports_only_the_estimate_and_torch_only_inside_functions():
+    known = modules()
+    assert ESTIMATE <= set(known), ESTIMATE - set(known)
+    for name in sorted(ESTIMATE):
+        for target, at_top in imports(name, known[name], known):
+            if target.startswith("labkit"):
+                assert target in ESTIMATE | {"labkit", "labkit.parallel"}, \
+                    f"{name} imports {target}, a mechanism above the estimate"
+            assert not (at_top and target.split(".")[0] in ("torch", "numpy")), \
+                f"{name} imports {target} at its top: the estimate must load without it"
+
+
+def test_no_module_joins_an_import_cycle():
+    found = cycles(graph())
+    for component in found:
+        assert component <= KNOWN_CYCLE, (
+            f"an import cycle through {sorted(component - KNOWN_CYCLE)}: import downward only "
+            f"(the core, then the estimate, then the mechanisms, then the course)")
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_estimate_runs_without_torch_installed():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+            "import labkit as lk\n"
+            "e = lk.estimate('deepseek-v3', 1, 4096, precision='bf16-master', "
+            "recompute='selective', layout=lk.Layout(dp=256, zero_stage=3, tp=8, sp=True))\n"
+            "print(e.total, lk.fmt_bytes(e.total), lk.count_params('llama-2-7b').total)\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('labkit'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    total, _, _, params = done.stdout.split("\n")[0].split()
+    assert int(params) == 6_738_415_616                       # LLaMA-2-7B, published
+    assert int(total) == labkit.estimate(
+        "deepseek-v3", 1, 4096, precision="bf16-master", recompute="selective",
+        layout=labkit.Layout(dp=256, zero_stage=3, tp=8, sp=True)).total
+    data = {"labkit", "labkit.parallel", "labkit.preset_data"}      # packages, the presets' JSON
+    assert set(done.stdout.split("\n")[1].split()) <= ESTIMATE | data
