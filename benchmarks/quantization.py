@@ -16,7 +16,7 @@ from tracker import median_seconds          # benchmarks/tracker.py: the median 
 
 import labkit as lk
 from labkit import gptq, lora, optim8bit, quant
-from labkit.train import bigram_corpus, make_optimizer, train_step
+from labkit.train import bigram_corpus, compare_with_adamw, make_optimizer, train_step
 
 
 def lora_step(weight_format, batch=4, seq=64):
@@ -66,7 +66,7 @@ def main():
     t_gptq = median_seconds(lambda: gptq.gptq_quantize(layer, inputs, 4, 64), r)
     print(f"one 704 x 256 layer, int4 g64: RTN {t_rtn * 1e3:.1f} ms, GPTQ {t_gptq * 1e3:.1f} ms "
           f"({t_gptq / t_rtn:.0f}x)")
-    cmp = optim8bit.compare_with_adamw(steps=5)
+    cmp = compare_with_adamw(steps=5)
     print(f"(compare_with_adamw: {cmp.seconds_per_step_fp32 * 1e3:.0f} vs "
           f"{cmp.seconds_per_step_8bit * 1e3:.0f} ms per training step of small)")
 

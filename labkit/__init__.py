@@ -26,7 +26,7 @@ _HOMES = {
     "megatron_params": "papers", "pipeline_bubble": "papers", "pipeline_bubble_ratio": "papers",
     # measure
     "MemoryTracker": "track", "activations_per_module": "track", "Measurement": "measure",
-    "measure_step": "measure", "device": "train",
+    "measure_step": "measure", "device": "step",
     # bytes
     "CATEGORIES": "units", "Breakdown": "units", "fmt_bytes": "units", "fmt_count": "units",
     "reconciliation": "units",

@@ -27,7 +27,7 @@ from .config import preset
 from .model import build_model
 from .track import MemoryTracker
 from .measure import init_optimizer_state
-from .train import make_optimizer
+from .step import make_optimizer
 from .units import check_positive
 
 IGNORE = -100          # F.cross_entropy's ignore_index: positions that predict nothing

@@ -33,7 +33,7 @@ from .compress import compress_weight
 from .config import preset
 from .model import build_model
 from .quant import dequantize, quantize_int8, quantize_nf4
-from .train import bigram_corpus, make_optimizer, train_step
+from .step import bigram_corpus, make_optimizer, train_step
 
 METHODS = ("fp32", "int8 absmax per channel", "nf4", "rtn int4 g64", "gptq int4 g64")
 CORPUS_VOCAB = 32       # tokens the corpus uses: its 128 bigrams are learnt in ~100 steps

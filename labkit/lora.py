@@ -69,7 +69,7 @@ def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int 
     from tqdm.auto import tqdm
 
     from .gptq import CORPUS_VOCAB
-    from .train import bigram_corpus, make_optimizer, train_step
+    from .step import bigram_corpus, make_optimizer, train_step
 
     check_choice("trainable", trainable, ("all", "lora"))
     check_positive("steps", steps)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .train import autocast_copies
+from .step import autocast_copies
 from .units import check_positive
 
 

@@ -1,6 +1,6 @@
 """Measure one training step of any model: its bytes at the peak, by category, and over time.
 
-``measure_step`` runs ``labkit.train.train_step`` under ``labkit.MemoryTracker`` - on real
+``measure_step`` runs ``labkit.step.train_step`` under ``labkit.MemoryTracker`` - on real
 tensors, or on fake tensors (``FakeTensorMode``: real shapes and bytes, no memory) for models
 of any size. It takes labkit's own model (a ``ModelConfig`` or preset name), any
 ``nn.Module`` (a Hugging Face causal LM, say), or a function that builds one.
@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .recipe import Layout, Recipe, device_type, layout_from, recipe_from
 from .track import MemoryTracker, Timeline
-from .train import device as default_device, make_optimizer, param_dtype, train_step
+from .step import device as default_device, make_optimizer, param_dtype, train_step
 from .units import Breakdown, check_positive
 
 

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import register_flop_formula
 from .attention import ATTENTION_IMPLS, naive_attention, tiled_attention
 from .config import ModelConfig
 from .loss import chunked_cross_entropy
-from .train import autocast_copies
+from .step import autocast_copies
 from .units import check_choice
 
 

@@ -320,7 +320,7 @@ def activation_gradients(cfg, loss_factor: float = 1.0, seed: int = 0, seq: int 
     to the logits, the first tensor autocast casts to fp16 in the backward pass (the LM head
     runs in fp16); ``at="last block"``: the gradient flowing out of the last block."""
     from .model import build_model
-    from .train import bigram_corpus
+    from .step import bigram_corpus
     if at not in ("logits", "last block"):
         raise ValueError(f"unknown at={at!r}; use 'logits' or 'last block'")
     torch.manual_seed(seed)

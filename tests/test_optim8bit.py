@@ -6,10 +6,10 @@ import torch
 
 import labkit as lk
 from labkit.optim8bit import (BLOCK, LOOKUP_BYTES, MAP_BYTES, AdamW8bit, Codebook,
-                              compare_with_adamw, dequantize_blockwise, dynamic_map,
+                              dequantize_blockwise, dynamic_map,
                               optimizer_state_bytes, quantize_blockwise, state_bytes,
                               step_temporary_bytes)
-from labkit.train import MasterWeights, make_optimizer
+from labkit.train import MasterWeights, compare_with_adamw, make_optimizer
 from labkit.track import MemoryTracker
 
 

@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..config import preset
 from ..model import build_model
 from ..track import current, tag_live
-from ..train import make_optimizer, param_dtype
+from ..step import make_optimizer, param_dtype
 from ..units import check_choice, check_positive
 from .cluster import RankContext
 from .steps import RankStep, measure_rank, rank_tokens

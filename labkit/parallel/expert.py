@@ -48,7 +48,7 @@ from ..layers import block_weights, embedding_weights, head_weights, mlp_weights
 from ..model import MoE, RoutedExperts, build_model
 from ..recipe import Layout, state_bytes
 from ..track import MemoryTracker, activations_per_module
-from ..train import make_optimizer, param_dtype, train_step
+from ..step import make_optimizer, param_dtype, train_step
 from ..units import check_positive
 from .cluster import RankContext, run
 from .comm import CommCounter

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import preset
 from ..model import build_model
 from ..track import MemoryTracker
-from ..train import make_optimizer, train_step
+from ..step import make_optimizer, train_step
 from ..units import CATEGORIES, check_choice
 from .steps import RankStep, measure_rank, rank_tokens
 from .zero_step import train_zero

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..track import MemoryTracker
-from ..train import train_step
+from ..step import train_step
 from ..units import Breakdown
 
 

@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 from ..config import ModelConfig, preset
 from ..model import (Block, GroupedQueryAttention, SwiGLU, Transformer, attention_core,
                      build_model)
-from ..train import make_optimizer, param_dtype, train_step
+from ..step import make_optimizer, param_dtype, train_step
 from .comm import (CommCounter, all_gather_tokens, copy_to_parallel, reduce_from_parallel,
                    reduce_scatter_to_sequence, reduce_scatter_tokens, sum_grad_over_ranks)
 from .steps import RankStep, measure_rank, rank_tokens
