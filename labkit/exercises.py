@@ -1129,8 +1129,9 @@ pages)? Give one decimal; the solution says whether Docker's default /dev/shm ho
          "labkit.shm.shm_needed(batch_bytes, num_workers, prefetch_factor).",
     solution="""one batch is 64 x 3 x 224 x 224 x 4 B = {batch:,} B ({pages:,} pages of 4 KiB);
 {workers} workers x prefetch {prefetch} = {in_flight} in flight, plus 2 held by the loop: {alive}
-batches, {needed:,} B = {answer:.1f} MiB - {times:.1f}x Docker's default 64 MiB
-(``{flag}`` would do; labkit.shm.shm_needed).""",
+batches, {needed:,} B = {answer:.1f} MiB - {times:.1f}x Docker's default 64 MiB (labkit.shm.shm_needed).
+A safe flag for it: ``{flag}`` (labkit.shm.docker_shm_flag: twice the need, at least 1 GiB with
+NCCL ranks on the host).""",
 )
 def _shm_image_loader():
     from .shm import batches_alive, batch_shm_bytes, docker_shm_flag, shm_needed

@@ -59,6 +59,7 @@ from .units import check_choice, check_positive
 PAGE = 4096                      # tmpfs hands out whole pages
 REFCOUNT_HEADER = 64             # file_system's refcount (ATen's map_alloc_alignment)
 DOCKER_DEFAULT_SHM = 64 * 2**20  # docker run without --shm-size (moby's DefaultShmSize)
+NCCL_SHM = 2**30                 # NCCL's troubleshooting guide: --shm-size=1g in containers
 STRATEGIES = ("file_descriptor", "file_system")
 SEMAPHORE_SLACK = 64 * PAGE      # the loader's queues' POSIX semaphores live on /dev/shm too
 
@@ -91,10 +92,17 @@ def shm_needed(batch_bytes: int, num_workers: int, prefetch_factor: int = 2,
     return batches_alive(num_workers, prefetch_factor) * batch_shm_bytes(batch_bytes, strategy)
 
 
-def docker_shm_flag(nbytes: int) -> str:
-    """The ``docker run`` flag giving a container ``nbytes`` of /dev/shm (whole MiB), as text."""
+def docker_shm_flag(nbytes: int, nccl: bool = True) -> str:
+    """A safe ``docker run`` flag for a container whose DataLoaders keep ``nbytes`` in /dev/shm:
+    twice that (headroom for other loaders and processes), never below Docker's 64 MiB
+    default, nor, when ranks on one host talk over NCCL (``nccl``), below the 1 GiB NCCL's
+    troubleshooting guide asks for (its shared-memory transport, used where GPUs have no P2P
+    path, fails at start-up when its segments do not fit); a power of two MiB. A tmpfs size is
+    a cap, not a reservation: the margin costs no memory until it is used."""
     check_positive("nbytes", nbytes)
-    return f"--shm-size={-(-nbytes // 2**20)}m"
+    floor = NCCL_SHM if nccl else DOCKER_DEFAULT_SHM
+    mib = 1 << (max(2 * nbytes, floor) - 1).bit_length() >> 20             # a power of two
+    return f"--shm-size={mib // 1024}g" if mib >= 1024 else f"--shm-size={mib}m"
 
 
 # ---------------------------------------------------------------- measure

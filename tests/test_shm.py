@@ -32,7 +32,12 @@ def test_claim_23_token_batches_fit_dockers_64_mib_and_image_batches_do_not():
     assert tokens == 18 * 262144 == 4718592 < DOCKER_DEFAULT_SHM == 64 * MiB
     assert images == 18 * 38535168 == 693633024                # 9408 whole pages per batch
     assert DOCKER_DEFAULT_SHM < images < 8 * GiB
-    assert docker_shm_flag(images) == "--shm-size=662m"         # 661.5 MiB, rounded up
+    # safe sizes: twice the need as a power of two, at least Docker's 64 MiB, and 1 GiB on NCCL
+    assert docker_shm_flag(images) == docker_shm_flag(images, nccl=False) == "--shm-size=2g"
+    assert docker_shm_flag(tokens) == "--shm-size=1g"
+    assert docker_shm_flag(tokens, nccl=False) == "--shm-size=64m"     # never below the default
+    assert docker_shm_flag(40 * MiB, nccl=False) == "--shm-size=128m"  # 80 MiB -> 128
+    assert docker_shm_flag(512 * MiB, nccl=False) == "--shm-size=1g"   # exactly 2 x 512 MiB
 
 
 def test_bad_inputs_name_the_fix():
