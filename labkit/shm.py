@@ -59,7 +59,7 @@ from .units import check_choice, check_positive
 PAGE = 4096                      # tmpfs hands out whole pages
 REFCOUNT_HEADER = 64             # file_system's refcount (ATen's map_alloc_alignment)
 DOCKER_DEFAULT_SHM = 64 * 2**20  # docker run without --shm-size (moby's DefaultShmSize)
-NCCL_SHM = 2**30                 # NCCL's troubleshooting guide: --shm-size=1g in containers
+NCCL_SHM = 2**30                 # NCCL's troubleshooting guide's example: --shm-size=1g
 STRATEGIES = ("file_descriptor", "file_system")
 SEMAPHORE_SLACK = 64 * PAGE      # the loader's queues' POSIX semaphores live on /dev/shm too
 
@@ -92,16 +92,17 @@ def shm_needed(batch_bytes: int, num_workers: int, prefetch_factor: int = 2,
     return batches_alive(num_workers, prefetch_factor) * batch_shm_bytes(batch_bytes, strategy)
 
 
-def docker_shm_flag(nbytes: int, nccl: bool = True) -> str:
-    """A safe ``docker run`` flag for a container whose DataLoaders keep ``nbytes`` in /dev/shm:
-    twice that (headroom for other loaders and processes), never below Docker's 64 MiB
-    default, nor, when ranks on one host talk over NCCL (``nccl``), below the 1 GiB NCCL's
-    troubleshooting guide asks for (its shared-memory transport, used where GPUs have no P2P
-    path, fails at start-up when its segments do not fit); a power of two MiB. A tmpfs size is
-    a cap, not a reservation: the margin costs no memory until it is used."""
+def docker_shm_flag(nbytes: int, ranks: int = 1, nccl: bool = False) -> str:
+    """A safe ``docker run`` flag for a container of ``ranks`` processes, each with a DataLoader
+    keeping ``nbytes`` in /dev/shm (``shm_needed``): twice their sum, plus 1 GiB when the ranks
+    talk over NCCL (``nccl``: NCCL creates /dev/shm segments at init and fails to start if they
+    do not fit; its troubleshooting guide's example is --shm-size=1g), never below Docker's
+    64 MiB default, rounded up to a power of two MiB. A tmpfs size is a cap, not a reservation,
+    but the pages in use count against the container's memory limit."""
     check_positive("nbytes", nbytes)
-    floor = NCCL_SHM if nccl else DOCKER_DEFAULT_SHM
-    mib = 1 << (max(2 * nbytes, floor) - 1).bit_length() >> 20             # a power of two
+    check_positive("ranks", ranks)
+    need = max(2 * ranks * nbytes + (NCCL_SHM if nccl else 0), DOCKER_DEFAULT_SHM)
+    mib = 1 << (need - 1).bit_length() >> 20                                # a power of two
     return f"--shm-size={mib // 1024}g" if mib >= 1024 else f"--shm-size={mib}m"
 
 

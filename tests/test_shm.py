@@ -32,12 +32,14 @@ def test_claim_23_token_batches_fit_dockers_64_mib_and_image_batches_do_not():
     assert tokens == 18 * 262144 == 4718592 < DOCKER_DEFAULT_SHM == 64 * MiB
     assert images == 18 * 38535168 == 693633024                # 9408 whole pages per batch
     assert DOCKER_DEFAULT_SHM < images < 8 * GiB
-    # safe sizes: twice the need as a power of two, at least Docker's 64 MiB, and 1 GiB on NCCL
-    assert docker_shm_flag(images) == docker_shm_flag(images, nccl=False) == "--shm-size=2g"
-    assert docker_shm_flag(tokens) == "--shm-size=1g"
-    assert docker_shm_flag(tokens, nccl=False) == "--shm-size=64m"     # never below the default
-    assert docker_shm_flag(40 * MiB, nccl=False) == "--shm-size=128m"  # 80 MiB -> 128
-    assert docker_shm_flag(512 * MiB, nccl=False) == "--shm-size=1g"   # exactly 2 x 512 MiB
+    # safe sizes: twice every rank's need, + 1 GiB for NCCL, at least Docker's 64 MiB, as a
+    # power of two MiB
+    assert docker_shm_flag(images) == "--shm-size=2g"                  # 1,323 MiB
+    assert docker_shm_flag(images, ranks=8, nccl=True) == "--shm-size=16g"   # 10,584 + 1,024
+    assert docker_shm_flag(tokens) == "--shm-size=64m"                 # never below the default
+    assert docker_shm_flag(tokens, ranks=8, nccl=True) == "--shm-size=2g"    # 72 + 1,024 MiB
+    assert docker_shm_flag(40 * MiB) == "--shm-size=128m"              # 80 MiB -> 128
+    assert docker_shm_flag(512 * MiB) == "--shm-size=1g"               # exactly 2 x 512 MiB
 
 
 def test_bad_inputs_name_the_fix():
