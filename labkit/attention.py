@@ -272,29 +272,41 @@ SRAM_PER_SM = {
 }
 
 
-def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2) -> int:
+LOOP_ORDERS = ("fa2", "fa1")      # query blocks outside (FlashAttention-2, labkit's), or keys
+
+
+def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2,
+                 loop_order: str = "fa2") -> int:
     """Numbers one head's forward attention reads and writes in GPU memory (HBM), counted as
-    the algorithms of Dao et al. (2022) move them; Theorem 2 states them as Theta(N d + N^2)
-    and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
+    the algorithms of Dao et al. move them; Theorem 2 of FlashAttention (2022) states them as
+    Theta(N d + N^2) and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
 
     "naive" (the paper's Algorithm 0): read Q, K, write S (2Nd + N^2); read S, write P (2N^2);
     read P, V, write O (N^2 + 2Nd): 4Nd + 4N^2, whatever the SRAM.
-    "tiled" (Algorithm 1, M = sram_bytes / bytes_per_number numbers on chip): blocks of
-    B_c = ceil(M / 4d) keys; K and V are read once (2Nd); for each of the T_c = ceil(N / B_c)
-    key blocks every query block reads Q_i, O_i, l_i, m_i and writes O_i, l_i, m_i
-    (3Nd + 4N): 2Nd + T_c (3Nd + 4N). These constants are the algorithm's own; the paper's
-    proof keeps only the order, Nd T_c = Theta(N^2 d^2 / M).
+    "tiled", M = sram_bytes / bytes_per_number numbers on chip, blocks of ceil(M / 4d) rows:
+    - ``loop_order="fa2"`` (FlashAttention-2 (2023), Algorithm 1; the order labkit's
+      ``TiledAttention`` and ``flash_triton`` run): each of the T_r = ceil(N / B_r) query
+      blocks reads its Q_i once, streams all of K and V, and writes O_i and its log-sum-exp
+      once: Nd + T_r 2Nd + Nd + N.
+    - ``loop_order="fa1"`` (FlashAttention, Algorithm 1): K and V are read once (2Nd); for
+      each of the T_c = ceil(N / B_c) key blocks every query block reads Q_i, O_i, l_i, m_i
+      and writes O_i, l_i, m_i: 2Nd + T_c (3Nd + 4N).
+    Both are Theta(N^2 d^2 / M); FA2's constant is smaller (the ratio tends to M / 2d^2,
+    FA1's to M / 3d^2) because the output never goes back to HBM before it is final.
     """
     check_choice("attention implementation (for HBM accesses)", impl, ("naive", "tiled"))
+    check_choice("loop order", loop_order, LOOP_ORDERS)
     for name, value in (("n", n), ("d", d), ("sram_bytes", sram_bytes),
                         ("bytes_per_number", bytes_per_number)):
         check_positive(name, value)
     if impl == "naive":
         return 4 * n * d + 4 * n * n
     on_chip = sram_bytes // bytes_per_number                                # M, in numbers
-    key_block = max(1, math.ceil(on_chip / (4 * d)))                         # B_c
-    passes = math.ceil(n / key_block)                                        # T_c
-    return 2 * n * d + passes * (3 * n * d + 4 * n)
+    block = max(1, math.ceil(on_chip / (4 * d)))                             # B_r = B_c rows
+    passes = math.ceil(n / block)                                            # T_r (or T_c)
+    if loop_order == "fa1":
+        return 2 * n * d + passes * (3 * n * d + 4 * n)
+    return 2 * n * d + passes * 2 * n * d + n
 
 
 # ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them against the tracker)
