@@ -275,24 +275,34 @@ SRAM_PER_SM = {
 LOOP_ORDERS = ("fa2", "fa1")      # query blocks outside (FlashAttention-2, labkit's), or keys
 
 
+def fitted_block(d: int, sram_bytes: int, bytes_per_number: int = 2) -> int:
+    """The largest square block of B rows whose Q_i, K_j, V_j, O_i (B x d each) and scores
+    (B x B) fit in ``sram_bytes`` of on-chip memory: 4Bd + B^2 <= M numbers."""
+    on_chip = sram_bytes // bytes_per_number                                # M, in numbers
+    block = max(1, math.isqrt(4 * d * d + on_chip) - 2 * d)
+    while block > 1 and 4 * block * d + block * block > on_chip:
+        block -= 1
+    return block
+
+
 def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2,
-                 loop_order: str = "fa2") -> int:
-    """Numbers one head's forward attention reads and writes in GPU memory (HBM), counted as
-    the algorithms of Dao et al. move them; Theorem 2 of FlashAttention (2022) states them as
+                 loop_order: str = "fa2", block: int | None = None) -> int:
+    """Numbers one head's *forward* attention reads and writes in GPU memory (HBM), counted as
+    the algorithms of Dao et al. move them: a model (no causal skipping, no L2 cache, the
+    backward pass not counted). Theorem 2 of FlashAttention (2022) states them as
     Theta(N d + N^2) and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
 
     "naive" (the paper's Algorithm 0): read Q, K, write S (2Nd + N^2); read S, write P (2N^2);
     read P, V, write O (N^2 + 2Nd): 4Nd + 4N^2, whatever the SRAM.
-    "tiled", M = sram_bytes / bytes_per_number numbers on chip, blocks of ceil(M / 4d) rows:
+    "tiled", in square blocks of B rows (``block``; None: ``fitted_block``, the largest that
+    fits the M = sram_bytes / bytes_per_number numbers on chip; real kernels use 64-128):
     - ``loop_order="fa2"`` (FlashAttention-2 (2023), Algorithm 1; the order labkit's
-      ``TiledAttention`` and ``flash_triton`` run): each of the T_r = ceil(N / B_r) query
+      ``TiledAttention`` and ``flash_triton`` run): each of the T_r = ceil(N / B) query
       blocks reads its Q_i once, streams all of K and V, and writes O_i and its log-sum-exp
-      once: Nd + T_r 2Nd + Nd + N.
+      once: Nd + T_r 2Nd + Nd + N. The ratio to naive tends to 2B / d.
     - ``loop_order="fa1"`` (FlashAttention, Algorithm 1): K and V are read once (2Nd); for
-      each of the T_c = ceil(N / B_c) key blocks every query block reads Q_i, O_i, l_i, m_i
-      and writes O_i, l_i, m_i: 2Nd + T_c (3Nd + 4N).
-    Both are Theta(N^2 d^2 / M); FA2's constant is smaller (the ratio tends to M / 2d^2,
-    FA1's to M / 3d^2) because the output never goes back to HBM before it is final.
+      each of the T_c = ceil(N / B) key blocks every query block reads Q_i, O_i, l_i, m_i
+      and writes O_i, l_i, m_i: 2Nd + T_c (3Nd + 4N). The ratio tends to 4B / 3d.
     """
     check_choice("attention implementation (for HBM accesses)", impl, ("naive", "tiled"))
     check_choice("loop order", loop_order, LOOP_ORDERS)
@@ -301,8 +311,8 @@ def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: i
         check_positive(name, value)
     if impl == "naive":
         return 4 * n * d + 4 * n * n
-    on_chip = sram_bytes // bytes_per_number                                # M, in numbers
-    block = max(1, math.ceil(on_chip / (4 * d)))                             # B_r = B_c rows
+    block = fitted_block(d, sram_bytes, bytes_per_number) if block is None else \
+        check_positive("block", block)
     passes = math.ceil(n / block)                                            # T_r (or T_c)
     if loop_order == "fa1":
         return 2 * n * d + passes * (3 * n * d + 4 * n)

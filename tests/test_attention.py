@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention, hbm_accesses,
-                              naive_attention, tiled_attention)
+from labkit.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention, fitted_block,
+                              hbm_accesses, naive_attention, tiled_attention)
 from labkit.layers import layer_saved
 from labkit.model import build_model, use_attention
 
@@ -230,22 +230,28 @@ def test_tiled_accesses_fall_as_the_sram_grows_and_the_saving_grows_with_it():
     ratio = [hbm_accesses(n, d, m, "naive") / t for m, t in zip(sizes, tiled)]
     assert tiled == sorted(tiled, reverse=True) and tiled[0] > tiled[-1]
     assert ratio == sorted(ratio) and ratio[-1] > 1
-    # with the whole of K and V on chip, one pass: FA2 reads Q, K, V and writes O and the
-    # log-sum-exp once (4Nd + N); FA1 also reads O, l, m back once (2Nd + 3Nd + 4N)
-    assert hbm_accesses(n, d, 10 * n * d * 2, "tiled") == 4 * n * d + n
-    assert hbm_accesses(n, d, 10 * n * d * 2, "tiled", loop_order="fa1") == 5 * n * d + 4 * n
+    # with Q, K, V, O and all N x N scores on chip, one pass: FA2 reads Q, K, V and writes O
+    # and the log-sum-exp once (4Nd + N); FA1 also reads O, l, m back once (2Nd + 3Nd + 4N)
+    everything = (4 * n * d + n * n) * 2
+    assert fitted_block(d, everything) == n
+    assert hbm_accesses(n, d, everything, "tiled") == 4 * n * d + n
+    assert hbm_accesses(n, d, everything, "tiled", loop_order="fa1") == 5 * n * d + 4 * n
 
 
 def test_fa2s_loop_order_moves_less_than_fa1s_and_the_gain_survives_d_192():
-    # blocks of ceil(M / 4d) rows; an A100's 192 KiB per SM in bf16 is M = 98,304 numbers
+    # an A100's 192 KiB per SM in bf16 is M = 98,304 numbers; the largest square block that
+    # holds Q_i, K_j, V_j, O_i and the scores: 4Bd + B^2 <= M
     a100 = SRAM_PER_SM["A100"].per_sm
+    assert [fitted_block(d, a100) for d in (64, 128, 192)] == [210, 148, 111]
+    assert 4 * 210 * 64 + 210 ** 2 <= 98304 < 4 * 211 * 64 + 211 ** 2
     ratio = {(d, order): hbm_accesses(4096, d, a100, "naive")
              / hbm_accesses(4096, d, a100, "tiled", loop_order=order)
              for d in (64, 128, 192) for order in ("fa1", "fa2")}
-    assert [round(ratio[d, "fa2"], 2) for d in (64, 128, 192)] == [10.83, 2.87, 1.35]
-    assert [round(ratio[d, "fa1"], 2) for d in (64, 128, 192)] == [7.29, 1.92, 0.91]
-    # by hand, d = 192: B_r = 128 rows, T_r = 32 passes over K and V
-    assert hbm_accesses(4096, 192, a100, "tiled") == 2 * 4096 * 192 + 32 * 2 * 4096 * 192 + 4096
+    assert [round(ratio[d, "fa2"], 2) for d in (64, 128, 192)] == [6.19, 2.28, 1.18]
+    assert [round(ratio[d, "fa1"], 2) for d in (64, 128, 192)] == [4.11, 1.52, 0.79]
+    # by hand, d = 192 in 128-row tiles: T_r = 32 passes over K and V
+    assert hbm_accesses(4096, 192, a100, "tiled", block=128) == \
+        2 * 4096 * 192 + 32 * 2 * 4096 * 192 + 4096
     with pytest.raises(ValueError, match="fa2, fa1"):
         hbm_accesses(4096, 64, a100, "tiled", loop_order="fa3")
 
