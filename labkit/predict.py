@@ -5,8 +5,8 @@ the start of backward, the worst layer of the backward pass, the embedding's bac
 optimizer step). Each moment is a list of named tensors: the model states (by the recipe's
 bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
 autocast's weight copies, the transient gradients and the optimizer's temporaries. The byte
-rules it reads are torch-free and import no mechanism (tests/test_layers.py checks the
-import graph): ``recipe`` (precisions), ``layers`` (the model), ``recompute`` (the policies),
+rules it reads are torch-free and load no mechanism (tests/test_imports.py checks it):
+``recipe`` (precisions), ``layers`` (the model), ``recompute`` (the policies),
 ``formats`` (NF4, 8-bit AdamW), ``parallel.zero``, ``parallel.schedules`` (pipeline stages)
 and ``parallel.compose`` (expert parallelism inside data parallelism).
 """
