@@ -279,10 +279,7 @@ def fitted_block(d: int, sram_bytes: int, bytes_per_number: int = 2) -> int:
     """The largest square block of B rows whose Q_i, K_j, V_j, O_i (B x d each) and scores
     (B x B) fit in ``sram_bytes`` of on-chip memory: 4Bd + B^2 <= M numbers."""
     on_chip = sram_bytes // bytes_per_number                                # M, in numbers
-    block = max(1, math.isqrt(4 * d * d + on_chip) - 2 * d)
-    while block > 1 and 4 * block * d + block * block > on_chip:
-        block -= 1
-    return block
+    return max(1, math.isqrt(4 * d * d + on_chip) - 2 * d)      # (B + 2d)^2 <= M + 4d^2
 
 
 def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2,
