@@ -105,6 +105,7 @@ class _Step:
         self.c, self.recipe, self.L = c, recipe, layout
         self.B, self.T = batch, seq // layout.cp                 # tokens on this rank
         self.N = self.B * self.T
+        self._names: dict = {}        # id(Saved) -> (it, its bytes by name): see _by_name
         self.layers = list(layers)
         self.stage, self.first, self.last = stage, stage == 0, stage == layout.pp - 1
         self.in_flight = schedules.in_flight(stage, layout.pp, layout.micro_batch_count,
@@ -248,12 +249,26 @@ class _Step:
         """The terms of several layers' ``Saved``, added up by name (x ``times`` micro-batches)."""
         total, meta = defaultdict(int), {}
         for saved in layers:
-            for term in saved:
-                total[term.name] += term.bytes(self.B, self.T) * times
-                meta[term.name] = term
+            for name, (term, nbytes) in self._by_name(saved).items():
+                total[name] += nbytes
+                meta[name] = term
         suffix = f", {label}" if label else ""
-        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v))
+        if getattr(times, "denominator", 1) == 1:    # a whole number (int arithmetic is faster)
+            times = int(times)
+        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v * times))
                 for k, v in total.items()]
+
+    def _by_name(self, saved: Saved) -> dict:
+        """{name: (its last term, the bytes of its terms)} of one layer's ``Saved``, worked out
+        once per step (the moments add up the same layers many times over)."""
+        key = id(saved)
+        if key not in self._names:            # the Saved is kept with it: its id stays its own
+            by_name = {}
+            for term in saved:
+                by_name[term.name] = (term, by_name.get(term.name, (None, 0))[1]
+                                      + term.bytes(self.B, self.T))
+            self._names[key] = (saved, by_name)
+        return self._names[key][1]
 
     def _head(self, heads) -> list[Tensor]:
         """What the last stage's final norm, LM head and loss keep, for ``heads`` micro-batches."""
