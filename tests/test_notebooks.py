@@ -2,8 +2,9 @@
 (two at a time, each in a process of its own, started in the background when collection ends),
 and its checked cells print what is committed: the committed outputs come from the machine's
 default kernels, so one run shows both that they are reproduced and that they do not depend on
-the kernels. The browser test (tests/browser) runs each lab once more, with the default kernels,
-and compares the same cells; a notebook's alternative parameters run there."""
+the kernels. The browser test (tests/browser) makes the same checks in JupyterLab (lab_checks.py
+holds what both hold a lab to); CI runs the labs there and here only lab 01, whose browser run
+takes its alternative parameters."""
 import concurrent.futures
 import contextlib
 import importlib.util
@@ -20,6 +21,7 @@ import pytest
 from nbclient.exceptions import CellTimeoutError
 
 import readonly_audit
+from lab_checks import OTHER_KERNELS, audited, check_read_only
 
 _spec = importlib.util.spec_from_file_location(
     "run_notebooks", Path(__file__).resolve().parents[1] / "scripts" / "run_notebooks.py")
@@ -50,21 +52,6 @@ def check_conventions(nb):
 # for its own.
 PARALLEL = 2
 LONGEST_FIRST = ("04_zero_fsdp", "06_quantization", "03_activations", "05_tensor_pipeline_expert")
-# Other CPU kernels than the ones the committed outputs were made with (an AVX-512 machine's):
-# a laptop's AVX2 kernels in torch, oneDNN and MKL (1.0-1.2x the time here), or with
-# LABKIT_OTHER_KERNELS=sse4 kernels without vector extensions (2-3x the time: labs 02 and 06
-# 144 and 316 s). One thread. Losses then move in the third decimal; bytes, counts and
-# verdicts must not.
-KERNEL_SETS = {
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "sse4": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
-             "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-}
-_kernels = os.environ.get("LABKIT_OTHER_KERNELS", "avx2")
-if _kernels not in KERNEL_SETS:
-    raise ValueError(f"LABKIT_OTHER_KERNELS={_kernels!r}: use one of {', '.join(KERNEL_SETS)}")
-OTHER_KERNELS = {**KERNEL_SETS[_kernels], "OMP_NUM_THREADS": "1"}
 TEST_NAME = "test_notebook_executes"
 _runs: dict = {}             # case id -> (its folder, a future of (seconds, completed process))
 _running: set = set()        # the runner processes alive now, ended if the session stops early
@@ -82,7 +69,7 @@ def start_in_background(items, tmp_path_factory) -> None:
         path = item.callspec.params["path"]
         folder = tmp_path_factory.mktemp(path.stem)
         environ = {**os.environ, **OTHER_KERNELS}
-        if audited(path):          # the kernel and all it starts log their writes
+        if audited(path.stem):          # the kernel and all it starts log their writes
             environ = readonly_audit.audit_env(folder / "audit", environ)
         _runs[item.callspec.id] = folder, pool.submit(_execute, path, folder, environ)
     pool.shutdown(wait=False)
@@ -121,10 +108,6 @@ def _execute(path, folder: Path, env: dict) -> tuple[float, subprocess.Completed
         command, runner.returncode, stdout, stderr)
 
 
-def audited(path) -> bool:
-    return path.stem in READ_ONLY_LABS
-
-
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", _cases())
 def test_notebook_executes(path, request, tmp_path_factory, record_notebook_seconds):
@@ -135,7 +118,7 @@ def test_notebook_executes(path, request, tmp_path_factory, record_notebook_seco
     folder, executed = _executed(_runs[request.node.callspec.id], path, record_notebook_seconds)
     problems = run_notebooks.compare_checked(committed, executed)
     assert not problems, f"{path.name} with {OTHER_KERNELS}: " + "\n\n".join(problems)
-    if audited(path):
+    if audited(path.stem):
         check_read_only(readonly_audit.read_events(folder / "audit"))
 
 
@@ -150,31 +133,6 @@ def _executed(run, path, record_seconds=None):
         pytest.fail(f"{path.name} failed under {OTHER_KERNELS} (executed copy: {output})\n"
                     f"{done.stdout[-5000:]}\n{done.stderr[-3000:]}", pytrace=False)
     return folder, nbformat.read(str(output), as_version=4)
-
-
-# The host lab reads the system and changes nothing: its kernel, DataLoader workers and child
-# processes write nowhere under the system's folders and start only read-only programs (a
-# private mount namespace for the small-/dev/shm run, a GPU query, uname) and Python itself.
-READ_ONLY_LABS = {"08_host_and_allocator"}
-SYSTEM_FOLDERS = ("/proc", "/sys", "/etc", "/boot", "/usr", "/lib", "/lib64", "/bin", "/sbin",
-                  "/dev", "/var", "/opt", "/root/.bashrc", "/root/.profile")
-HARMLESS = ("/dev/null",)
-PROGRAMS = {"unshare", "nvidia-smi", "uname"}     # uname -p: Python's platform.processor()
-
-
-def check_read_only(events):
-    """No write under a system folder; every program started is Python or one of PROGRAMS."""
-    assert events, "the audit hook logged nothing: was it installed in the kernel?"
-    opened = [e for e in events if e["event"] == "open"]
-    assert any(e["path"].startswith("/proc/") for e in opened), "the lab read no /proc file"
-    writes = [e for e in readonly_audit.writes_outside(events, [])
-              if any(e.get("path", "").startswith(f) or any(p.startswith(f) for p in e.get("paths", []))
-                     for f in SYSTEM_FOLDERS)
-              and e.get("path") not in HARMLESS]
-    assert writes == [], f"the lab wrote under a system folder: {writes[:5]}"
-    started = {os.path.basename(argv[0]) for argv in readonly_audit.programs(events)}
-    python = {os.path.basename(sys.executable), "python", "python3"}
-    assert started <= PROGRAMS | python, f"the lab started {started - PROGRAMS - python}"
 
 
 def test_the_read_only_check_fails_on_a_system_write_or_a_changing_program():

@@ -9,8 +9,54 @@ import nbformat
 import pytest
 
 from labdriver import BROWSER_TIMES, ROOT, LabServer, ProcessWatch, run_notebooks
+from lab_checks import OTHER_KERNELS, READ_ONLY_LABS, audited
+from readonly_audit import audit_env
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
+
+
+# Seconds each lab's test took in CI's browser run (2 cores, the slow run beside it; ci3's
+# browser.xml), to split the labs between CI's two browser processes; other tests count 5 s.
+LAB_SECONDS = {"02_mixed_precision": 264, "04_zero_fsdp": 223, "03_activations": 172,
+               "06_quantization": 122, "08_host_and_allocator": 107,
+               "05_tensor_pipeline_expert": 98, "09_capstone": 79, "07_attention_kv_cache": 71,
+               "01_parameter_memory": 64, "00_welcome": 35}
+SHARD = "LABKIT_BROWSER_SHARD"
+
+
+def shards(items, count: int) -> list[list]:
+    """The browser tests in ``count`` shards of about equal time: each lab's test alone, the
+    other tests with their module; the longest first, each to the shard with the least."""
+    groups: dict[str, list] = {}
+    for item in items:
+        lab = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+        stem = Path(lab).stem if lab and item.originalname.startswith("test_lab_") else None
+        groups.setdefault(stem or item.nodeid.split("::")[0], []).append(item)
+    weight = lambda key: LAB_SECONDS.get(key, 5 * len(groups[key]))
+    out, totals = [[] for _ in range(count)], [0] * count
+    for key in sorted(groups, key=weight, reverse=True):
+        i = totals.index(min(totals))
+        out[i] += groups[key]
+        totals[i] += weight(key)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """LABKIT_BROWSER_SHARD=K/N keeps the K-th of N shards of the browser tests (CI runs two
+    processes side by side, one per core); the other tests are left alone."""
+    value = os.environ.get(SHARD)
+    if not value:
+        return
+    try:
+        k, n = (int(x) for x in value.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"{SHARD}={value!r}: give K/N with 1 <= K <= N, e.g. 1/2")
+    browser = [item for item in items if item.get_closest_marker("browser")]
+    keep = {id(item) for item in shards(browser, n)[k - 1]}
+    dropped = [item for item in browser if id(item) not in keep]
+    items[:] = [item for item in items if id(item) not in {id(d) for d in dropped}]
+    config.hook.pytest_deselected(items=dropped)
 
 
 def chromium() -> str:
@@ -47,13 +93,32 @@ def lab_root(tmp_path_factory) -> Path:
     for path in (root / "notebooks").glob("*.ipynb"):
         nb = nbformat.read(path, as_version=4)
         if alt := run_notebooks.alt_parameters(nb):
-            nbformat.write(run_notebooks.with_parameters(nb, alt), path)
+            nb = run_notebooks.with_parameters(nb, alt)
+        if audited(path.stem):            # its kernel starts under the audit hook
+            nb.metadata.kernelspec = {"name": audited_kernel(path.stem), "language": "python",
+                                      "display_name": audited_kernel(path.stem)}
+        nbformat.write(nb, path)
     return root / "notebooks"
 
 
+def audited_kernel(stem: str) -> str:
+    return f"audited-{stem}"
+
+
 @pytest.fixture(scope="session")
-def lab_server(lab_root, tmp_path_factory, watch):
-    server = LabServer(lab_root, tmp_path_factory.mktemp("jupyter"), watch)
+def audit_logs(tmp_path_factory) -> dict[str, Path]:
+    """{lab stem: the folder its audited kernels log to}, for the host lab(s)."""
+    return {stem: tmp_path_factory.mktemp(f"audit-{stem}") for stem in READ_ONLY_LABS}
+
+
+@pytest.fixture(scope="session")
+def lab_server(lab_root, tmp_path_factory, watch, audit_logs):
+    """JupyterLab whose kernels run with other CPU kernels than the committed outputs were
+    made with (lab_checks.OTHER_KERNELS), the host lab's under the audit hook."""
+    specs = {audited_kernel(stem): audit_env(folder, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+             for stem, folder in audit_logs.items()}
+    server = LabServer(lab_root, tmp_path_factory.mktemp("jupyter"), watch,
+                       kernel_env=OTHER_KERNELS, kernelspecs=specs)
     try:
         server.wait_ready()
         yield server

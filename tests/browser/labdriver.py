@@ -89,15 +89,27 @@ class LabServer:
     """``jupyter lab`` serving ``root`` on 127.0.0.1, a free port and a random token, in its
     own process group, with its settings, workspaces and runtime files under ``home``."""
 
-    def __init__(self, root: Path, home: Path, watch: ProcessWatch):
+    def __init__(self, root: Path, home: Path, watch: ProcessWatch,
+                 kernel_env: dict | None = None, kernelspecs: dict | None = None):
+        """``kernel_env``: variables every kernel gets (the server's environment);
+        ``kernelspecs``: {name: variables} for kernels of their own, which a notebook whose
+        metadata names the kernelspec starts with."""
         self.root, self.home, self.watch = root, home, watch
         self.port, self.token = free_port(), secrets.token_hex(16)
         settings = home / "user-settings"
         for name, value in SETTINGS.items():
             (settings / name).parent.mkdir(parents=True, exist_ok=True)
             (settings / name).write_text(json.dumps(value))
-        env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"),
-                   JUPYTER_RUNTIME_DIR=str(home / "runtime"), PYDEVD_DISABLE_FILE_VALIDATION="1")
+        for name, variables in (kernelspecs or {}).items():
+            spec = home / "data" / "kernels" / name / "kernel.json"
+            spec.parent.mkdir(parents=True, exist_ok=True)
+            spec.write_text(json.dumps({
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": name, "language": "python", "env": variables}))
+        env = dict(os.environ, **(kernel_env or {}), JUPYTER_CONFIG_DIR=str(home / "config"),
+                   JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_PATH=os.pathsep.join(
+                       filter(None, [str(home / "data"), os.environ.get("JUPYTER_PATH")])),
+                   PYDEVD_DISABLE_FILE_VALIDATION="1")
         self.log = home / "server.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",

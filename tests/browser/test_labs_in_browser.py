@@ -1,10 +1,13 @@
 """Each lab as a learner meets it: JupyterLab in headless Chromium runs all cells, its checked
-cells print what is committed (the kernel here uses this machine's default CPU kernels; the
-README's test command runs the notebooks with other ones), the lab's panel reacts when its
-controls move, and (in RESTART_LABS, or every lab with LABKIT_BROWSER_RESTART=all) Restart
-Kernel and Run All prints the committed checked outputs again with the kernel's memory within a
-bound of the first run's. A notebook that declares alternative parameters runs with them here
-(its checked cells then print other numbers and are not compared).
+cells print what is committed although the kernel uses other CPU kernels than the committed
+outputs were made with (lab_checks.OTHER_KERNELS, as the README's test command's papermill run
+does), the host lab's kernel writes nothing under a system folder (lab_checks.check_read_only),
+the lab's panel reacts when its controls move, and (in RESTART_LABS, or every lab with
+LABKIT_BROWSER_RESTART=all) Restart Kernel and Run All prints the committed checked outputs
+again with the kernel's memory within a bound of the first run's. A notebook that declares
+alternative parameters runs with them here (its checked cells then print other numbers and are
+not compared). CI runs the labs here only, in two processes side by side
+(LABKIT_BROWSER_SHARD=1/2 and 2/2, see conftest.py), and lab 01 with papermill too.
 
     python -m pytest -m browser                        # every notebooks/*.ipynb
     LABKIT_BROWSER_RESTART=all python -m pytest -m browser   # each lab run twice (twice as long)
@@ -22,6 +25,8 @@ import nbformat
 import pytest
 
 from labdriver import BROWSER_TIMES, ROOT, CheckFailed, NotebookPage, run_notebooks
+from lab_checks import audited, check_read_only
+from readonly_audit import read_events
 from labkit.widgets import PANEL_CONTROLS
 
 pytestmark = pytest.mark.browser
@@ -38,7 +43,7 @@ RSS_RATIO, RSS_SLACK = 1.3, 200 * 2**20
 # tmpfs, snapshots and starts child processes. Every lab was checked twice while they were
 # written (lab 00-07: checked outputs equal, RSS within 4%); a second run of all ten would double
 # the browser test's time in CI. This check needs two runs in one JupyterLab, so the host lab is
-# the one notebook CI executes three times (with the README's test command's run).
+# the one notebook CI executes twice here.
 RESTART_LABS = {"08_host_and_allocator.ipynb"}
 
 
@@ -167,7 +172,7 @@ def open_page(browser, lab_server, name, artifacts, keep=True):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_lab_runs_and_its_panel_reacts(name, lab_server, browser, artifacts, keep_screenshots,
-                                      record_property):
+                                      record_property, audit_logs):
     page = open_page(browser, lab_server, name, artifacts, keep_screenshots)
     try:
         first, cells = run_and_check(page, "after-run-all", restart=False)
@@ -180,23 +185,33 @@ def test_lab_runs_and_its_panel_reacts(name, lab_server, browser, artifacts, kee
         changed = [line for index, panel in panels for line in move_controls(page, index, panel)]
         for line in changed:
             print(line)
-        mib = lambda b: f"{b / 2**20:.0f} MiB"
         if not restarts(name):
             record_property(BROWSER_TIMES, f"run all {first:5.1f} s, kernel RSS {mib(rss_first)}")
-            return
-
-        second, _ = run_and_check(page, "after-restart-run-all", restart=True)
-        if old_kernel.is_running():
-            page.fail(f"the first kernel (pid {old_kernel.pid}) is still running after the restart")
-        new_kernel = lab_server.kernel_process(page.kernel()["id"])
-        rss_second = new_kernel.memory_info().rss
-        record_property(BROWSER_TIMES, f"run all {first:5.1f} s, restart+run all {second:5.1f} s,"
-                        f" kernel RSS {mib(rss_first)} -> {mib(rss_second)}")
-        assert rss_second <= RSS_RATIO * rss_first + RSS_SLACK, (
-            f"{name}: the kernel holds {mib(rss_second)} after the second run against "
-            f"{mib(rss_first)} after the first (bound {RSS_RATIO}x + {mib(RSS_SLACK)})")
+        else:
+            check_restart(page, name, lab_server, old_kernel, first, rss_first, record_property)
     finally:
         page.close()
+    if audited(Path(name).stem):          # both runs' kernels, and all they started
+        check_read_only(read_events(audit_logs[Path(name).stem]))
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB"
+
+
+def check_restart(page, name, lab_server, old_kernel, first, rss_first, record_property):
+    """Restart Kernel and Run All: the checked cells again, the old kernel gone, the new one's
+    memory within RSS_RATIO x + RSS_SLACK of the first's."""
+    second, _ = run_and_check(page, "after-restart-run-all", restart=True)
+    if old_kernel.is_running():
+        page.fail(f"the first kernel (pid {old_kernel.pid}) is still running after the restart")
+    new_kernel = lab_server.kernel_process(page.kernel()["id"])
+    rss_second = new_kernel.memory_info().rss
+    record_property(BROWSER_TIMES, f"run all {first:5.1f} s, restart+run all {second:5.1f} s,"
+                    f" kernel RSS {mib(rss_first)} -> {mib(rss_second)}")
+    assert rss_second <= RSS_RATIO * rss_first + RSS_SLACK, (
+        f"{name}: the kernel holds {mib(rss_second)} after the second run against "
+        f"{mib(rss_first)} after the first (bound {RSS_RATIO}x + {mib(RSS_SLACK)})")
 
 
 BROKEN = """\
