@@ -220,7 +220,8 @@ import labkit.widgets as _widgets
 def _broken_update(self, *args, **kwargs):
     raise RuntimeError("deliberately broken panel callback")
 for _cls in vars(_widgets).values():
-    if isinstance(_cls, type) and _cls.__module__ == _widgets.__name__ and hasattr(_cls, "update"):
+    if (isinstance(_cls, type) and _cls.__module__.startswith(_widgets.__name__)
+            and hasattr(_cls, "update")):
         _cls.update = _broken_update
 """
 
