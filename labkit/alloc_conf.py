@@ -56,7 +56,8 @@ _UNMODELLED = ("pinned_use_background_threads", "release_lock_on_cudamalloc",
                "pinned_use_cuda_host_register", "pinned_num_register_threads",
                "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse",
                "per_process_memory_fraction", "pinned_free_catch_all", "throw_on_cudamalloc_oom",
-               "release_lock_on_hipmalloc", "pinned_use_hip_host_register")
+               "release_lock_on_hipmalloc", "pinned_use_hip_host_register",
+               "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
 ALLOC_CONF_KEYS = _MODELLED + _UNMODELLED
 
 

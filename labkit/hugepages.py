@@ -1,7 +1,8 @@
 """Transparent huge pages for one process's host buffers, measured without changing the host.
 
 Common advice says ``echo always > /sys/kernel/mm/transparent_hugepage/enabled``: a change to
-every process on the machine. Under the kernel's default ``madvise`` mode a program can ask for
+every process on the machine. Under ``madvise`` mode (the default of many distributions'
+kernels; the kernel's own build default is ``always``) a program can ask for
 2 MiB pages for its own buffers, and PyTorch's CPU allocator does so for allocations of 2 MiB
 and more when ``THP_MEM_ALLOC_ENABLE=1`` (c10's alloc_cpu: 2 MiB alignment and
 ``madvise(MADV_HUGEPAGE)``). ``first_touch`` runs a child process either way and measures the

@@ -194,6 +194,10 @@ def test_parse_alloc_conf_reads_what_pytorch_accepts():
     s = parse_alloc_conf("large_segment_size_mb:40,pinned_use_background_threads:True")
     assert s.large_segment_size == 40 * MiB and s.unmodelled == (("pinned_use_background_threads", "True"),)
     assert get_allocation_size(2 * MiB, s.large_segment_size) == 40 * MiB
+    # the pinned host allocator's size limits (torch 2.13's c10 reads both): valid, not modelled
+    s = parse_alloc_conf("pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:1024")
+    assert s == AllocatorSettings(unmodelled=(("pinned_max_round_threshold_mb", "64"),
+                                              ("pinned_max_cached_size_mb", "1024")))
 
 
 @pytest.mark.parametrize("text, fix", [

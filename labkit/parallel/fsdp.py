@@ -228,8 +228,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
 
     ``bf16-master``: FSDP2 shards bf16 weights; labkit's ``MasterWeights`` keeps the fp32
     master and moments of the shards (2 + 2 + 12 bytes per parameter / N). FSDP2's own
-    ``MixedPrecisionPolicy`` instead keeps fp32 shards and casts each gathered block to bf16:
-    4 + 4 + 8, the same 16. ``cross_check`` runs one more step under torch's
+    ``MixedPrecisionPolicy`` instead keeps fp32 shards and casts each to bf16 before the
+    all-gather (it gathers bf16 too), its gradient shards fp32: 4 + 4 + 8, the same 16. ``cross_check`` runs one more step under torch's
     ``FSDPMemTracker`` and returns its peak too. Returns a dict: ``peak``, ``by_category``,
     ``peak_phase``, ``param_bytes`` (this rank's shards), ``seconds``.
     """
