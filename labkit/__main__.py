@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--global-batch", type=COUNT,
                      help="sequences per step (default: one per GPU)")
     pla.add_argument("--trainable", default="all", choices=TRAINABLE)
+    pla.add_argument("--host-ram", type=COUNT, metavar="GIB",
+                     help="host memory per node in GiB, for ZeRO-Offload (default: the GPU "
+                          "type's node, e.g. 2048 for a DGX H100)")
     pla.add_argument("--top", type=COUNT, default=10, help="how many fitting layouts to rank")
     pla.add_argument("--verify", type=COUNT_OR_ZERO, default=0,
                      help="check the top K on fake tensors where a fake run applies")
@@ -197,7 +200,8 @@ def _run(args) -> str:
     if args.command == "plan":
         result = plan(args.model, args.gpu, args.gpus, args.gpus_per_node, args.seq,
                       args.global_batch, trainable=args.trainable, top=args.top,
-                      verify=args.verify, progress=not args.json)
+                      verify=args.verify, progress=not args.json,
+                      host_ram=args.host_ram and args.host_ram * 2**30)
         return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
     if args.command == "presets":
         rows = {name: count_params(name) for name in presets()}

@@ -29,8 +29,9 @@ from .steptime import StepTime, assumptions, step_time
 from .units import CATEGORIES, check_choice, check_positive, fmt_bytes
 
 TRAINABLE = ("all", "lora", "qlora")
-RECOMPUTE = ("none", "selective", "full")          # weakest first: each keeps less than the last
+RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # gpipe: 1f1b's bubble, more memory
+HOST_USABLE = 0.8            # of a node's host memory, for ZeRO-Offload's pinned states
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
 
 
@@ -272,7 +273,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     recipe_kw = (dict(precision=ADAPTERS, trainable="lora",
                       weight_format="nf4" if f.trainable == "qlora" else None)
                  if lora else dict(precision=FULL))
-    recomputes = ("none",) if lora else RECOMPUTE      # labkit estimates LoRA without recompute
+    recomputes = RECOMPUTE             # QLoRA is run with checkpointing: every policy
     schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     active = count_params(c).active - c.vocab_size * c.hidden   # the input embedding: a lookup
     out = []
@@ -309,14 +310,19 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
 # ---- the search --------------------------------------------------------------------------
 def _keeps_no_less(a: Candidate, b: Candidate) -> bool:
     """Whether ``a`` keeps at least what ``b`` keeps: same family and schedule, a micro-batch
-    no smaller and a recompute policy no stronger (so if ``b`` fails, ``a`` fails)."""
+    no smaller, and the same recompute policy or ``b``'s full recomputation, which keeps the
+    least (so if ``b`` fails, ``a`` fails). Selective can keep more than none: with SDPA the
+    checkpointed core's inputs are what SDPA would have saved, and LoRA's copies come on top."""
     return (a.family == b.family and a.layout.schedule == b.layout.schedule
             and a.micro_batch >= b.micro_batch
-            and RECOMPUTE.index(a.recipe.recompute) <= RECOMPUTE.index(b.recipe.recompute))
+            and b.recipe.recompute in (a.recipe.recompute, "full"))
 
 
-def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top):
-    """(ranked fits, rejected {family: why}, unexplored families, estimates made)."""
+def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top,
+            host_usable: int | None = None):
+    """(ranked fits, rejected {family: why}, unexplored families, estimates made). An
+    offloaded layout also needs its ranks' pinned host memory within ``host_usable`` per node."""
+    ranks_per_node = min(gpus, gpus_per_node)
     families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
     counts, pool = _Counts(c), []
     for f in families:
@@ -360,7 +366,13 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         except ValueError as error:
             fail(k, 0, str(error))
             continue
-        if k.estimate.total <= usable:
+        host = ranks_per_node * k.estimate.details.get("host memory", 0)
+        if k.estimate.total <= usable and host_usable is not None and host > host_usable:
+            ranks = f"{ranks_per_node} rank{'s' if ranks_per_node > 1 else ''}"
+            fail(k, k.estimate.total, f"{fmt_bytes(host)} of pinned host memory per node "
+                                      f"({ranks}) > {fmt_bytes(host_usable)} usable "
+                                      f"(host_ram, --host-ram)")
+        elif k.estimate.total <= usable:
             fits.append(k)
         else:
             fail(k, k.estimate.total, f"{fmt_bytes(k.estimate.total)} per GPU > "
@@ -391,7 +403,7 @@ def _largest(e: Estimate) -> str:
 def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
          global_batch: int | None = None, headroom: float = 0.1,
          trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
-         advice: bool = True, progress: bool = False) -> Plan:
+         advice: bool = True, progress: bool = False, host_ram: int | None = None) -> Plan:
     """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
 
     ``model``: a preset name, a ``ModelConfig`` or a Hugging Face config; ``gpu``: a name in
@@ -399,6 +411,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     one per GPU). ``headroom``: the fraction of memory kept free for what the estimate does not
     see (CUDA context, NCCL buffers, allocator fragmentation). ``top``: how many fitting layouts
     to find (None: all). ``verify``: check that many of the top layouts on fake tensors.
+    ``host_ram``: bytes of host memory per node (default: the GPU type's ``node_host_ram``);
+    ZeRO-Offload's pinned states of a node's ranks must fit in HOST_USABLE of it.
     """
     start = time.perf_counter()
     c = _model(model)
@@ -419,12 +433,14 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = int(g.memory * (1 - headroom))
+    host_ram = g.node_host_ram if host_ram is None else check_positive("host_ram", host_ram)
+    host_usable = int(host_ram * HOST_USABLE)
     # ZeRO-Offload only when nothing fits on the devices: its host-side step is not modelled
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
                                             trainable, False, top)
     if not fits and offload:
         fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
-                                                   usable, trainable, True, top)
+                                                   usable, trainable, True, top, host_usable)
         n += more
     out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
                unexplored, estimates=n)
@@ -433,7 +449,10 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
-        f"each GPU a replica (labkit estimates LoRA on one GPU; no recompute)",
+        f"each GPU a replica (labkit estimates LoRA on one GPU), every recompute policy",
+        f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
+        f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
+        f"CPU optimizer step is not timed",
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
         "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1, ep in powers of 2 "
         "with ZeRO-0 only (labkit.estimate does not shard experts' states yet), ZeRO 0-3 and "
@@ -443,7 +462,7 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     ]
     if not fits and advice:
         out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
-                             offload, global_batch)
+                             offload, global_batch, host_ram)
     out.search_s = time.perf_counter() - start          # the search, not the verification
     if verify:
         out.verified = verify_candidates(c, fits[:verify], seq, progress)
@@ -503,11 +522,11 @@ def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
 
 
 def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
-            global_batch) -> list[str]:
+            global_batch, host_ram) -> list[str]:
     """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
     def first_fit(**change):
         kw = dict(gpus=gpus, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                  headroom=headroom, trainable=trainable, offload=offload)
+                  headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram)
         kw.update(change)
         found = plan(c, g, top=1, advice=False, **kw)
         return found.fits[0] if found.fits else None

@@ -31,6 +31,55 @@ def test_qlora_of_a_7b_fits_one_24_gb_gpu():
     assert p.fits[0].estimate.total <= p.usable == int(24564 * 2**20 * 0.9)
 
 
+def test_lora_of_a_7b_fits_one_24_gb_gpu_with_checkpointing():
+    """LoRA keeps every layer's activations without recomputation (24 GiB at 2048 tokens): it
+    fits a 24 GB card only with full recomputation, as it is run in practice (~14 GiB)."""
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=2048, trainable="lora", top=None)
+    assert [k.recipe.recompute for k in p.fits] == ["full"]
+    assert p.fits[0].estimate.total == lk.estimate(
+        "llama-2-7b", 1, 2048, device="cuda", recipe=p.fits[0].recipe).total <= p.usable
+
+
+def test_qlora_of_a_70b_fits_one_48_gb_budget_as_in_the_qlora_paper():
+    """QLoRA's paper fine-tunes a 65B model on one 48 GB GPU (with gradient checkpointing):
+    LLaMA-2-70B at 2048 tokens plans on one 80 GB GPU under 48 GiB."""
+    p = plan("llama-2-70b", "a100-80gb", 1, seq=2048, trainable="qlora")
+    assert p.fits and p.fits[0].recipe.recompute == "full"
+    assert p.fits[0].estimate.total < 48 * 2**30
+
+
+def test_pruning_keeps_every_recompute_policy_that_fits():
+    """The search prunes a larger micro-batch or a weaker policy once one fails; selective can
+    keep more than none (LoRA's copies beside the checkpointed core's inputs), so only full
+    recomputation's failure rules out the others: the fits equal a check of every policy."""
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=1024, trainable=("lora", "qlora"), top=None)
+    found = {(k.family.trainable, k.recipe.recompute) for k in p.fits}
+    every = set()
+    for what, fmt in (("lora", None), ("qlora", "nf4")):
+        for policy in ("none", "selective", "full"):
+            e = lk.estimate("llama-2-7b", 1, 1024, device="cuda", recipe=lk.Recipe(
+                "bf16", trainable="lora", weight_format=fmt, recompute=policy))
+            if e.total <= p.usable:
+                every.add((what, policy))
+    assert found == every and ("lora", "none") in every
+
+
+def test_offload_needs_the_nodes_host_memory_for_its_pinned_states():
+    """ZeRO-3-Offload of DeepSeek-V2-Lite keeps 240 GiB of states on the host: not on a 128 GiB
+    workstation (the RTX 4090's default node), on a 512 GiB one."""
+    p = plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, top=1, advice=False)
+    assert p.fits == []
+    why = p.rejected["full, ZeRO-3-Offload, dp 1, tp 1, pp 1"]
+    host = lk.estimate("deepseek-v2-lite", 1, 2048, device="cuda", precision="bf16-master",
+                       layout=lk.Layout(zero_stage=3, offload=True)).details["host memory"]
+    assert why == (f"{lk.fmt_bytes(host)} of pinned host memory per node (1 rank) > "
+                   f"{lk.fmt_bytes(int(128 * GiB * 0.8))} usable (host_ram, --host-ram)")
+    big = plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, top=1, host_ram=512 * GiB)
+    assert big.fits[0].layout.offload and host <= 0.8 * 512 * GiB
+    with pytest.raises(ValueError, match="host_ram must be a positive integer"):
+        plan("tiny", "a100-80gb", 1, seq=256, host_ram=0)
+
+
 def test_nothing_fits_advises_more_gpus_found_by_the_same_search():
     p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=4096, offload=False)
     assert p.fits == [] and p.advice
@@ -127,6 +176,14 @@ def test_cli_prints_a_ranked_table_and_the_rejections(capsys):
     out = capsys.readouterr().out
     assert " 1 " in out and "rejected families" in out and "assumptions:" in out
     assert "full, ZeRO-0, dp 8, tp 1, pp 1: model states alone need" in out
+
+
+def test_cli_host_ram_is_gib_per_node(capsys):
+    assert main(["plan", "--model", "deepseek-v2-lite", "--gpu", "rtx-4090-24gb", "--gpus", "1",
+                 "--seq", "2048", "--top", "1", "--host-ram", "512", "--json"]) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["fits"][0]["layout"]["offload"] is True
+    assert any("512.00 GiB of host memory" in a for a in back["assumptions"])
 
 
 def test_cli_unknown_gpu_exits_2_listing_the_names(capsys):
