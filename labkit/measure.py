@@ -277,11 +277,13 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
             torch.cuda.empty_cache()        # reserved starts from the live tensors' segments
             torch.cuda.reset_peak_memory_stats()
         with MemoryTracker(model, opt, events=events) as mt, use_attention(attention):
-            result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
+            result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt,
+                                autocast_cache=recipe.autocast_cache)
             for b, s in then:
                 del inputs, targets             # the next batch replaces this one
                 inputs, targets, step = _batch(model, b, s, loss_fn, setup.runs_on)
-                result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt)
+                result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt,
+                                    autocast_cache=recipe.autocast_cache)
     forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
     at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}
     return Measurement(

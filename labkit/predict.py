@@ -329,7 +329,8 @@ class _Step:
         # autocast caches leaf weights that train, and the adapters reach their matmuls as A^T
         cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
                     for j, m in enumerate(self.moe)
-                    if self.kept[j] != "none") if self.mixed and not self.lora else 0
+                    if self.kept[j] != "none") if (self.mixed and not self.lora
+                                                   and self.recipe.autocast_cache) else 0
         cache = Tensor("autocast cache of recomputed layers' weights", "weight_cache", "bf16", cache)
         if self.recipe.loss_chunk:
             return self._chunked_loss_moments(kept, head, cache)

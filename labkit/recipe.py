@@ -102,6 +102,10 @@ class Recipe:
     logits at once; n runs the LM head and the loss n tokens at a time (``labkit.loss``).
     ``attention``: the attention core (``labkit.attention``): "sdpa" (PyTorch's fused kernel),
     "naive" (keeps the (T, T) probabilities) or "tiled" (labkit's online softmax).
+    ``autocast_cache``: torch.autocast keeps its bf16 cast of every fp32 leaf weight that
+    trains until the autocast region ends (its default); False is ``torch.autocast(...,
+    cache_enabled=False)``, each matmul casting anew (what FSDP's bf16 ``param_dtype`` also
+    avoids). With recomputation the cached copies outlive the layers that used them.
     """
 
     precision: str = "bf16-mixed"
@@ -115,8 +119,12 @@ class Recipe:
     lora_rank: int = 16
     lora_targets: str = "all-linear"
     attention: str = "sdpa"
+    autocast_cache: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.autocast_cache, bool):
+            raise ValueError(f"autocast_cache is True (torch.autocast's default) or False "
+                             f"(cache_enabled=False), got {self.autocast_cache!r}")
         object.__setattr__(self, "every", check_positive("every", self.every))
         object.__setattr__(self, "loss_chunk", check_loss_chunk(self.loss_chunk))
         state_bytes(self.precision, self.optimizer)

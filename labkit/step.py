@@ -123,22 +123,23 @@ class StepResult:
 
 def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
                tracker=None, loss_factor: float = 1.0, offload: bool = False,
-               clip_norm: float | None = None) -> StepResult:
+               clip_norm: float | None = None, autocast_cache: bool = True) -> StepResult:
     """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on ``tracker``.
 
     ``loss_factor`` multiplies the loss before backward (lab 02 shrinks gradients with it);
     the loss reported is the model's own. ``offload`` keeps what autograd saves in pinned
     CPU memory (``torch.autograd.graph.save_on_cpu``): GPU memory for PCIe traffic.
     ``clip_norm`` clips the gradients' global norm, after ``scaler.unscale_`` so that the
-    norm compared is the true one, not scale x it.
+    norm compared is the true one, not scale x it. ``autocast_cache``: torch.autocast's
+    ``cache_enabled``.
     """
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be a positive number, got {clip_norm!r}; use e.g. 1.0, "
                          "or None for no clipping")
     phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
     dtype = autocast_dtype(precision)
-    autocast = (torch.autocast(tokens.device.type, dtype=dtype) if dtype is not None
-                else contextlib.nullcontext())
+    autocast = (torch.autocast(tokens.device.type, dtype=dtype, cache_enabled=autocast_cache)
+                if dtype is not None else contextlib.nullcontext())
     saving = (torch.autograd.graph.save_on_cpu(pin_memory=tokens.device.type == "cuda")
               if offload else contextlib.nullcontext())
     with saving:

@@ -171,6 +171,26 @@ def test_estimate_matches_every_precision(name, precision, seq):
     _within(name, precision, "none", seq, fake=False, tolerance=0.01)
 
 
+def test_autocast_cache_off_removes_the_recomputed_layers_weight_copies_from_the_forward():
+    """With full recomputation autocast's cache holds a bf16 copy of every block weight until
+    the forward pass ends: LLaMA-2-7B's forward peak, measured on fake tensors, falls by exactly
+    those bytes (2 x the blocks' matmul weights) with cache_enabled=False, as estimated."""
+    forward = {}
+    for cache in (True, False):
+        recipe = lk.Recipe("bf16-mixed", recompute="full", autocast_cache=cache)
+        e = lk.estimate("llama-2-7b", 1, 512, device="cuda", recipe=recipe)
+        m = lk.measure_step("llama-2-7b", 1, 512, recipe=recipe, fake=True, device="cuda")
+        t = m.timeline
+        forward[cache] = max(b for b, phase in zip(t.total, t.phase) if phase == "forward")
+        # the measured forward ends holding the 4-byte fp32 loss, which the estimate's
+        # "forward: loss" moment does not count yet
+        assert forward[cache] == e.moments["forward: loss"] + 4
+    matmul = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)       # q, k, v, o and the MLP's three
+    assert forward[True] - forward[False] == 2 * matmul
+    with pytest.raises(ValueError, match="autocast_cache is True"):
+        lk.Recipe(autocast_cache="no")
+
+
 def test_master_weights_cost_12_bytes_of_state_and_4_of_fp32_gradients_at_the_step():
     n = lk.count_params("llama-2-7b").total
     e = lk.estimate("llama-2-7b", seq=64, precision="bf16-master")
