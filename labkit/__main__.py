@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--trainable", default="all", choices=TRAINABLE)
     pla.add_argument("--host-ram", type=COUNT, metavar="GIB",
                      help="host memory per node in GiB, for ZeRO-Offload (default: the GPU "
-                          "type's node, e.g. 2048 for a DGX H100)")
+                          "type's per-GPU share times the GPUs on a node, e.g. 2048 for 8 H100s)")
     pla.add_argument("--top", type=COUNT, default=10, help="how many fitting layouts to rank")
     pla.add_argument("--verify", type=COUNT_OR_ZERO, default=0,
                      help="check the top K on fake tensors where a fake run applies")

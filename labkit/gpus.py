@@ -24,10 +24,10 @@ class GPU:
     intra_node_gbps: float
     inter_node_gbps: float
     pcie_gbps: float = 32.0
-    node_host_ram: int = 2 * 2**40      # bytes of host memory in one node of such GPUs
+    host_ram_per_gpu: int = 256 * 2**30    # bytes of host memory a node has per such GPU
 
     def __post_init__(self):
-        for field in ("memory", "node_host_ram"):
+        for field in ("memory", "host_ram_per_gpu"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPU {field} is bytes, a positive int (e.g. 80 * 2**30), got "
@@ -55,18 +55,18 @@ class GPU:
 # H200 SXM 143,771 MiB, B200 183,359 MiB, L4 23,034 MiB, RTX 4090 24,564 MiB). The RTX 4090
 # has no GPU-to-GPU P2P: its 32 GB/s "intra-node" link goes through host memory and is
 # optimistic; PCIe figures are theoretical (about 25 GB/s is typical from pinned memory).
-# Host memory per node (what ZeRO-Offload's pinned states must fit in): DGX A100 320GB 1 TB,
-# DGX A100 640GB, DGX H100, DGX H200 and DGX B200 2 TB (their datasheets' base system memory);
-# the L4 as in Google Cloud's g2-standard-96 (8 L4s, 384 GB); the RTX 4090 an assumption, a
-# workstation's 128 GiB. Pass host_ram= (--host-ram) for your own nodes.
-TiB = 2**40
+# Host memory per GPU (ZeRO-Offload's pinned states must fit in a node's): DGX A100 320GB 1 TB
+# for 8 GPUs, DGX A100 640GB, DGX H100, DGX H200 and DGX B200 2 TB (their datasheets' base
+# system memory), so 128 and 256 GiB per GPU; the L4 as in Google Cloud's g2-standard-96 (8 L4s,
+# 384 GB: 48 GiB each); the RTX 4090 an assumption, a workstation's 128 GiB per GPU. A plan's
+# node has this times its GPUs on the node. Pass host_ram= (--host-ram) for your own nodes.
 GPUS = {g.name: g for g in (
-    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 1 * TiB),
-    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 2 * TiB),
-    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 2 * TiB),
-    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 2 * TiB),
-    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 2 * TiB),
-    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 384 * GiB),
+    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB),
+    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB),
+    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
+    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
+    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB),
+    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB),
     GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB),
 )}
 

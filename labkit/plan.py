@@ -411,8 +411,9 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     one per GPU). ``headroom``: the fraction of memory kept free for what the estimate does not
     see (CUDA context, NCCL buffers, allocator fragmentation). ``top``: how many fitting layouts
     to find (None: all). ``verify``: check that many of the top layouts on fake tensors.
-    ``host_ram``: bytes of host memory per node (default: the GPU type's ``node_host_ram``);
-    ZeRO-Offload's pinned states of a node's ranks must fit in HOST_USABLE of it.
+    ``host_ram``: bytes of host memory per node (default: the GPU type's ``host_ram_per_gpu``
+    times the GPUs on a node); ZeRO-Offload's pinned states of a node's ranks must fit in
+    HOST_USABLE of it.
     """
     start = time.perf_counter()
     c = _model(model)
@@ -433,7 +434,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = int(g.memory * (1 - headroom))
-    host_ram = g.node_host_ram if host_ram is None else check_positive("host_ram", host_ram)
+    host_ram = (g.host_ram_per_gpu * min(gpus, gpus_per_node) if host_ram is None
+                else check_positive("host_ram", host_ram))
     host_usable = int(host_ram * HOST_USABLE)
     # ZeRO-Offload only when nothing fits on the devices: its host-side step is not modelled
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,

@@ -134,8 +134,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "the forward and the backward (again with full recompute), balanced routing",
         f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s "
         "(theoretical); the host's optimizer step is not counted (ZeRO-Offload's bottleneck: "
-        "about 30 bytes of DRAM traffic per parameter), nor the host memory it needs (16 bytes "
-        "per parameter of the shard, pinned)",
+        "about 30 bytes of DRAM traffic per parameter); the planner checks the host memory it "
+        "needs apart (host_ram)",
         "nothing overlaps: compute, bubble and every collective add up (real systems overlap "
         "some of it, so the ranking, not the seconds, is the result)",
     ]
