@@ -56,17 +56,24 @@ def autocast_copies(*tensors):
     return tuple(t.to(dtype) for t in tensors)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same storage), any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t    # torch.distributed not imported
+
+
 class MasterWeights:
     """An optimizer over fp32 master copies of low-precision weights (Micikevicius et al., 2018).
 
     Each step turns the bf16 gradients into fp32 ones (freeing each bf16 gradient as it goes),
     steps the fp32 masters, and copies them back into the bf16 weights, so small updates are
-    not rounded away. The masters count as optimizer state: 4 bytes per parameter.
+    not rounded away. The masters count as optimizer state: 4 bytes per parameter. A sharded
+    weight (FSDP2's DTensor) gets a plain master of its local shard, as Megatron's distributed
+    optimizer keeps one: the same bytes and kernels, without DTensor's per-op dispatch.
     """
 
     def __init__(self, params, make_inner):
         self.params = list(params)
-        self.masters = [p.detach().float().requires_grad_(True) for p in self.params]
+        self.masters = [_local(p.detach()).float().requires_grad_(True) for p in self.params]
         self.inner = make_inner(self.masters)
         self.param_groups = self.inner.param_groups
 
@@ -78,12 +85,12 @@ class MasterWeights:
 
     def step(self):
         for p, master in zip(self.params, self.masters):
-            master.grad = None if p.grad is None else p.grad.float()
+            master.grad = None if p.grad is None else _local(p.grad).float()
             p.grad = None
         self.inner.step()
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
-                p.copy_(master)
+                _local(p).copy_(master)
 
     def zero_grad(self, set_to_none: bool = True):
         for p, master in zip(self.params, self.masters):

@@ -165,10 +165,10 @@ def test_lora_on_llama_2_7b_matches_the_estimate_on_fake_tensors(precision, reco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, recompute, weight_format", LLAMA_CASES)
-def test_lora_on_all_of_llama_2_7b_matches_the_estimate(precision, recompute, weight_format):
+def test_qlora_on_all_of_llama_2_7b_matches_the_estimate():
+    # the whole model once (QLoRA, the costliest case: 50-100 s); each case above at 4 blocks
     m, e = _measured_and_estimated("llama-2-7b", 1, 2048, lk.Recipe(
-        precision, recompute=recompute, trainable="lora", weight_format=weight_format), fake=True)
+        "bf16-master", recompute="full", trainable="lora", weight_format="nf4"), fake=True)
     _assert_within(m, e, 0.03)
 
 

@@ -1,6 +1,7 @@
 """The exercises' registry and checker: ``register`` adds one, ``check`` answers it."""
 from __future__ import annotations
 
+import functools
 import html
 import math
 import numbers
@@ -14,7 +15,8 @@ BILLION = 10**9
 
 @dataclass(frozen=True)
 class Exercise:
-    """One question; ``compute`` returns the answer (and the numbers its solution quotes)."""
+    """One question; ``compute`` returns the answer (and the numbers its solution quotes), computed
+    once per process: the check and the solution quote the same numbers (some take seconds)."""
 
     id: str
     question: str
@@ -37,7 +39,7 @@ def register(id: str, *, question: str, unit: str, hint: str, solution: str, rto
         if id in _REGISTRY:
             raise ValueError(f"exercise {id!r} is already registered")
         _REGISTRY[id] = Exercise(id, question.strip(), unit, hint.strip(), solution.strip(),
-                                 compute, rtol)
+                                 functools.cache(compute), rtol)
         return compute
     return add
 
