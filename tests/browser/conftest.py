@@ -15,12 +15,13 @@ from readonly_audit import audit_env
 CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 
 
-# Seconds each lab's test took in CI's browser run (2 cores, the slow run beside it; ci3's
-# browser.xml), to split the labs between CI's two browser processes; other tests count 5 s.
-LAB_SECONDS = {"02_mixed_precision": 264, "04_zero_fsdp": 223, "03_activations": 172,
-               "06_quantization": 122, "08_host_and_allocator": 107,
-               "05_tensor_pipeline_expert": 98, "09_capstone": 79, "07_attention_kv_cache": 71,
-               "01_parameter_memory": 64, "00_welcome": 35}
+# Seconds of each lab's Run All in CI's browser runs (2 cores, four runs side by side; clean
+# clone of f9b84b5, lab 08 twice, lab 04 less the faster fake FSDP2 optimizer step), to split
+# the labs between CI's two browser processes; other tests count 5 s.
+LAB_SECONDS = {"04_zero_fsdp": 270, "06_quantization": 265, "08_host_and_allocator": 175,
+               "03_activations": 166, "07_attention_kv_cache": 155, "02_mixed_precision": 145,
+               "09_capstone": 116, "05_tensor_pipeline_expert": 101, "01_parameter_memory": 35,
+               "00_welcome": 27}
 SHARD = "LABKIT_BROWSER_SHARD"
 
 
