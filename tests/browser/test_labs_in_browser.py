@@ -233,7 +233,8 @@ def test_a_broken_widget_callback_fails_with_a_screenshot(lab_root, lab_server, 
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell('from labkit.widgets import memory_panel\n'
                                   'memory_panel(model="small", seq=128)'),
-        nbformat.v4.new_code_cell(BROKEN)])
+        nbformat.v4.new_code_cell(BROKEN)],
+        metadata=nbformat.read(lab_root / "00_welcome.ipynb", as_version=4).metadata)  # kernel
     broken = lab_root / "broken_panel.ipynb"
     nbformat.write(nb, broken)
     page = open_page(browser, lab_server, broken.name, artifacts)
