@@ -178,3 +178,16 @@ def test_the_same_function_runs_under_torchrun():
     assert out.returncode == 0, out.stderr
     for rank in range(2):
         assert f"rank {rank} of 2: ReduceResult(rank={rank}, total=24.0)" in out.stdout
+
+
+def test_a_rank_that_only_lost_its_peer_names_the_peers_error():
+    # the race CI met once: rank 0's barrier failed first because rank 1 had died raising
+    import multiprocessing
+    import pickle
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    writer.send_bytes(pickle.dumps(("error", "ZeroDivisionError: boom on rank 1")))
+    lost = "DistBackendError: ... Check the logs of the remote worker before reporting an error."
+    failed = cluster._root_failure(0, lost, {reader: 1})
+    assert failed.rank == 1 and "boom on rank 1" in str(failed)
+    assert cluster._root_failure(0, "ValueError: its own bug", {}).rank == 0

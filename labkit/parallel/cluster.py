@@ -257,7 +257,7 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
                     status, value = "error", (f"exited with code {procs[rank].exitcode} before "
                                               "sending a result (its stderr has the details)")
                 if status == "error":
-                    raise RankFailed(rank, value)
+                    raise _root_failure(rank, value, readers)
                 results[rank] = value
                 pending.discard(rank)
         for p in procs:
@@ -265,6 +265,26 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
         return results
     finally:
         _stop(procs)                # on success, failure, timeout or KeyboardInterrupt
+
+
+# A rank whose peer died fails in its collective with one of these; the peer's error is the cause
+_PEER_LOST = ("DistBackendError", "DistNetworkError", "Connection closed by peer",
+              "Connection reset by peer", "Check the logs of the remote worker")
+
+
+def _root_failure(rank: int, details: str, readers: dict) -> RankFailed:
+    """The first failure's cause: when ``rank`` failed only because a peer died, the peer's
+    error if it arrives within GRACE_S (its own exception, not the lost connection)."""
+    if not any(marker in details for marker in _PEER_LOST):
+        return RankFailed(rank, details)
+    for reader in wait(list(readers), timeout=GRACE_S):
+        try:
+            status, value = pickle.loads(reader.recv_bytes())
+        except EOFError:
+            continue
+        if status == "error" and not any(marker in value for marker in _PEER_LOST):
+            return RankFailed(readers[reader], value)
+    return RankFailed(rank, details)
 
 
 # ---- under torchrun ------------------------------------------------------------------------
