@@ -275,15 +275,19 @@ _PEER_LOST = ("DistBackendError", "DistNetworkError", "Connection closed by peer
 def _root_failure(rank: int, details: str, readers: dict) -> RankFailed:
     """The first failure's cause: when ``rank`` failed only because a peer died, the peer's
     error if it arrives within GRACE_S (its own exception, not the lost connection)."""
-    if not any(marker in details for marker in _PEER_LOST):
-        return RankFailed(rank, details)
-    for reader in wait(list(readers), timeout=GRACE_S):
-        try:
-            status, value = pickle.loads(reader.recv_bytes())
-        except EOFError:
-            continue
-        if status == "error" and not any(marker in value for marker in _PEER_LOST):
-            return RankFailed(readers[reader], value)
+    deadline = time.monotonic() + GRACE_S
+    while readers and any(marker in details for marker in _PEER_LOST):
+        ready = wait(list(readers), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        for reader in ready:
+            peer = readers.pop(reader)
+            try:
+                status, value = pickle.loads(reader.recv_bytes())
+            except EOFError:
+                continue
+            if status == "error" and not any(marker in value for marker in _PEER_LOST):
+                return RankFailed(peer, value)
     return RankFailed(rank, details)
 
 
