@@ -119,6 +119,34 @@ def build_parser() -> argparse.ArgumentParser:
     _step_options(est)
     est.add_argument("--device", default="cuda", choices=DEVICES,
                      help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
+    _layout_options(est)
+    est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
+    mea = sub.add_parser("measure", help="run one training step under the memory tracker")
+    _step_options(mea)
+    mea.add_argument("--device", choices=DEVICES,
+                     help="whose defaults (default: cuda's); with --real also where the step "
+                          "runs (default: cuda when present, else cpu)")
+    mea.add_argument("--real", action="store_true",
+                     help="real tensors (default: fake tensors, any size)")
+    pre = sub.add_parser("presets", help="list the model presets with their sizes")
+    _json_option(pre)
+    pla = sub.add_parser("plan", help="rank the layouts that fit a cluster by step time")
+    _model_option(pla)
+    _plan_options(pla)
+    _json_option(pla)
+    doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
+                                        "cgroup and memlock limits, allocator settings, GPUs")
+    _json_option(doc)
+    doc.add_argument("--course", action="store_true",
+                     help="before the workshop: does every lab run here (versions, packages, "
+                          "memory, disk, cores, GPU, a smoke run of lab 00)? Exit 1 on a problem")
+    doc.add_argument("--no-smoke", action="store_true",
+                     help="with --course: skip the smoke run (lab 00 executed, about 20 s)")
+    return parser
+
+
+def _layout_options(est: argparse.ArgumentParser) -> None:
+    """estimate's layout: ZeRO, dp, tp, sp, pp and its schedule, ep, cp, DDP buckets, offload."""
     est.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES)
     est.add_argument("--dp", type=COUNT, default=1, help="data-parallel degree")
     est.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel degree")
@@ -138,18 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="DDP's gradient_as_bucket_view (with --zero-stage 0)")
     est.add_argument("--offload", action="store_true",
                      help="ZeRO-Offload: optimizer state and shards in host memory")
-    est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
-    mea = sub.add_parser("measure", help="run one training step under the memory tracker")
-    _step_options(mea)
-    mea.add_argument("--device", choices=DEVICES,
-                     help="whose defaults (default: cuda's); with --real also where the step "
-                          "runs (default: cuda when present, else cpu)")
-    mea.add_argument("--real", action="store_true",
-                     help="real tensors (default: fake tensors, any size)")
-    pre = sub.add_parser("presets", help="list the model presets with their sizes")
-    _json_option(pre)
-    pla = sub.add_parser("plan", help="rank the layouts that fit a cluster by step time")
-    _model_option(pla)
+
+
+def _plan_options(pla: argparse.ArgumentParser) -> None:
+    """plan's cluster (GPU type and count, host memory) and question (sequence, batch, what trains)."""
     pla.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(GPUS)}")
     pla.add_argument("--gpus", type=COUNT, required=True, help="number of GPUs")
     pla.add_argument("--gpus-per-node", type=COUNT, default=8)
@@ -163,16 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     pla.add_argument("--top", type=COUNT, default=10, help="how many fitting layouts to rank")
     pla.add_argument("--verify", type=COUNT_OR_ZERO, default=0,
                      help="check the top K on fake tensors where a fake run applies")
-    _json_option(pla)
-    doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
-                                        "cgroup and memlock limits, allocator settings, GPUs")
-    _json_option(doc)
-    doc.add_argument("--course", action="store_true",
-                     help="before the workshop: does every lab run here (versions, packages, "
-                          "memory, disk, cores, GPU, a smoke run of lab 00)? Exit 1 on a problem")
-    doc.add_argument("--no-smoke", action="store_true",
-                     help="with --course: skip the smoke run (lab 00 executed, about 20 s)")
-    return parser
 
 
 def _table(title: str, result, extra: dict) -> str:
@@ -204,57 +214,69 @@ def _run(args) -> str:
                       host_ram=args.host_ram and args.host_ram * 2**30)
         return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
     if args.command == "presets":
-        rows = {name: count_params(name) for name in presets()}
-        if args.json:
-            return json.dumps({n: {"total": p.total, "active": p.active,
-                                   "published": preset(n).published} for n, p in rows.items()},
-                              indent=2)
-        lines = [f"{'preset':<18}{'parameters':>18}{'active':>18}  published"]
-        lines += [f"{n:<18}{p.total:>18,}{p.active:>18,}  {preset(n).published}"
-                  for n, p in rows.items()]
-        return "\n".join(lines)
+        return _presets(args.json)
     recompute = f"every-{args.every}" if args.recompute == "every-k" else args.recompute
     if args.seq > args.model.max_seq:   # as plan does: the RoPE tables cover the sequence asked for
         args.model = args.model.replace(max_seq=args.seq)
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device)
-    name = args.model.name
-    if args.command == "estimate":
-        chunks = args.virtual_stages or (INTERLEAVED_CHUNKS if args.schedule == "interleaved"
-                                         else 1)
-        layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
-                        pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
-                        virtual_stages=chunks, ep=args.ep, cp=args.cp,
-                        gradient_as_bucket_view=args.bucket_view, offload=args.offload)
-        result = estimate(args.model, layout=layout, **step)
-        extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
-        if args.json:
-            extra["tensors"] = [dataclasses.asdict(t) for t in result.tensors]
-        else:
-            extra[MOMENTS] = {k: fmt_bytes(v) for k, v in result.moments.items()}
-            if args.explain:
-                extra["tensors alive at the peak"] = "\n" + result.explain()
-        title = (f"{name}: predicted bytes per device, {args.device} defaults\n(batch "
-                 f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
-                 f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, tp {args.tp}{' with sp' if args.sp else ''}, "
-                 f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
-    else:
-        if args.real and args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--real --device cuda, but CUDA is not available here: use "
-                             "--device cpu (or leave --device out), or drop --real to measure "
-                             "fake tensors with CUDA's defaults")
-        result = measure_step(args.model, fake=not args.real, **step)
-        extra = {"tensors": (f"fake (shapes only), {result.device} defaults" if result.fake
-                             else f"real, on {result.device}"),
-                 "optimizer implementation": result.optimizer_impl}
-        if result.cuda_peak is not None:
-            extra["torch.cuda.max_memory_allocated"] = result.cuda_peak
-        title = (f"{name}: measured bytes at the peak of one training step\n"
-                 f"(batch {args.batch}, seq {args.seq}, {args.precision}, {args.optimizer})")
+    result, extra, title = (_estimated if args.command == "estimate" else _measured)(args, step)
     if args.json:
         return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)
     return _table(title, result, extra)
+
+
+def _presets(as_json: bool) -> str:
+    rows = {name: count_params(name) for name in presets()}
+    if as_json:
+        return json.dumps({n: {"total": p.total, "active": p.active,
+                               "published": preset(n).published} for n, p in rows.items()},
+                          indent=2)
+    lines = [f"{'preset':<18}{'parameters':>18}{'active':>18}  published"]
+    lines += [f"{n:<18}{p.total:>18,}{p.active:>18,}  {preset(n).published}"
+              for n, p in rows.items()]
+    return "\n".join(lines)
+
+
+def _estimated(args, step: dict) -> tuple:
+    """(the estimate, what is shown beside its table, the title) of ``estimate``."""
+    chunks = args.virtual_stages or (INTERLEAVED_CHUNKS if args.schedule == "interleaved" else 1)
+    layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
+                    pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
+                    virtual_stages=chunks, ep=args.ep, cp=args.cp,
+                    gradient_as_bucket_view=args.bucket_view, offload=args.offload)
+    result = estimate(args.model, layout=layout, **step)
+    extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
+    if args.json:
+        extra["tensors"] = [dataclasses.asdict(t) for t in result.tensors]
+    else:
+        extra[MOMENTS] = {k: fmt_bytes(v) for k, v in result.moments.items()}
+        if args.explain:
+            extra["tensors alive at the peak"] = "\n" + result.explain()
+    title = (f"{args.model.name}: predicted bytes per device, {args.device} defaults\n(batch "
+             f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
+             f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, "
+             f"tp {args.tp}{' with sp' if args.sp else ''}, "
+             f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
+    return result, extra, title
+
+
+def _measured(args, step: dict) -> tuple:
+    """(the measurement, what is shown beside its table, the title) of ``measure``."""
+    if args.real and args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--real --device cuda, but CUDA is not available here: use "
+                         "--device cpu (or leave --device out), or drop --real to measure "
+                         "fake tensors with CUDA's defaults")
+    result = measure_step(args.model, fake=not args.real, **step)
+    extra = {"tensors": (f"fake (shapes only), {result.device} defaults" if result.fake
+                         else f"real, on {result.device}"),
+             "optimizer implementation": result.optimizer_impl}
+    if result.cuda_peak is not None:
+        extra["torch.cuda.max_memory_allocated"] = result.cuda_peak
+    title = (f"{args.model.name}: measured bytes at the peak of one training step\n"
+             f"(batch {args.batch}, seq {args.seq}, {args.precision}, {args.optimizer})")
+    return result, extra, title
 
 
 def _show(args) -> int:

@@ -42,7 +42,7 @@ KEEP_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.
             aten._scaled_dot_product_cudnn_attention.default}
 
 
-# ... and of the MoE experts' grouped matmul (``labkit.model.grouped_mm``), by name: the op
+# ... and of the MoE experts' grouped matmul (``labkit.grouped_mm``), by name: the op
 # exists once the model is imported, which this module does not do
 KEEP_OP_NAMES = {"labkit::grouped_mm"}
 

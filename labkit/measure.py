@@ -235,7 +235,6 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     ``then``: (batch, seq) of further steps run after the first under the same tracker (batches
     whose shape changes from step to step, the allocator's hard case); the peak is over all.
     """
-    from .config import ModelConfig, preset
     from .model import Transformer, use_attention
 
     batch, seq = check_positive("batch", batch), check_positive("seq", seq)
@@ -247,14 +246,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     _check_one_device(layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp))
     precision, optimizer, attention = recipe.precision, recipe.optimizer, recipe.attention
     param_dtype(precision)
-    cfg = preset(cfg) if isinstance(cfg, str) else cfg
-    longest = max(s for _, s in [(batch, seq), *then])
-    if isinstance(cfg, ModelConfig) and longest > cfg.max_seq:
-        raise ValueError(f"seq={longest} exceeds the model's max_seq={cfg.max_seq}; "
-                         f"use cfg.replace(max_seq={longest})")
-    if not isinstance(cfg, (ModelConfig, torch.nn.Module)) and not callable(cfg):
-        raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
-                        f"function that builds one, got {type(cfg).__name__}")
+    cfg = _checked_model(cfg, max(s for _, s in [(batch, seq), *then]))
     setup = _setup(cfg, fake, device)
     impl = recipe.impl(setup.whose)
     torch.manual_seed(seed)
@@ -284,11 +276,29 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                 inputs, targets, step = _batch(model, b, s, loss_fn, setup.runs_on)
                 result = train_step(step, opt, inputs, targets, precision, scaler, tracker=mt,
                                     autocast_cache=recipe.autocast_cache)
+    return _measurement(mt, setup, impl, result.loss)
+
+
+def _checked_model(cfg, longest: int):
+    """``cfg`` as measure_step builds it (a preset name's config); raises on what it cannot run."""
+    from .config import ModelConfig, preset
+    cfg = preset(cfg) if isinstance(cfg, str) else cfg
+    if isinstance(cfg, ModelConfig) and longest > cfg.max_seq:
+        raise ValueError(f"seq={longest} exceeds the model's max_seq={cfg.max_seq}; "
+                         f"use cfg.replace(max_seq={longest})")
+    if not isinstance(cfg, (ModelConfig, torch.nn.Module)) and not callable(cfg):
+        raise TypeError(f"measure_step takes a ModelConfig, a preset name, an nn.Module or a "
+                        f"function that builds one, got {type(cfg).__name__}")
+    return cfg
+
+
+def _measurement(mt, setup, impl: str, loss: float) -> Measurement:
+    """The tracker's peak as a Measurement, with what autograd kept at the end of forward."""
     forward = [i for i, p in enumerate(mt.timeline.phase) if p == "forward"]
     at_end = {c: series[forward[-1]] if forward else 0 for c, series in mt.timeline.by_category.items()}
     return Measurement(
         **mt.peak_by_category, peak_phase=mt.peak_phase,
         saved_activations=at_end["activations"], saved_weight_cache=at_end["weight_cache"],
         timeline=mt.timeline, events=mt.events, device=setup.whose, fake=setup.mode is not None,
-        optimizer_impl=impl, loss=result.loss,
+        optimizer_impl=impl, loss=loss,
         cuda_peak=torch.cuda.max_memory_allocated() if setup.runs_on.type == "cuda" else None)

@@ -323,21 +323,9 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
     """(ranked fits, rejected {family: why}, unexplored families, estimates made). An
     offloaded layout also needs its ranks' pinned host memory within ``host_usable`` per node."""
     ranks_per_node = min(gpus, gpus_per_node)
-    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
-    counts, pool = _Counts(c), []
-    for f in families:
-        if batch % f.dp:
-            rejected[f.label()] = (f"global batch {batch} does not split over dp {f.dp}: "
-                                   f"choose a multiple of {f.dp}")
-            continue
-        bound = _states_bound(counts, f)
-        if bound > usable:
-            rejected[f.label()] = (f"model states alone need {fmt_bytes(bound)} per GPU > "
-                                   f"{fmt_bytes(usable)} usable")
-            continue
-        pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch)
-    # fastest first; ties: the larger micro-batch
-    pool.sort(key=lambda k: (round(k.time.total, 9), -k.micro_batch))
+    counts = _Counts(c)
+    families, pool, rejected = _pool(c, counts, gpu, gpus, gpus_per_node, seq, batch, usable,
+                                     trainable, offload)
     fits, failed, leanest = [], {}, {}      # failures by family; each family's smallest
     n_estimates, memo = 0, {}
 
@@ -366,19 +354,11 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         except ValueError as error:
             fail(k, 0, str(error))
             continue
-        host = ranks_per_node * k.estimate.details.get("host memory", 0)
-        if k.estimate.total <= usable and host_usable is not None and host > host_usable:
-            ranks = f"{ranks_per_node} rank{'s' if ranks_per_node > 1 else ''}"
-            fail(k, k.estimate.total, f"{fmt_bytes(host)} of pinned host memory per node "
-                                      f"({ranks}) > {fmt_bytes(host_usable)} usable "
-                                      f"(host_ram, --host-ram)")
-        elif k.estimate.total <= usable:
+        why = _why_not(k, usable, host_usable, ranks_per_node)
+        if why is None:
             fits.append(k)
         else:
-            fail(k, k.estimate.total, f"{fmt_bytes(k.estimate.total)} per GPU > "
-                                      f"{fmt_bytes(usable)} usable at micro-batch "
-                                      f"{k.micro_batch}, recompute {k.recipe.recompute} "
-                                      f"({_largest(k.estimate)})")
+            fail(k, k.estimate.total, why)
     fitted = {k.family for k in fits}
     unexplored = []
     for f in families:
@@ -392,6 +372,43 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
     # equal modelled times (to the millisecond): the larger micro-batch, then the leaner layout
     fits.sort(key=lambda k: (round(k.time.total, 3), -k.micro_batch, k.estimate.total))
     return fits, rejected, unexplored, n_estimates
+
+
+def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,
+          offload):
+    """(families, their candidates fastest first, rejected {family: why}): a family is
+    rejected whole when the batch does not split over its dp or its states alone overflow."""
+    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
+    pool = []
+    for f in families:
+        if batch % f.dp:
+            rejected[f.label()] = (f"global batch {batch} does not split over dp {f.dp}: "
+                                   f"choose a multiple of {f.dp}")
+            continue
+        bound = _states_bound(counts, f)
+        if bound > usable:
+            rejected[f.label()] = (f"model states alone need {fmt_bytes(bound)} per GPU > "
+                                   f"{fmt_bytes(usable)} usable")
+            continue
+        pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch)
+    # fastest first; ties: the larger micro-batch
+    pool.sort(key=lambda k: (round(k.time.total, 9), -k.micro_batch))
+    return families, pool, rejected
+
+
+def _why_not(k, usable: int, host_usable: int | None, ranks_per_node: int) -> str | None:
+    """Why an estimated candidate does not fit (GPU memory, or an offload's pinned host
+    memory per node), or None when it fits."""
+    total = k.estimate.total
+    if total > usable:
+        return (f"{fmt_bytes(total)} per GPU > {fmt_bytes(usable)} usable at micro-batch "
+                f"{k.micro_batch}, recompute {k.recipe.recompute} ({_largest(k.estimate)})")
+    host = ranks_per_node * k.estimate.details.get("host memory", 0)
+    if host_usable is not None and host > host_usable:
+        ranks = f"{ranks_per_node} rank{'s' if ranks_per_node > 1 else ''}"
+        return (f"{fmt_bytes(host)} of pinned host memory per node ({ranks}) > "
+                f"{fmt_bytes(host_usable)} usable (host_ram, --host-ram)")
+    return None
 
 
 def _largest(e: Estimate) -> str:

@@ -183,6 +183,20 @@ def _from_a_child(name: str) -> bool:
     return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()   # field 4: the parent's pid
 
 
+def _train_step(shm_path: str, hold_s: float, quiet_s: float = 0.1, limit_s: float = 2.0):
+    """Stand in for a training step: ``hold_s``, then on until /dev/shm has not grown for
+    ``quiet_s`` (the workers have filled the queue; on a busy machine they lag), at most
+    ``limit_s``: the regime where the loader keeps ahead of the model."""
+    start = time.monotonic()
+    time.sleep(hold_s)
+    last, since = shm_used(shm_path), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() - start < limit_s:
+        time.sleep(0.005)
+        now = shm_used(shm_path)
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def _measure_here(batch_bytes, num_workers, prefetch_factor, batches, strategy, shm_path,
                   hold_s) -> LoaderShm:
     """Run the loader in this process and sample ``statvfs(shm_path)`` while it runs."""
@@ -204,7 +218,7 @@ def _measure_here(batch_bytes, num_workers, prefetch_factor, batches, strategy, 
             # file_descriptor's names live only between shm_open and unlink; file_system's stay
             names = max(names, sum(f not in others and _from_a_child(f)
                                    for f in os.listdir(shm_path)))
-            time.sleep(hold_s)   # the training step: slow enough that the workers fill the queue
+            _train_step(shm_path, hold_s)
     finally:
         done.set()
         sampler.join()

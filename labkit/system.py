@@ -28,13 +28,12 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .hostfiles import (V1_NO_LIMIT, cgroup_memory, cpulist_count, disk_space,  # noqa: F401
+                        meminfo, parse_meminfo, read_int, read_text, usable_cpus)
 from .units import check_choice, fmt_bytes
 
 STATUSES = ("ok", "note", "warn")
 UNKNOWN = "unknown"
-# cgroup v1 says "no limit" with the largest page-aligned long (9223372036854771712 with 4 KiB
-# pages, a little less with 64 KiB pages); anything this large is no limit.
-V1_NO_LIMIT = 2 ** 60
 SMALL_SHM = 1 << 30                 # Docker's default /dev/shm is 64 MiB; a few workers fill it
 NVIDIA_SMI = ["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version",
               "--format=csv,noheader,nounits"]
@@ -134,98 +133,6 @@ def _unknown(key: str, what: str) -> Finding:
                     "expose it, so check it where the job runs.", "note")
 
 
-# ---- reading, defensively: a missing or odd file is None, never an exception ----------------
-
-def _read(root: Path, rel: str) -> str | None:
-    try:
-        return (root / rel).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _read_int(root: Path, rel: str) -> int | None:
-    text = _read(root, rel)
-    return int(text) if text is not None and text.lstrip("-").isdigit() else None
-
-
-def _meminfo(text: str | None) -> dict[str, int]:
-    """/proc/meminfo (or a NUMA node's meminfo) as bytes by field name."""
-    out = {}
-    for line in (text or "").splitlines():
-        words = line.replace(":", " ").split()
-        if len(words) >= 3 and words[-1] == "kB" and words[-2].isdigit():
-            out[words[-3]] = int(words[-2]) * 1024
-    return out
-
-
-def meminfo(root="/") -> dict[str, int]:
-    """/proc/meminfo under ``root`` as bytes by field name ({} where it cannot be read)."""
-    return _meminfo(_read(Path(root), "proc/meminfo"))
-
-
-def usable_cpus(cpu_count: int | None = None) -> set[int]:
-    """The cores this process may run on: its affinity (a cpuset hides the others)."""
-    if hasattr(os, "sched_getaffinity"):
-        return set(os.sched_getaffinity(0))
-    return set(range((os.cpu_count() if cpu_count is None else cpu_count) or 1))  # macOS: all
-
-
-def disk_space(path, statvfs=os.statvfs) -> dict[str, int]:
-    """Size, used and free bytes (free: what an unprivileged user may still write) of the
-    filesystem holding ``path``; raises OSError where it cannot be read."""
-    st = statvfs(str(path))
-    return {"size": st.f_blocks * st.f_frsize, "used": (st.f_blocks - st.f_bfree) * st.f_frsize,
-            "free": st.f_bavail * st.f_frsize}
-
-
-def cpulist_count(text: str) -> int:
-    """CPUs in a kernel cpulist: "0-3,8-11" -> 8; "" -> 0."""
-    count = 0
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        count += int(hi or lo) - int(lo) + 1
-    return count
-
-
-def _cgroup_paths(root: Path) -> tuple[str | None, str | None]:
-    """(v1 memory path, v2 path) of this process, from /proc/self/cgroup."""
-    v1 = v2 = None
-    for line in (_read(root, "proc/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and "memory" in parts[1].split(","):
-            v1 = parts[2]
-        elif len(parts) == 3 and parts[0] == "0" and parts[1] == "":
-            v2 = parts[2]
-    return v1, v2
-
-
-def _limit(text: str | None) -> int | None:
-    """A cgroup limit in bytes; None for v2's "max", v1's huge "no limit" value, or no file."""
-    return int(text) if text and text.isdigit() and int(text) < V1_NO_LIMIT else None
-
-
-def cgroup_memory(root="/") -> dict:
-    """The memory cgroup's limit, usage and swap limit in bytes (None: no limit or unreadable).
-
-    v1 first (a hybrid host mounts both and puts the memory controller in v1); inside a
-    container's cgroup namespace the process's own cgroup is the mount root, so that is tried
-    after the path /proc/self/cgroup names.
-    """
-    root = Path(root)
-    v1, v2 = _cgroup_paths(root)
-    for version, base, files, path in (
-            (1, "sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                         "memory.memsw.limit_in_bytes"), v1),
-            (2, "sys/fs/cgroup", ("memory.max", "memory.current", "memory.swap.max"), v2)):
-        for where in dict.fromkeys((f"{base}/{path.strip('/')}".rstrip("/"), base)) if path else ():
-            limit = _read(root, f"{where}/{files[0]}")
-            if limit is not None:
-                return {"version": version, "path": path, "limit": _limit(limit),
-                        "usage": _read_int(root, f"{where}/{files[1]}"),
-                        "swap_limit": _limit(_read(root, f"{where}/{files[2]}"))}
-    return {"version": None, "path": v2 or v1, "limit": None, "usage": None, "swap_limit": None}
-
-
 # ---- one function per finding ----------------------------------------------------------------
 
 def _cpu(affinity: set[int], cpu_count: int | None) -> Finding:
@@ -241,8 +148,8 @@ def _numa(root: Path) -> Finding:
     nodes = {}
     for path in glob.glob(str(root / "sys/devices/system/node/node[0-9]*")):
         name = Path(path).name
-        cpus = _read(root, f"sys/devices/system/node/{name}/cpulist") or ""
-        memory = _meminfo(_read(root, f"sys/devices/system/node/{name}/meminfo")).get("MemTotal", 0)
+        cpus = read_text(root, f"sys/devices/system/node/{name}/cpulist") or ""
+        memory = parse_meminfo(read_text(root, f"sys/devices/system/node/{name}/meminfo")).get("MemTotal", 0)
         nodes[name] = {"cpus": cpus, "cpu_count": cpulist_count(cpus), "memory": memory}
     if not nodes:
         return _unknown("numa", "/sys/devices/system/node")
@@ -294,7 +201,7 @@ def _cgroup(root: Path, total: int | None) -> Finding:
 def _swap(root: Path, mem: dict[str, int]) -> Finding:
     if "SwapTotal" not in mem:
         return _unknown("swap", "/proc/meminfo")
-    swappiness = _read_int(root, "proc/sys/vm/swappiness")
+    swappiness = read_int(root, "proc/sys/vm/swappiness")
     total, free = mem["SwapTotal"], mem.get("SwapFree", 0)
     value = (f"{fmt_bytes(total)} ({fmt_bytes(total - free)} used)" if total else "none")
     value += f", vm.swappiness {UNKNOWN if swappiness is None else swappiness}"
@@ -308,7 +215,7 @@ def _swap(root: Path, mem: dict[str, int]) -> Finding:
 
 
 def _thp(root: Path, environ) -> Finding:
-    text = _read(root, "sys/kernel/mm/transparent_hugepage/enabled")
+    text = read_text(root, "sys/kernel/mm/transparent_hugepage/enabled")
     if text is None or "[" not in text:
         return _unknown("thp", "/sys/kernel/mm/transparent_hugepage/enabled")
     mode = text[text.index("[") + 1:text.index("]")]
@@ -350,7 +257,7 @@ def _shm(root: Path, statvfs) -> Finding:
 
 
 def _shmmax(root: Path) -> Finding:
-    value = _read_int(root, "proc/sys/kernel/shmmax")
+    value = read_int(root, "proc/sys/kernel/shmmax")
     if value is None:
         return _unknown("shmmax", "/proc/sys/kernel/shmmax")
     return _finding("shmmax", value if value < V1_NO_LIMIT else "no limit", "Nothing to do for "
