@@ -263,8 +263,11 @@ class MemoryTracker(TorchDispatchMode):
                 and value.untyped_storage()._cdata not in said] + own
 
     def _tag_new_optimizer_state(self):
-        """The first step creates AdamW's state inside ``step()``: tag it once it is stored."""
-        entries = sum(len(state) for state in self.optimizer.state.values())
+        """The first step creates AdamW's state inside ``step()``: tag it once it is stored.
+        A wrapper's state (``MasterWeights``) grows only with its inner optimizer's, so that is
+        counted: this runs at every op of the step, and the wrapper builds its state afresh."""
+        holder = getattr(self.optimizer, "inner", self.optimizer)
+        entries = sum(len(state) for state in holder.state.values())
         if entries != self._state_entries:
             self._state_entries = entries
             for tensor, category in self._optimizer_tensors():
