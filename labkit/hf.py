@@ -1,12 +1,13 @@
 """Hugging Face ``transformers`` configs -> ``labkit.ModelConfig``: any public model, predicted.
 
-``from_hf_config`` maps the configs of five model types (``model_type`` in config.json):
+``from_hf_config`` maps the configs of six model types (``model_type`` in config.json):
 
 | model_type      | transformers class   | what labkit builds                                 |
 | --------------- | -------------------- | -------------------------------------------------- |
 | ``llama``       | ``LlamaConfig``      | RMSNorm, RoPE, SwiGLU, grouped-query attention     |
 | ``mistral``     | ``MistralConfig``    | as LLaMA (its sliding window: see below)           |
 | ``qwen2``       | ``Qwen2Config``      | as LLaMA plus biases on q, k and v (``qkv_bias``)  |
+| ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
 | ``deepseek_v3`` | ``DeepseekV3Config`` | as V2 plus the router's selection bias             |
 
@@ -29,14 +30,15 @@ from __future__ import annotations
 
 from .config import ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "deepseek_v2", "deepseek_v3")
 
 _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face model itself "
             "with labkit.measure_step(lambda: AutoModelForCausalLM.from_config(cfg))")
 
 
 def from_hf_config(hf_config) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2 or DeepSeek-V2/V3 config.
+    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Mixtral or DeepSeek-V2/V3
+    config.
 
     ``hf_config``: a ``transformers`` config object or a plain dict (config.json's contents).
     Raises ``ValueError`` for a model type not listed in ``labkit.hf.SUPPORTED`` and for
@@ -69,6 +71,8 @@ def from_hf_config(hf_config) -> ModelConfig:
     else:
         fields.update(head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                       qkv_bias=model_type == "qwen2")   # Qwen2's q, k, v always have biases
+        if model_type == "mixtral":
+            fields.update(_mixtral_fields(c))
         # Sliding-window attention (Mistral, Qwen2's use_sliding_window) is not modelled: at
         # seq < sliding_window (4096 for Mistral-7B) the window covers every earlier token and
         # transformers runs SDPA causal without a mask, as labkit does: the same tensors. From
@@ -115,6 +119,15 @@ def _rope_theta(c: dict) -> float:
     other than default changes the frequencies only, no shape, so it is not mapped."""
     params = c.get("rope_parameters") or {}
     return float(c.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _mixtral_fields(c: dict) -> dict:
+    """Mixtral's sparse MoE block in every layer: a router and ``num_local_experts`` SwiGLU
+    experts of ``intermediate_size``, ``num_experts_per_tok`` per token, no shared expert.
+    Mixtral renormalises the chosen experts' weights, labkit does not: other values, the
+    same tensors."""
+    return dict(routed_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
+                moe_ffn=c["intermediate_size"], shared_experts=0, dense_layers=0)
 
 
 def _deepseek_fields(c: dict, model_type: str) -> dict:

@@ -18,6 +18,10 @@ def test_presets_carry_the_published_shapes():
     assert (v3.kv_lora_rank, v3.qk_rope_dim, v3.router_bias) == (512, 64, True)
     assert lk.preset("llama-2-70b").kv_heads == 8
     assert lk.preset("llama-2-7b").head_dim == 128
+    mixtral = lk.preset("mixtral-8x7b")
+    assert (mixtral.routed_experts, mixtral.top_k, mixtral.shared_experts, mixtral.dense_layers,
+            mixtral.kv_heads, mixtral.moe_ffn) == (8, 2, 0, 0, 8, 14336)
+    assert (lk.preset("llama-3-8b").vocab_size, lk.preset("llama-3-8b").kv_heads) == (128256, 8)
 
 
 def test_preset_accepts_changes():
@@ -26,7 +30,7 @@ def test_preset_accepts_changes():
 
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ValueError, match="known presets: .*llama-2-7b"):
-        lk.preset("llama-3-8b")
+        lk.preset("llama-5-8b")
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
-                          LlamaConfig, MistralConfig, Qwen2Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config)
 
 import labkit as lk  # noqa: E402
 
@@ -31,6 +31,8 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64),
     "qwen2": lambda: Qwen2Config(**SMALL, num_key_value_heads=2),
     "qwen2-tied": lambda: Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True),
+    "mixtral": lambda: MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2),
     "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
     "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, **MOE, "q_lora_rank": 20,
                                                "n_group": 2, "topk_group": 1}),
@@ -131,12 +133,17 @@ def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
              "self_attn.q_b_proj": "attn.wq_b", "self_attn.kv_a_proj_with_mqa": "attn.wkv_a",
              "self_attn.kv_a_layernorm": "attn.kv_norm", "self_attn.kv_b_proj": "attn.wkv_b",
              "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
-             "mlp.down_proj": "mlp.w_down"}
+             "mlp.down_proj": "mlp.w_down", "mlp.gate": "mlp.router"}
     for key, value in sd.items():
         if not key.startswith("model.layers."):
             continue
         _, _, i, rest = key.split(".", 3)
         module, param = rest.rsplit(".", 1)
+        if module == "mlp.experts":       # Mixtral: (E, 2f, h) with gate above up; (E, h, f)
+            stacked = value.chunk(2, dim=1) if param == "gate_up_proj" else (value,)
+            names_of = ("w_gate", "w_up") if param == "gate_up_proj" else ("w_down",)
+            out.update({f"blocks.{i}.mlp.experts.{n}": v for n, v in zip(names_of, stacked)})
+            continue
         order = interleaved_to_halves(cfg.qk_rope_dim) if cfg.attention == "mla" else None
         if order is not None and module in ("self_attn.q_proj", "self_attn.q_b_proj"):
             q = value.view(cfg.heads, cfg.qk_head_dim, -1)          # rope rows of each head
@@ -173,6 +180,14 @@ def test_deepseek_attention_with_hugging_face_weights_gives_the_same_logits(kind
     # (V3: sigmoid scores, the best groups first, normalised weights x 2.5), so the MoE
     # layers are checked by parameter counts per component above, not by their values.
     assert_same_logits(DENSE_MLA[kind]())
+
+
+def test_mixtral_with_one_expert_gives_the_same_logits():
+    # one expert, chosen for every token with weight 1 in both (Mixtral renormalises the chosen
+    # experts' weights, labkit does not; with one they agree): the MoE block is that expert's
+    # SwiGLU, so the router, the stacked experts and attention are checked by their values
+    assert_same_logits(MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=1,
+                                     num_experts_per_tok=1))
 
 
 # ---- what from_hf_config refuses --------------------------------------------------------------

@@ -20,6 +20,14 @@ def test_llama_2_7b_has_its_published_parameter_count():
     assert lk.count_params("llama-2-7b").total == 6_738_415_616
 
 
+def test_llama_3_8b_and_mixtral_8x7b_have_their_hugging_face_parameter_counts():
+    # the models' model.safetensors.index.json: total_size / 2 bytes of bf16
+    assert lk.count_params("llama-3-8b").total == 8_030_261_248
+    mixtral = lk.count_params("mixtral-8x7b")
+    assert mixtral.total == 46_702_792_704
+    assert mixtral.active == pytest.approx(12.9e9, rel=0.01)     # 2 of 8 experts per token
+
+
 @pytest.mark.parametrize("name, total, active", [
     ("deepseek-v2", 236e9, 21e9), ("deepseek-v3", 671e9, 37e9), ("deepseek-moe-16b", 16.4e9, 2.8e9),
 ])
