@@ -17,7 +17,7 @@ ATTENTION_KINDS = ("gqa", "mla")
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer. Sizes are element counts; no biases but Qwen2's
-    on q, k and v (``qkv_bias``).
+    on q, k and v (``qkv_bias``); Qwen3 normalises each head's q and k (``qk_norm``).
 
     Dense models leave the MoE fields at 0; DeepSeek models use MLA attention
     (``attention="mla"``) and an MoE block in every layer after the first ``dense_layers``.
@@ -36,6 +36,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     qkv_bias: bool = False       # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False        # an RMSNorm of each head's q and k before RoPE (Qwen3)
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
     attention: str = "gqa"
     q_lora_rank: int = 0         # 0: queries projected straight from hidden
@@ -133,6 +134,9 @@ def validate(cfg: ModelConfig) -> None:
             raise ValueError(f"kv_heads={cfg.kv_heads} does not divide heads={cfg.heads}; "
                              f"each key/value head must serve the same number of query heads")
     else:
+        if cfg.qk_norm:
+            raise ValueError("qk_norm is for grouped-query attention (Qwen3); MLA normalises its "
+                             "latents instead: set qk_norm=False")
         _positive(cfg, "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim")
         if cfg.q_lora_rank < 0:
             raise ValueError(f"q_lora_rank must be 0 (no query compression) or positive, "

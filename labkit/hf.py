@@ -1,13 +1,15 @@
 """Hugging Face ``transformers`` configs -> ``labkit.ModelConfig``: any public model, predicted.
 
-``from_hf_config`` maps the configs of six model types (``model_type`` in config.json):
+``from_hf_config`` maps the configs of eight model types (``model_type`` in config.json):
 
 | model_type      | transformers class   | what labkit builds                                 |
 | --------------- | -------------------- | -------------------------------------------------- |
 | ``llama``       | ``LlamaConfig``      | RMSNorm, RoPE, SwiGLU, grouped-query attention     |
 | ``mistral``     | ``MistralConfig``    | as LLaMA (its sliding window: see below)           |
 | ``qwen2``       | ``Qwen2Config``      | as LLaMA plus biases on q, k and v (``qkv_bias``)  |
+| ``qwen3``       | ``Qwen3Config``      | as LLaMA plus an RMSNorm of each head's q and k    |
 | ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
+| ``qwen3_moe``   | ``Qwen3MoeConfig``   | as Qwen3, an MoE block (top-k routed) per layer    |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
 | ``deepseek_v3`` | ``DeepseekV3Config`` | as V2 plus the router's selection bias             |
 
@@ -30,15 +32,16 @@ from __future__ import annotations
 
 from .config import ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "mixtral", "deepseek_v2", "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2",
+             "deepseek_v3")
 
 _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face model itself "
             "with labkit.measure_step(lambda: AutoModelForCausalLM.from_config(cfg))")
 
 
 def from_hf_config(hf_config) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Mixtral or DeepSeek-V2/V3
-    config.
+    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or
+    DeepSeek-V2/V3 config.
 
     ``hf_config``: a ``transformers`` config object or a plain dict (config.json's contents).
     Raises ``ValueError`` for a model type not listed in ``labkit.hf.SUPPORTED`` and for
@@ -70,9 +73,12 @@ def from_hf_config(hf_config) -> ModelConfig:
         fields.update(_deepseek_fields(c, model_type))
     else:
         fields.update(head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                      qkv_bias=model_type == "qwen2")   # Qwen2's q, k, v always have biases
+                      qkv_bias=model_type == "qwen2",   # Qwen2's q, k, v always have biases
+                      qk_norm=model_type.startswith("qwen3"))
         if model_type == "mixtral":
             fields.update(_mixtral_fields(c))
+        if model_type == "qwen3_moe":
+            fields.update(_qwen3_moe_fields(c))
         # Sliding-window attention (Mistral, Qwen2's use_sliding_window) is not modelled: at
         # seq < sliding_window (4096 for Mistral-7B) the window covers every earlier token and
         # transformers runs SDPA causal without a mask, as labkit does: the same tensors. From
@@ -128,6 +134,21 @@ def _mixtral_fields(c: dict) -> dict:
     same tensors."""
     return dict(routed_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
                 moe_ffn=c["intermediate_size"], shared_experts=0, dense_layers=0)
+
+
+def _qwen3_moe_fields(c: dict) -> dict:
+    """Qwen3-MoE's block in every layer: a router and ``num_experts`` (transformers 5:
+    ``num_local_experts``) SwiGLU experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` per token, no shared expert. Dense
+    layers among them (``mlp_only_layers``, ``decoder_sparse_step`` > 1) are refused: labkit
+    puts its dense layers first."""
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise _unsupported("qwen3_moe", f"mlp_only_layers={c.get('mlp_only_layers')}, "
+                                        f"decoder_sparse_step={c.get('decoder_sparse_step')} "
+                                        f"(dense layers between MoE layers)")
+    experts = c.get("num_experts") or c["num_local_experts"]   # config.json / transformers 5
+    return dict(routed_experts=experts, top_k=c["num_experts_per_tok"],
+                moe_ffn=c["moe_intermediate_size"], shared_experts=0, dense_layers=0)
 
 
 def _deepseek_fields(c: dict, model_type: str) -> dict:

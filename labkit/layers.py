@@ -69,6 +69,8 @@ def attention_weights(c: ModelConfig) -> list[Weight]:
               Weight("attn.wv", c.hidden, c.kv_heads * c.head_dim)]
         if c.qkv_bias:
             ws += [Weight(w.name + ".bias", 1, w.fan_out, "column", matmul=False) for w in ws]
+        if c.qk_norm:        # one weight per head dimension, shared by the heads
+            ws += [_vector("attn.q_norm", c.head_dim), _vector("attn.k_norm", c.head_dim)]
         return ws + [Weight("attn.wo", H * c.head_dim, c.hidden, "row")]
     if c.q_lora_rank:    # the down-projections and the latent's norms are replicated over tp
         ws = [Weight("attn.wq_a", c.hidden, c.q_lora_rank, "replicated"),
@@ -249,21 +251,26 @@ def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
 
 
 def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
-                     attention: str = "sdpa") -> Saved:
-    """The attention sub-layer after its norm: projections' inputs, and the core's q, k, v,
-    output and log-sum-exp (or, naive, its probabilities).
+                     attention: str = "sdpa", frozen: bool = False) -> Saved:
+    """The attention sub-layer after its norm: projections' inputs, (Qwen3) the q and k norms,
+    and the core's q, k, v, output and log-sum-exp (or, naive, its probabilities).
 
     Heads are split over ``tp`` ranks; inputs replicated on each rank are split over ``sp``.
     """
     H, cdt = c.heads // tp, d.name
+    # under autocast the q and k norms' fp32 weights make q and k fp32: RoPE casts nothing
+    cast = d.compute != 4 and not (c.qk_norm and d.mixed)
     rope = Term("RoPE cos/sin cast to the compute dtype", cdt,
-                per_position=0 if d.compute == 4 else 4 * c.rope_dim * d.compute)
+                per_position=4 * c.rope_dim * d.compute if cast else 0)
     if c.attention == "gqa":
         Hkv = max(1, c.kv_heads // tp)
+        norms = [Term("q and k RMSNorms (per head)", "fp32" if d.compute == 4 or frozen
+                      else "fp32 + bf16", (H + Hkv) * _rmsnorm(c.head_dim, d.compute, frozen))
+                 ] if c.qk_norm else []
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
-            *attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
+            *norms, *attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
@@ -378,7 +385,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     frozen, norms = lora_rank > 0, 1 if first else 2
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _rmsnorm(c.hidden, d.stream, frozen) / split)]
-                 + _attention_saved(c, d, tp, split, attention) + _mlp_saved(c, d, moe, tp, split)
+                 + _attention_saved(c, d, tp, split, attention, frozen)
+                 + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else [])
                  # each adapter keeps x A^T (N, r) for B's gradient; a frozen linear keeps

@@ -192,12 +192,16 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        # Qwen3: each head's q and k normalised before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, rope: Rotary, mask=None):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)     # (B, H, T, d)
-        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        q = self.q_norm(self.wq(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.wk(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        # q (B, H, T, d), k (B, Hkv, T, d)
         y = attention_core(rope(q), rope(k), v, mask)                            # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
 

@@ -82,3 +82,9 @@ def test_presets_load_from_a_plain_non_editable_install(tmp_path):
                           text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "256"
+
+
+def test_q_and_k_norms_are_for_grouped_query_attention():
+    assert lk.preset("small", qk_norm=True).qk_norm
+    with pytest.raises(ValueError, match="qk_norm is for grouped-query attention"):
+        lk.preset("deepseek-v2-lite", qk_norm=True)

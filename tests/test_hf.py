@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
-                          LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 import labkit as lk  # noqa: E402
 
@@ -33,6 +34,10 @@ CONFIGS = {
     "qwen2-tied": lambda: Qwen2Config(**SMALL, num_key_value_heads=1, tie_word_embeddings=True),
     "mixtral": lambda: MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=8,
                                      num_experts_per_tok=2),
+    # head_dim 32 with 4 heads of a 64-wide model: wider than hidden / heads, as Qwen3-0.6B's
+    "qwen3": lambda: Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=32),
     "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
     "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, **MOE, "q_lora_rank": 20,
                                                "n_group": 2, "topk_group": 1}),
@@ -133,7 +138,8 @@ def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
              "self_attn.q_b_proj": "attn.wq_b", "self_attn.kv_a_proj_with_mqa": "attn.wkv_a",
              "self_attn.kv_a_layernorm": "attn.kv_norm", "self_attn.kv_b_proj": "attn.wkv_b",
              "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
-             "mlp.down_proj": "mlp.w_down", "mlp.gate": "mlp.router"}
+             "mlp.down_proj": "mlp.w_down", "mlp.gate": "mlp.router",
+             "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
     for key, value in sd.items():
         if not key.startswith("model.layers."):
             continue
@@ -168,7 +174,7 @@ def assert_same_logits(config):
         torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3"])
 def test_labkit_model_with_hugging_face_weights_gives_the_same_logits(kind):
     assert_same_logits(CONFIGS[kind]())
 
@@ -197,6 +203,8 @@ def test_mixtral_with_one_expert_gives_the_same_logits():
     ({**SMALL, "model_type": "llama", "attention_bias": True}, "attention_bias=True"),
     ({**SMALL, "model_type": "llama", "mlp_bias": True}, "mlp_bias=True"),
     ({**SMALL, "model_type": "mistral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({**SMALL, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
     ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "moe_layer_freq": 2},
      "moe_layer_freq=2"),
     ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "topk_method": "noaux_tc"},
