@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` configs -> ``labkit.ModelConfig``: any public model, predicted.
 
-``from_hf_config`` maps the configs of eight model types (``model_type`` in config.json):
+``from_hf_config`` maps the configs of nine model types (``model_type`` in config.json):
 
 | model_type      | transformers class   | what labkit builds                                 |
 | --------------- | -------------------- | -------------------------------------------------- |
@@ -8,6 +8,8 @@
 | ``mistral``     | ``MistralConfig``    | as LLaMA (its sliding window: see below)           |
 | ``qwen2``       | ``Qwen2Config``      | as LLaMA plus biases on q, k and v (``qkv_bias``)  |
 | ``qwen3``       | ``Qwen3Config``      | as LLaMA plus an RMSNorm of each head's q and k    |
+| ``phi3``        | ``Phi3Config``       | as LLaMA (its fused qkv and gate-up projections    |
+|                 |                      | hold the same weights)                             |
 | ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
 | ``qwen3_moe``   | ``Qwen3MoeConfig``   | as Qwen3, an MoE block (top-k routed) per layer    |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 from .config import ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2",
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2",
              "deepseek_v3")
 
 _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face model itself "
@@ -40,8 +42,8 @@ _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face mod
 
 
 def from_hf_config(hf_config) -> ModelConfig:
-    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or
-    DeepSeek-V2/V3 config.
+    """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
+    Qwen3-MoE or DeepSeek-V2/V3 config.
 
     ``hf_config``: a ``transformers`` config object or a plain dict (config.json's contents).
     Raises ``ValueError`` for a model type not listed in ``labkit.hf.SUPPORTED`` and for
@@ -117,6 +119,11 @@ def _check_common(c: dict, model_type: str) -> None:
                                        "projection; labkit has only Qwen2's q/k/v biases)")
     if c.get("mlp_bias"):
         raise _unsupported(model_type, "mlp_bias=True (labkit's MLP has no biases)")
+    partial = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise _unsupported(model_type, f"partial_rotary_factor={partial} (RoPE on part of each "
+                                       f"head; labkit rotates the whole head)")
 
 
 def _rope_theta(c: dict) -> float:

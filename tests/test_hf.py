@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
-                          LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+                          LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 import labkit as lk  # noqa: E402
 
@@ -36,6 +36,7 @@ CONFIGS = {
                                      num_experts_per_tok=2),
     # head_dim 32 with 4 heads of a 64-wide model: wider than hidden / heads, as Qwen3-0.6B's
     "qwen3": lambda: Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32),
+    "phi3": lambda: Phi3Config(**SMALL, num_key_value_heads=2, pad_token_id=0),
     "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=32, num_experts=8,
                                         num_experts_per_tok=2, moe_intermediate_size=32),
     "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
@@ -145,6 +146,15 @@ def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
             continue
         _, _, i, rest = key.split(".", 3)
         module, param = rest.rsplit(".", 1)
+        if module == "self_attn.qkv_proj":          # Phi-3: q, k and v stacked by rows
+            q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+            for name, part in zip(("wq", "wk", "wv"), value.split([q, kv, kv])):
+                out[f"blocks.{i}.attn.{name}.weight"] = part
+            continue
+        if module == "mlp.gate_up_proj":            # Phi-3: gate above up
+            gate, up = value.chunk(2)
+            out.update({f"blocks.{i}.mlp.w_gate.weight": gate, f"blocks.{i}.mlp.w_up.weight": up})
+            continue
         if module == "mlp.experts":       # Mixtral: (E, 2f, h) with gate above up; (E, h, f)
             stacked = value.chunk(2, dim=1) if param == "gate_up_proj" else (value,)
             names_of = ("w_gate", "w_up") if param == "gate_up_proj" else ("w_down",)
@@ -174,7 +184,7 @@ def assert_same_logits(config):
         torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3", "phi3"])
 def test_labkit_model_with_hugging_face_weights_gives_the_same_logits(kind):
     assert_same_logits(CONFIGS[kind]())
 
@@ -203,6 +213,7 @@ def test_mixtral_with_one_expert_gives_the_same_logits():
     ({**SMALL, "model_type": "llama", "attention_bias": True}, "attention_bias=True"),
     ({**SMALL, "model_type": "llama", "mlp_bias": True}, "mlp_bias=True"),
     ({**SMALL, "model_type": "mistral", "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({**SMALL, "model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ({**SMALL, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
     ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "moe_layer_freq": 2},
