@@ -68,12 +68,32 @@ def _at_least(low: int):
 COUNT, COUNT_OR_ZERO = _at_least(1), _at_least(0)
 
 
+def _cached_config(name: str) -> Path | None:
+    """config.json of a Hub model (``org/name``) in the local Hugging Face cache, or None.
+    Nothing is downloaded."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:                     # the [hf] extra is not installed
+        return None
+    found = try_to_load_from_cache(name, "config.json")
+    return Path(found) if isinstance(found, str) else None
+
+
 def _model(text: str) -> ModelConfig:
-    """--model: a preset name, or a Hugging Face config.json (or the folder that holds one)."""
+    """--model: a preset name, a Hugging Face config.json (or the folder that holds one), or
+    the name of a Hub model whose config.json is in the local Hugging Face cache."""
     path = Path(text)
     file = path / "config.json" if path.is_dir() else path
     names_a_file = file.suffix == ".json" or path.exists()
     try:
+        if text not in presets() and not names_a_file and "/" in text:
+            file = _cached_config(text)
+            if file is None:
+                raise ValueError(f"{text!r} is not a preset, a config.json or a model in the "
+                                 f"local Hugging Face cache; fetch its config with "
+                                 f"`huggingface-cli download {text} config.json` (or pass the "
+                                 f"file's path)")
+            names_a_file = True
         if text in presets() or not names_a_file:
             return preset(text)                 # a ValueError lists the presets
         return from_hf_config(json.loads(file.read_text()))
@@ -89,8 +109,8 @@ def _model(text: str) -> ModelConfig:
 
 def _model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=_model,
-                        help="preset name (see: presets), or a Hugging Face config.json "
-                             "or its folder")
+                        help="preset name (see: presets), a Hugging Face config.json or its "
+                             "folder, or a Hub model name (org/name) in the local HF cache")
 
 
 def _json_option(parser: argparse.ArgumentParser) -> None:

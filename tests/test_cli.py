@@ -62,6 +62,30 @@ def test_a_model_may_be_a_hugging_face_config_json(tmp_path, capsys):
         assert printed["total"] == lk.estimate(lk.from_hf_config(qwen2)).total
 
 
+def test_a_model_may_be_a_hub_name_in_the_local_hugging_face_cache(tmp_path, capsys,
+                                                                   monkeypatch):
+    constants = pytest.importorskip("huggingface_hub.constants")
+    qwen3 = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960,
+                 tie_word_embeddings=True)
+    repo = tmp_path / "models--Qwen--Qwen3-0.6B"          # the cache's layout, nothing fetched
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(qwen3))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert main(["estimate", "--model", "Qwen/Qwen3-0.6B", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["total"] == lk.estimate(lk.from_hf_config(qwen3)).total
+    # Qwen3-0.6B's published count (0.44B without the tied embedding)
+    assert lk.count_params(lk.from_hf_config(qwen3)).total == 596_049_920
+    with pytest.raises(SystemExit) as exit:                                  # not in the cache
+        main(["estimate", "--model", "Qwen/Qwen3-8B"])
+    assert exit.value.code == 2
+    assert "huggingface-cli download Qwen/Qwen3-8B config.json" in capsys.readouterr().err
+
+
 def test_bad_input_prints_the_fix_without_a_traceback():
     run = subprocess.run([sys.executable, "-m", "labkit", "estimate", "--model", "llama-2-7b",
                           "--tp", "3"], capture_output=True, text=True)
