@@ -20,12 +20,18 @@ def test_llama_2_7b_has_its_published_parameter_count():
     assert lk.count_params("llama-2-7b").total == 6_738_415_616
 
 
-def test_llama_3_8b_and_mixtral_8x7b_have_their_hugging_face_parameter_counts():
-    # the models' model.safetensors.index.json: total_size / 2 bytes of bf16
-    assert lk.count_params("llama-3-8b").total == 8_030_261_248
-    mixtral = lk.count_params("mixtral-8x7b")
-    assert mixtral.total == 46_702_792_704
-    assert mixtral.active == pytest.approx(12.9e9, rel=0.01)     # 2 of 8 experts per token
+@pytest.mark.parametrize("name, total", [
+    ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496),
+    ("qwen2.5-7b", 7_615_616_512), ("mixtral-8x7b", 46_702_792_704),
+    ("qwen3-30b-a3b", 30_532_122_624)])
+def test_current_presets_have_their_hugging_face_parameter_counts(name, total):
+    # the checkpoints' model.safetensors.index.json: total_size / 2 bytes of bf16
+    assert lk.count_params(name).total == total
+
+
+@pytest.mark.parametrize("name, active", [("mixtral-8x7b", 12.9e9), ("qwen3-30b-a3b", 3.3e9)])
+def test_current_moe_presets_have_their_published_active_counts(name, active):
+    assert lk.count_params(name).active == pytest.approx(active, rel=0.02)
 
 
 @pytest.mark.parametrize("name, total, active", [
