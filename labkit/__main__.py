@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from . import __version__
 from .checkpointing import RECOMPUTE_POLICIES
 from .config import ModelConfig, preset, presets
-from .gpus import GPUS
+from .gpus import GPUS, HEADROOM, gpu, usable_memory
 from .hf import from_hf_config
 from .measure import measure_step
 from .parallel.pipeline import SCHEDULES
@@ -128,6 +129,10 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_POLICIES,
                         help="activation recomputation policy (every-k uses --every)")
     parser.add_argument("--every", type=COUNT, default=2, help="k of the every-k policy")
+    parser.add_argument("--trainable", default="all", choices=TRAINABLE,
+                        help="every parameter, LoRA adapters on the frozen model, or QLoRA "
+                             "(adapters on NF4 weights)")
+    parser.add_argument("--lora-rank", type=COUNT, default=16, help="rank of the LoRA adapters")
     _json_option(parser)
 
 
@@ -141,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
     _layout_options(est)
     est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
+    est.add_argument("--gpu", choices=GPUS, metavar="GPU",
+                     help=f"say whether the step fits this GPU ({', '.join(GPUS)}) with the "
+                          f"planner's {HEADROOM:.0%} headroom")
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
     mea.add_argument("--device", choices=DEVICES,
@@ -240,7 +248,9 @@ def _run(args) -> str:
         args.model = args.model.replace(max_seq=args.seq)
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
-                optimizer_impl=args.optimizer_impl, device=args.device)
+                optimizer_impl=args.optimizer_impl, device=args.device,
+                trainable="all" if args.trainable == "all" else "lora", lora_rank=args.lora_rank,
+                weight_format="nf4" if args.trainable == "qlora" else None)
     result, extra, title = (_estimated if args.command == "estimate" else _measured)(args, step)
     if args.json:
         return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)
@@ -274,12 +284,23 @@ def _estimated(args, step: dict) -> tuple:
         extra[MOMENTS] = {k: fmt_bytes(v) for k, v in result.moments.items()}
         if args.explain:
             extra["tensors alive at the peak"] = "\n" + result.explain()
+    if args.gpu:
+        extra["fits " + args.gpu] = _fits(result.total, gpu(args.gpu))
     title = (f"{args.model.name}: predicted bytes per device, {args.device} defaults\n(batch "
              f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
              f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, "
              f"tp {args.tp}{' with sp' if args.sp else ''}, "
              f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
     return result, extra, title
+
+
+def _fits(total: int, g) -> str:
+    """Whether a step's peak fits ``g`` with the planner's headroom, and by how much."""
+    usable = usable_memory(g)
+    verdict = (f"yes, {fmt_bytes(usable - total)} to spare" if total <= usable
+               else f"no, {fmt_bytes(total - usable)} over")
+    return (f"{verdict} ({fmt_bytes(usable)} usable: {fmt_bytes(g.memory)} less "
+            f"{HEADROOM:.0%} for the CUDA context, NCCL and fragmentation)")
 
 
 def _measured(args, step: dict) -> tuple:
@@ -303,10 +324,29 @@ def _show(args) -> int:
     """Print what the command computes: 0; or on bad input one line naming the fix: 2."""
     try:
         print(_run(args))
-    except ValueError as error:       # the library's messages name the fix
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+    except ValueError as error:       # the library's messages name the fix, in Python's words
+        print(f"{PROG} {args.command}: error: {_as_flags(str(error), set(vars(args)))}",
+              file=sys.stderr)
         return 2
     return 0
+
+
+def _as_flags(message: str, options: set) -> str:
+    """A library message in the command line's words: ``Layout(dp=3, ep=3)`` and ``tp=3``
+    become ``--dp 3 --ep 3`` and ``--tp 3`` where the command has those options."""
+    def flag(name: str, value: str) -> str:
+        return f"--{name.replace('_', '-')} {value}"
+
+    def call(match):                  # (lk.)Layout(...) / Recipe(...) of options only
+        pairs = re.findall(r"(\w+)=('?)([^,'()]+)\2", match.group(1))
+        if pairs and all(name in options for name, _, _ in pairs):
+            return " ".join(flag(name, value) for name, _, value in pairs)
+        return match.group(0)
+
+    message = re.sub(r"(?:lk\.)?(?:Layout|Recipe)\(([^()]*)\)", call, message)
+    return re.sub(r"(?<![\w.-])(\w+)=('?)([\w.-]+)\2",
+                  lambda m: flag(m.group(1), m.group(3)) if m.group(1) in options else m.group(0),
+                  message)
 
 
 def _course(args) -> int:

@@ -71,6 +71,17 @@ GPUS = {g.name: g for g in (
 )}
 
 
+HEADROOM = 0.1     # of a GPU's memory, kept free for the CUDA context, NCCL and fragmentation
+
+
+def usable_memory(g: GPU, headroom: float = HEADROOM) -> int:
+    """Bytes a training step may peak at on ``g``: its memory less ``headroom`` of it (what the
+    estimate leaves out: the CUDA context, NCCL buffers, allocator fragmentation)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction of the GPU's memory in [0, 1), got {headroom!r}")
+    return int(g.memory * (1 - headroom))
+
+
 def gpu(name: str | GPU) -> GPU:
     """The table's GPU of that name (a ``GPU`` passes through); ValueError lists the names."""
     if isinstance(name, GPU):

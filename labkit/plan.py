@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ModelConfig, preset
-from .gpus import GPU, gpu as gpu_named
+from .gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
 from .layers import block_weights, count_params, embedding_weights, head_weights, layer_saved
 from .parallel.pipeline import chunk_layers, in_flight
 from .parallel.zero import per_rank
@@ -418,7 +418,7 @@ def _largest(e: Estimate) -> str:
 
 
 def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
-         global_batch: int | None = None, headroom: float = 0.1,
+         global_batch: int | None = None, headroom: float = HEADROOM,
          trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
          advice: bool = True, progress: bool = False, host_ram: int | None = None) -> Plan:
     """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
@@ -443,14 +443,12 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
                          f"{gpus_per_node} (or set gpus_per_node)")
     batch = gpus if global_batch is None else global_batch
     check_positive("global_batch (sequences per step)", batch)
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom is a fraction of the GPU's memory in [0, 1), got {headroom!r}")
     trainable = (trainable,) if isinstance(trainable, str) else tuple(trainable)
     for t in trainable:
         check_choice("trainable", t, TRAINABLE)
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
-    usable = int(g.memory * (1 - headroom))
+    usable = usable_memory(g, headroom)
     host_ram = (g.host_ram_per_gpu * min(gpus, gpus_per_node) if host_ram is None
                 else check_positive("host_ram", host_ram))
     host_usable = int(host_ram * HOST_USABLE)

@@ -86,11 +86,34 @@ def test_a_model_may_be_a_hub_name_in_the_local_hugging_face_cache(tmp_path, cap
     assert "huggingface-cli download Qwen/Qwen3-8B config.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "deepseek-v2-lite", "--dp", "2", "--ep", "4"], "(e.g. --dp 4 --ep 4)"),
+    (["--model", "llama-2-7b", "--tp", "3"], "--tp 3 does not divide heads=32"),
+])
+def test_errors_name_the_command_line_flags_not_python(capsys, argv, words):
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Layout(" not in err and "tp=3" not in err, err
+
+
+def test_estimate_takes_lora_and_says_whether_the_step_fits_a_gpu(capsys):
+    argv = ["estimate", "--model", "llama-2-7b", "--precision", "bf16-master", "--recompute",
+            "full", "--trainable", "qlora", "--gpu", "rtx-4090-24gb"]
+    assert main(argv + ["--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    e = lk.estimate("llama-2-7b", precision="bf16-master", recompute="full", trainable="lora",
+                    weight_format="nf4")
+    assert printed["total"] == e.total
+    assert printed["fits rtx-4090-24gb"].startswith("yes, ")
+    full = ["estimate", "--model", "llama-2-7b", "--gpu", "rtx-4090-24gb"]
+    assert main(full) == 0 and "fits rtx-4090-24gb: no, " in capsys.readouterr().out
+
+
 def test_bad_input_prints_the_fix_without_a_traceback():
     run = subprocess.run([sys.executable, "-m", "labkit", "estimate", "--model", "llama-2-7b",
                           "--tp", "3"], capture_output=True, text=True)
     assert run.returncode != 0
-    assert "tp=3 does not divide heads=32" in run.stderr
+    assert "--tp 3 does not divide heads=32" in run.stderr      # the flag, not Python's tp=3
     assert "Traceback" not in run.stderr
 
 
@@ -145,12 +168,13 @@ def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.checkpointing import RECOMPUTE_POLICIES
     from labkit.parallel.pipeline import SCHEDULES
     from labkit.plan import TRAINABLE
+    from labkit.gpus import GPUS
     from labkit.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
     vocabulary = {"--precision": PRECISIONS, "--optimizer": OPTIMIZERS,
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
                   "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
-                  "--zero-stage": (0, 1, 2, 3)}
+                  "--zero-stage": (0, 1, 2, 3), "--gpu": tuple(GPUS)}
     commands = next(a.choices for a in build_parser()._actions if a.dest == "command")
     for command in ("estimate", "measure", "plan"):
         for action in commands[command]._actions:
