@@ -287,6 +287,7 @@ class Simulation:
     mean_running: float         # requests decoding per step, on average (the batch size)
     preempted: int              # requests sent back to the queue for want of a block
     timeline: dict = field(default_factory=dict)     # reserved, used, running per step
+    recomputed: int = 0         # tokens prefilled again after a preemption (its compute price)
 
 
 def make_cache(kind: str, budget_bytes: int, cfg: ModelConfig | str = "llama-2-13b",
@@ -324,7 +325,7 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
                              f"{budget_bytes} bytes): raise the budget or shorten the stream")
     queue, running = deque(stream), {}                       # running: Request -> generated
     timeline = {"reserved": [], "used": [], "running": []}
-    finished = preempted = 0
+    finished = preempted = recomputed = 0
     while queue or running:
         while queue and cache.can_admit(queue[0].prompt + 1, watermark if running else 0.0):
             request = queue.popleft()
@@ -340,6 +341,7 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
                 cache.free(victim.id)
                 queue.appendleft(Request(victim.id, victim.prompt + done, victim.output - done))
                 preempted += 1
+                recomputed += victim.prompt + done           # its cache is prefilled again
                 if victim is request:
                     break
             if request not in running:
@@ -357,7 +359,8 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
                       max(timeline["reserved"]), max(timeline["used"]),
                       sum(timeline["used"]) / max(1, sum(timeline["reserved"])),
                       max(timeline["running"]),
-                      sum(timeline["running"]) / len(timeline["running"]), preempted, timeline)
+                      sum(timeline["running"]) / len(timeline["running"]), preempted, timeline,
+                      recomputed)
 
 
 def compare_caches(budget_bytes: int, stream: list[Request], **kwargs) -> dict[str, Simulation]:

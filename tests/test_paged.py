@@ -141,3 +141,12 @@ def test_paged_cache_fits_more_requests_in_the_same_budget():
 def test_simulation_rejects_a_request_no_empty_cache_holds():
     with pytest.raises(ValueError, match="raise the budget"):
         simulate("paged", 100 * 819200, [Request(0, 90, 20)], block_size=16)
+
+
+def test_a_preempted_request_is_prefilled_again_with_the_tokens_it_had():
+    # two requests of 1 + 40 tokens in 4 blocks of 16: both are admitted, the cache runs out
+    # when the older needs its 33rd token, and the newer goes back to the queue holding
+    # 1 + 31 tokens, which it prefills again when it returns
+    stream = [Request(0, 1, 40), Request(1, 1, 40)]
+    sim = simulate("paged", 4 * 16 * 819200, stream, max_seq=64, block_size=16, watermark=0.0)
+    assert sim.finished == 2 and sim.preempted == 1 and sim.recomputed == 1 + 31
