@@ -144,7 +144,7 @@ def _cpu(affinity: set[int], cpu_count: int | None) -> Finding:
                     "note" if hidden else "ok", data={"usable": usable, "cpu_count": cpu_count})
 
 
-def _numa(root: Path) -> Finding:
+def _numa(root: Path, host_total: int | None = None) -> Finding:
     nodes = {}
     for path in glob.glob(str(root / "sys/devices/system/node/node[0-9]*")):
         name = Path(path).name
@@ -155,6 +155,13 @@ def _numa(root: Path) -> Finding:
         return _unknown("numa", "/sys/devices/system/node")
     nodes = dict(sorted(nodes.items(), key=lambda kv: int(kv[0][4:])))
     listed = "; ".join(f"{n}: cpus {v['cpus']}, {fmt_bytes(v['memory'])}" for n, v in nodes.items())
+    on_nodes = sum(v["memory"] for v in nodes.values())
+    if host_total and on_nodes < 0.9 * host_total:    # containers and VMs can show partial data
+        return _finding("numa", f"{len(nodes)} node{'s' * (len(nodes) > 1)} ({listed})",
+                        f"The nodes report {fmt_bytes(on_nodes)} of the host's "
+                        f"{fmt_bytes(host_total)}: this container or VM shows partial NUMA "
+                        f"data, so bind ranks from the host's own topology (numactl -H there).",
+                        "note", ["numactl -H"], {"nodes": nodes})
     if len(nodes) == 1:
         return _finding("numa", f"1 node ({listed})", "Nothing to do: one node, every core is "
                         "as close to memory as any other.", data={"nodes": nodes})
@@ -429,7 +436,7 @@ def host_report(root="/", environ=None, *, statvfs=os.statvfs, affinity=None, cp
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK) if memlock is None else memlock
     mem = meminfo(root)
     return HostReport([
-        _cpu(affinity, cpu_count), _numa(root), _memory(mem), _cgroup(root, mem.get("MemTotal")),
+        _cpu(affinity, cpu_count), _numa(root, mem.get("MemTotal")), _memory(mem), _cgroup(root, mem.get("MemTotal")),
         _swap(root, mem), _thp(root, environ), _shm(root, statvfs), _shmmax(root),
         _memlock(*memlock), _alloc_conf(environ), _launch_blocking(environ),
         _threads(environ, len(affinity)), _devices_env(environ), _gpus(probe_gpus),

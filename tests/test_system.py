@@ -307,3 +307,11 @@ def test_doctor_writes_nothing_and_starts_only_a_read_only_gpu_query(tmp_path):
         assert programs(run.events) == [NVIDIA_SMI]
         assert gpus["gpus"][0] == {"name": "NVIDIA H100 80GB HBM3", "total": 81559 * MiB,
                                    "used": 4 * MiB, "driver": "550.54.15"}
+
+
+def test_numa_nodes_with_less_memory_than_the_host_are_a_note(tmp_path):
+    # a sandbox's one node of 16 GiB on a host of 32 GiB: partial NUMA data, said so
+    nodes = "sys/devices/system/node/"
+    f = fake_host(tmp_path, {nodes + "node0/meminfo": "Node 0 MemTotal:  16777216 kB\n"}
+                  ).finding("numa")
+    assert f.status == "note" and "16.00 GiB of the host's 32.00 GiB" in f.recommendation
