@@ -127,6 +127,8 @@ REQUIREMENTS = (
     Requirement("nbclient", "", "papermill's notebook runner"),
     Requirement("transformers", "5.0", "Hugging Face configs in lk.from_hf_config's tests "
                 "(no lab needs it)", "hf"),
+    Requirement("huggingface_hub", "", "the command line's --model org/name, read from the local "
+                "Hugging Face cache (comes with transformers)", "hf"),
     Requirement("bitsandbytes", "0.50.2", "lab 06's side-by-side with bitsandbytes' NF4, "
                 "LLM.int8() and 8-bit AdamW (skipped without it)", "production", pinned=True),
     Requirement("torchao", "0.18.0", "lab 06's side-by-side with torchao's int8 (skipped "
