@@ -35,7 +35,8 @@ from .parallel.pipeline import SCHEDULES
 from .parallel.zero import SHARDED_FROM_STAGE
 from .plan import TRAINABLE, plan
 from .predict import count_params, estimate
-from .recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout
+from .recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout,
+                     fine_tuning_fields)
 from .units import CATEGORIES, fmt_bytes
 
 PROG = "python -m labkit"
@@ -249,8 +250,7 @@ def _run(args) -> str:
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device,
-                trainable="all" if args.trainable == "all" else "lora", lora_rank=args.lora_rank,
-                weight_format="nf4" if args.trainable == "qlora" else None)
+                lora_rank=args.lora_rank, **fine_tuning_fields(args.trainable))
     result, extra, title = (_estimated if args.command == "estimate" else _measured)(args, step)
     if args.json:
         return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)

@@ -24,11 +24,11 @@ from .layers import block_weights, count_params, embedding_weights, head_weights
 from .parallel.pipeline import chunk_layers, in_flight
 from .parallel.zero import per_rank
 from .predict import Estimate, estimate
-from .recipe import Layout, Recipe, state_bytes
+from .recipe import FINE_TUNING, Layout, Recipe, fine_tuning_fields, state_bytes
 from .steptime import StepTime, assumptions, step_time
 from .units import CATEGORIES, check_choice, check_positive, fmt_bytes
 
-TRAINABLE = ("all", "lora", "qlora")
+TRAINABLE = FINE_TUNING
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # gpipe: 1f1b's bubble, more memory
 HOST_USABLE = 0.8            # of a node's host memory, for ZeRO-Offload's pinned states
@@ -270,9 +270,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
     per_rank_batch = batch // f.dp
     lora = f.trainable != "all"
-    recipe_kw = (dict(precision=ADAPTERS, trainable="lora",
-                      weight_format="nf4" if f.trainable == "qlora" else None)
-                 if lora else dict(precision=FULL))
+    recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
     recomputes = RECOMPUTE             # QLoRA is run with checkpointing: every policy
     schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     active = count_params(c).active - c.vocab_size * c.hidden   # the input embedding: a lookup

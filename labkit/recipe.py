@@ -25,6 +25,15 @@ OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 DEVICES = ("cuda", "cpu")
 TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
 WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
+FINE_TUNING = ("all", "lora", "qlora")   # what a user asks for: the planner's and CLI's words
+
+
+def fine_tuning_fields(name: str) -> dict:
+    """``Recipe``'s trainable and weight_format for a FINE_TUNING name ("qlora": LoRA on NF4)."""
+    if name not in FINE_TUNING:
+        raise ValueError(f"unknown fine-tuning {name!r}; use one of {', '.join(FINE_TUNING)}")
+    return dict(trainable="all" if name == "all" else "lora",
+                weight_format="nf4" if name == "qlora" else None)
 LORA_TARGETS = ("all-linear",)
 ATTENTION_IMPLS = ("sdpa", "naive", "tiled")   # labkit.attention's cores: fused, (T, T), online
 # optimizer-state numbers kept per parameter, and the bytes of one when not the precision's
