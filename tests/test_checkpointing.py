@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute,
-                                  keep_matmuls_and_attention, plan, recompute_cost)
+from labkit.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute, counted_step_flops,
+                                  keep_matmuls_and_attention, plan, recompute_cost, step_flops)
 from torch.utils.checkpoint import CheckpointPolicy
 
 POLICIES = ["none", "selective", "every-k", "every-3", "sqrt", "full"]
@@ -101,6 +101,13 @@ def test_recompute_costs_about_one_more_forward_of_the_recomputed_blocks():
     assert cost["every-k"] == pytest.approx(cost["full"] / 2)   # 1 of tiny's 2 equal blocks
     moe = {p: recompute_cost("tiny-moe", p, seq=64, fake=False).extra for p in ("sqrt", "full")}
     assert moe["sqrt"] > moe["full"]                 # a segment also rebuilds its inner outputs
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "every-2", "every-3", "sqrt"])
+def test_step_flops_summed_block_by_block_equal_the_whole_models_count(policy):
+    # 7 blocks, 2 dense: sqrt's first unit (blocks 0-2) holds both kinds
+    for cfg in (lk.preset("tiny"), lk.preset("tiny-moe").replace(layers=7, dense_layers=2)):
+        assert step_flops(cfg, policy, seq=64) == counted_step_flops(cfg, policy, seq=64)
 
 
 def test_bad_policy_names_raise_listing_the_valid_ones():
