@@ -23,18 +23,15 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
 from . import __version__
-from .checkpointing import RECOMPUTE_POLICIES
 from .config import ModelConfig, preset, presets
 from .gpus import GPUS, HEADROOM, gpu, usable_memory
 from .hf import from_hf_config
-from .measure import measure_step
-from .parallel.pipeline import SCHEDULES
+from .parallel.schedules import SCHEDULES
 from .parallel.zero import SHARDED_FROM_STAGE
 from .plan import TRAINABLE, plan
 from .predict import count_params, estimate
+from .recompute import RECOMPUTE_POLICIES
 from .recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout,
                      fine_tuning_fields)
 from .units import CATEGORIES, fmt_bytes
@@ -305,6 +302,10 @@ def _fits(total: int, g) -> str:
 
 def _measured(args, step: dict) -> tuple:
     """(the measurement, what is shown beside its table, the title) of ``measure``."""
+    import torch                            # here: estimate, plan, presets and doctor need none
+
+    from .measure import measure_step
+
     if args.real and args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--real --device cuda, but CUDA is not available here: use "
                          "--device cpu (or leave --device out), or drop --real to measure "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .config import ModelConfig, preset
 from .gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
 from .layers import block_weights, count_params, embedding_weights, head_weights, layer_saved
-from .parallel.pipeline import chunk_layers, in_flight
+from .parallel.schedules import chunk_layers, in_flight
 from .parallel.zero import per_rank
 from .predict import Estimate, estimate
 from .recipe import FINE_TUNING, Layout, Recipe, fine_tuning_fields, state_bytes

@@ -37,6 +37,19 @@ def test_presets_lists_every_preset_with_its_size(capsys):
     assert "6,738,415,616" in out
 
 
+@pytest.mark.parametrize("argv", [["presets"], ["estimate", "--model", "deepseek-v2-lite"],
+                                  ["plan", "--model", "llama-2-7b", "--gpu", "a100-80gb",
+                                   "--gpus", "8", "--seq", "4096"]])
+def test_estimate_plan_and_presets_answer_without_importing_torch(argv):
+    # torch's import is most of a command's time (~1.5 s of ~2 s here); only measure needs it
+    code = ("import sys; from labkit.__main__ import main; code = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip()
+
+
 def test_measure_runs_a_step_on_fake_tensors_with_cuda_defaults(capsys):
     assert main(["measure", "--model", "tiny", "--seq", "128", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
