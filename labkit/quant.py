@@ -15,12 +15,14 @@ Every stored result says its exact bytes (``nbytes``), so a lab can add them up.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 import torch.nn.functional as F
 from torch import nn
 
@@ -172,10 +174,18 @@ def nf4_codebook() -> torch.Tensor:
     the largest; both sides start at ``offset``, so -1, 0 and 1 are levels. Asymmetric on
     purpose: 16 levels cannot hold an exact 0 and be symmetric.
     """
-    positive = torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 9)[:-1].double())   # (8,)
-    negative = -torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 8)[:-1].double())  # (7,)
-    levels = torch.cat([negative, positive.new_zeros(1), positive]).float().sort().values
-    return levels / levels.max()                                            # (16,)
+    return torch.tensor(_nf4_levels())                                      # (16,) fp32
+
+
+@functools.lru_cache(maxsize=1)
+def _nf4_levels() -> tuple[float, ...]:
+    """``nf4_codebook``'s values, computed once on real tensors whatever mode is active (fake
+    tensors, a tracker): each dequantisation of a 7B model's 224 linears asks for them."""
+    with _disable_current_modes():
+        positive = torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 9)[:-1].double())  # (8,)
+        negative = -torch.special.ndtri(torch.linspace(NF4_OFFSET, 0.5, 8)[:-1].double())
+        levels = torch.cat([negative, positive.new_zeros(1), positive]).float().sort().values
+        return tuple((levels / levels.max()).tolist())                      # fp32 values
 
 
 def quantize_nf4(w: torch.Tensor, block: int = 64, double_quant: bool = True,
