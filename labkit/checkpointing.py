@@ -119,7 +119,7 @@ def step_flops(cfg, policy: str = "none", seq: int = 512, batch: int = 1, every:
     Elementwise ops are not counted (they are memory-bound): ``selective`` costs ~0 here.
     Attention counts as a whole T x T product: FlopCounterMode ignores causality.
     Counted on one- and two-block copies of the model and summed block by block: equal to
-    ``counted_step_flops`` (the whole model counted), in about a tenth of its time.
+    ``counted_step_flops``, which counts a step of the whole model for each policy.
     """
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     name, _ = parse_policy(policy, every)
