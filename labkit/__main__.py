@@ -25,11 +25,11 @@ from pathlib import Path
 
 from . import __version__
 from .config import ModelConfig, preset, presets
-from .gpus import GPUS, HEADROOM, gpu, usable_memory
+from .gpus import GPUS, HEADROOM, JSON_EXAMPLE, gpu, usable_memory
 from .hf import from_hf_config
 from .parallel.schedules import SCHEDULES
 from .parallel.zero import SHARDED_FROM_STAGE
-from .plan import TRAINABLE, plan
+from .plan import RECOMPUTE, TRAINABLE, plan
 from .predict import count_params, estimate
 from .recompute import RECOMPUTE_POLICIES
 from .recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout,
@@ -65,6 +65,30 @@ def _at_least(low: int):
 
 
 COUNT, COUNT_OR_ZERO = _at_least(1), _at_least(0)
+
+
+def _gpu(text: str):
+    """--gpu: a GPU type's name, or one's own as JSON (a .json file, or the text itself)."""
+    try:
+        return gpu(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _fraction(text: str) -> float:
+    """--headroom: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of the GPU's memory in [0, 1) "
+                                         f"such as 0.1, got {text!r}")
+    return value
+
+
+GPU_HELP = (f"GPU type ({', '.join(GPUS)}), or your own as JSON: a .json file or the text, "
+            f"e.g. '{JSON_EXAMPLE}'")
 
 
 def _cached_config(name: str) -> Path | None:
@@ -144,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="whose defaults (AdamW foreach on cuda, a for-loop on cpu)")
     _layout_options(est)
     est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
-    est.add_argument("--gpu", choices=GPUS, metavar="GPU",
-                     help=f"say whether the step fits this GPU ({', '.join(GPUS)}) with the "
-                          f"planner's {HEADROOM:.0%} headroom")
+    est.add_argument("--gpu", type=_gpu, metavar="GPU",
+                     help=f"say whether the step fits this GPU with the planner's "
+                          f"{HEADROOM:.0%} headroom: {GPU_HELP}")
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
     mea.add_argument("--device", choices=DEVICES,
@@ -196,13 +220,19 @@ def _layout_options(est: argparse.ArgumentParser) -> None:
 
 def _plan_options(pla: argparse.ArgumentParser) -> None:
     """plan's cluster (GPU type and count, host memory) and question (sequence, batch, what trains)."""
-    pla.add_argument("--gpu", required=True, help=f"GPU type: {', '.join(GPUS)}")
+    pla.add_argument("--gpu", required=True, type=_gpu, help=GPU_HELP)
     pla.add_argument("--gpus", type=COUNT, required=True, help="number of GPUs")
     pla.add_argument("--gpus-per-node", type=COUNT, default=8)
     pla.add_argument("--seq", type=COUNT, default=4096, help="sequence length")
     pla.add_argument("--global-batch", type=COUNT,
                      help="sequences per step (default: one per GPU)")
-    pla.add_argument("--trainable", default="all", choices=TRAINABLE)
+    pla.add_argument("--trainable", nargs="+", default=["all"], choices=TRAINABLE,
+                     help="what trains, one or several: full fine-tuning (all), lora, qlora")
+    pla.add_argument("--recompute", nargs="+", default=list(RECOMPUTE), choices=RECOMPUTE,
+                     help="recompute policies to search (default: all three)")
+    pla.add_argument("--headroom", type=_fraction, default=HEADROOM,
+                     help=f"fraction of each GPU's memory kept free for the CUDA context, NCCL "
+                          f"buffers and fragmentation (default {HEADROOM})")
     pla.add_argument("--host-ram", type=COUNT, metavar="GIB",
                      help="host memory per node in GiB, for ZeRO-Offload (default: the GPU "
                           "type's per-GPU share times the GPUs on a node, e.g. 2048 for 8 H100s)")
@@ -235,7 +265,9 @@ def _run(args) -> str:
         return json.dumps(report.as_dict(), indent=2) if args.json else report.text()
     if args.command == "plan":
         result = plan(args.model, args.gpu, args.gpus, args.gpus_per_node, args.seq,
-                      args.global_batch, trainable=args.trainable, top=args.top,
+                      args.global_batch, headroom=args.headroom,
+                      trainable=tuple(dict.fromkeys(args.trainable)),
+                      recompute=tuple(dict.fromkeys(args.recompute)), top=args.top,
                       verify=args.verify, progress=not args.json,
                       host_ram=args.host_ram and args.host_ram * 2**30)
         return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
@@ -282,7 +314,7 @@ def _estimated(args, step: dict) -> tuple:
         if args.explain:
             extra["tensors alive at the peak"] = "\n" + result.explain()
     if args.gpu:
-        extra["fits " + args.gpu] = _fits(result.total, gpu(args.gpu))
+        extra["fits " + args.gpu.name] = _fits(result.total, args.gpu)
     title = (f"{args.model.name}: predicted bytes per device, {args.device} defaults\n(batch "
              f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
              f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, "

@@ -4,11 +4,13 @@ The planner (``labkit.plan``) reads four numbers per GPU: its memory, its dense 
 throughput (no 2:4 sparsity), the bandwidth one GPU has to the others in its node (NVLink,
 or PCIe where there is none) and to other nodes (InfiniBand / RoCE, one NIC per GPU as in
 NVIDIA's DGX/HGX systems), each per direction, and its host link (PCIe) for offloading.
-Describe your own with ``GPU(...)``.
+Describe your own with ``GPU(...)``, or as JSON (``gpu_from_json``; the command line's ``--gpu``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 GiB, MiB = 2 ** 30, 2 ** 20
 
@@ -32,9 +34,12 @@ class GPU:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPU {field} is bytes, a positive int (e.g. 80 * 2**30), got "
                                  f"{value!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"GPU name must be a non-empty string, got {self.name!r}")
         for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"GPU {field} must be positive, got {getattr(self, field)!r}")
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"GPU {field} must be a positive number, got {value!r}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,10 +65,15 @@ class GPU:
 # system memory), so 128 and 256 GiB per GPU; the L4 as in Google Cloud's g2-standard-96 (8 L4s,
 # 384 GB: 48 GiB each); the RTX 4090 an assumption, a workstation's 128 GiB per GPU. A plan's
 # node has this times its GPUs on the node. Pass host_ram= (--host-ram) for your own nodes.
+#   H800 SXM: the H100 with NVLink cut to 400 GB/s (200 per direction), sold in China. Its two
+#     links are the DeepSeek-V3 report's (arXiv:2412.19437, section 3.2.2): NVLink 160 GB/s and
+#     InfiniBand 50 GB/s per GPU, as achieved on DeepSeek's 2,048 H800s, not datasheet figures;
+#     its host memory per GPU is assumed as for a DGX H100.
 GPUS = {g.name: g for g in (
     GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB),
     GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB),
     GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
+    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB),
     GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
     GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB),
     GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB),
@@ -82,12 +92,53 @@ def usable_memory(g: GPU, headroom: float = HEADROOM) -> int:
     return int(g.memory * (1 - headroom))
 
 
+# A GPU of one's own as JSON: memory and host memory in GiB, the rest as GPU's fields
+JSON_EXAMPLE = ('{"name": "my-gpu", "memory_gib": 48, "bf16_tflops": 181, '
+                '"intra_node_gbps": 32, "inter_node_gbps": 12.5}')
+
+
 def gpu(name: str | GPU) -> GPU:
-    """The table's GPU of that name (a ``GPU`` passes through); ValueError lists the names."""
+    """The table's GPU of that name (a ``GPU`` passes through), or one described as JSON - a
+    ``.json`` file or the text itself (``JSON_EXAMPLE``); ValueError lists the names."""
     if isinstance(name, GPU):
         return name
+    if isinstance(name, str) and (name.lstrip().startswith("{") or name.endswith(".json")):
+        return gpu_from_json(name)
     if name not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}, or describe "
-                         f"yours with labkit.gpus.GPU(name, memory, bf16_tflops, "
-                         f"intra_node_gbps, inter_node_gbps)")
+                         f"yours as JSON ({JSON_EXAMPLE}, in a .json file or as the text), or "
+                         f"with labkit.gpus.GPU(name, memory, bf16_tflops, intra_node_gbps, "
+                         f"inter_node_gbps)")
     return GPUS[name]
+
+
+def gpu_from_json(text_or_path: str) -> GPU:
+    """A ``GPU`` from JSON text or a ``.json`` file: ``memory_gib`` (and ``host_ram_per_gpu_gib``)
+    in GiB, the other fields as ``GPU``'s (``pcie_gbps`` and the host memory optional)."""
+    source = text_or_path
+    if not text_or_path.lstrip().startswith("{"):
+        path = Path(text_or_path)
+        if not path.is_file():
+            raise ValueError(f"no GPU file {text_or_path!r}: give a .json file that exists, or "
+                             f"the JSON itself, e.g. '{JSON_EXAMPLE}'")
+        source = path.read_text()
+    try:
+        spec = json.loads(source)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"the GPU's JSON does not parse ({error}): write it as "
+                         f"'{JSON_EXAMPLE}'") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"the GPU's JSON must be an object such as '{JSON_EXAMPLE}'")
+    known = {f.name for f in fields(GPU)} - {"memory", "host_ram_per_gpu"}
+    known |= {"memory_gib", "host_ram_per_gpu_gib"}
+    required = {"name", "memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps"}
+    if set(spec) - known or required - set(spec):
+        raise ValueError(f"the GPU's JSON has {sorted(spec)}; it needs {sorted(required)} "
+                         f"(optional: pcie_gbps, host_ram_per_gpu_gib), e.g. '{JSON_EXAMPLE}'")
+    for key in ("memory_gib", "host_ram_per_gpu_gib"):
+        if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], (int, float))
+                            or spec[key] <= 0):
+            raise ValueError(f"the GPU's {key} must be a positive number of GiB, got {spec[key]!r}")
+    bytes_of = {key[:-4]: int(spec.pop(key) * GiB) for key in ("memory_gib", "host_ram_per_gpu_gib")
+                if key in spec}
+    return GPU(**spec, **bytes_of)

@@ -15,6 +15,7 @@ family that keeps more (a larger micro-batch, a weaker recompute policy) without
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -129,25 +130,45 @@ class Plan:
             lines.append(f"   verified #{v['rank']}: {v['result']}")
         if self.advice:
             lines += ["", "what would fit:"] + [f"  - {a}" for a in self.advice]
-        rejected = list(self.rejected.items())
-        lines += ["", f"rejected families ({len(rejected)}):"]
-        lines += [f"  - {name}: {why}" for name, why in rejected[:max_rejected]]
-        if len(rejected) > max_rejected:
-            lines.append(f"  ... {len(rejected) - max_rejected} more (see --json)")
+        groups = self.rejected_by_reason()
+        if groups:
+            lines += ["", f"rejected families ({len(self.rejected)}), by reason:"]
+        lines += [f"  - {g['count']:>3} x {g['example_reason']} (e.g. {g['example']})"
+                  for g in groups[:max_rejected]]
+        if len(groups) > max_rejected:
+            lines.append(f"  ... {len(groups) - max_rejected} more reasons (see --json)")
         if self.unexplored:
             lines.append(f"not estimated (their fastest layout is slower than the top "
                          f"{len(self.fits)}; model states fit): {len(self.unexplored)} families")
         lines += ["", "assumptions:"] + [f"  - {a}" for a in self.assumptions]
         return "\n".join(lines)
 
+    def rejected_by_reason(self) -> list[dict]:
+        """The rejected families grouped by reason, its numbers left out, most families first:
+        ``reason`` (the pattern), ``count``, one ``example`` family and its ``example_reason``."""
+        groups: dict[str, dict] = {}
+        for family, why in self.rejected.items():
+            kind = _reason_kind(why)
+            group = groups.setdefault(kind, dict(reason=kind, count=0, example=family,
+                                                 example_reason=why))
+            group["count"] += 1
+        return sorted(groups.values(), key=lambda g: -g["count"])
+
     def as_dict(self) -> dict:
         return {"model": self.model, "gpu": self.gpu.as_dict(), "gpus": self.gpus,
                 "gpus_per_node": self.gpus_per_node, "seq": self.seq,
                 "global_batch": self.global_batch, "usable": self.usable,
                 "fits": [c.as_dict() for c in self.fits], "rejected": self.rejected,
+                "rejected_by_reason": self.rejected_by_reason(),
                 "unexplored": self.unexplored, "assumptions": self.assumptions,
                 "verified": self.verified, "advice": self.advice,
                 "estimates": self.estimates, "search_s": self.search_s}
+
+
+def _reason_kind(why: str) -> str:
+    """A rejection's reason without its numbers and its largest category: what groups it."""
+    why = re.sub(r"\s*\(largest: [^)]*\)", "", why)
+    return re.sub(r"\d[\d,.]*(\s*[KMGT]iB|\s*B\b)?", "#", why)
 
 
 # ---- the search space --------------------------------------------------------------------
@@ -266,12 +287,12 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
     return worst
 
 
-def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch):
+def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch,
+                recomputes=RECOMPUTE):
     """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
     per_rank_batch = batch // f.dp
     lora = f.trainable != "all"
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
-    recomputes = RECOMPUTE             # QLoRA is run with checkpointing: every policy
     schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     active = count_params(c).active - c.vocab_size * c.hidden   # the input embedding: a lookup
     out = []
@@ -317,13 +338,13 @@ def _keeps_no_less(a: Candidate, b: Candidate) -> bool:
 
 
 def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top,
-            host_usable: int | None = None):
+            host_usable: int | None = None, recompute=RECOMPUTE):
     """(ranked fits, rejected {family: why}, unexplored families, estimates made). An
     offloaded layout also needs its ranks' pinned host memory within ``host_usable`` per node."""
     ranks_per_node = min(gpus, gpus_per_node)
     counts = _Counts(c)
     families, pool, rejected = _pool(c, counts, gpu, gpus, gpus_per_node, seq, batch, usable,
-                                     trainable, offload)
+                                     trainable, offload, recompute)
     fits, failed, leanest = [], {}, {}      # failures by family; each family's smallest
     n_estimates, memo = 0, {}
 
@@ -373,7 +394,7 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
 
 
 def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,
-          offload):
+          offload, recompute=RECOMPUTE):
     """(families, their candidates fastest first, rejected {family: why}): a family is
     rejected whole when the batch does not split over its dp or its states alone overflow."""
     families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
@@ -388,7 +409,7 @@ def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable,
             rejected[f.label()] = (f"model states alone need {fmt_bytes(bound)} per GPU > "
                                    f"{fmt_bytes(usable)} usable")
             continue
-        pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch)
+        pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch, recompute)
     # fastest first; ties: the larger micro-batch
     pool.sort(key=lambda k: (round(k.time.total, 9), -k.micro_batch))
     return families, pool, rejected
@@ -418,7 +439,8 @@ def _largest(e: Estimate) -> str:
 def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
          global_batch: int | None = None, headroom: float = HEADROOM,
          trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
-         advice: bool = True, progress: bool = False, host_ram: int | None = None) -> Plan:
+         advice: bool = True, progress: bool = False, host_ram: int | None = None,
+         recompute=RECOMPUTE) -> Plan:
     """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
 
     ``model``: a preset name, a ``ModelConfig`` or a Hugging Face config; ``gpu``: a name in
@@ -428,7 +450,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     to find (None: all). ``verify``: check that many of the top layouts on fake tensors.
     ``host_ram``: bytes of host memory per node (default: the GPU type's ``host_ram_per_gpu``
     times the GPUs on a node); ZeRO-Offload's pinned states of a node's ranks must fit in
-    HOST_USABLE of it.
+    HOST_USABLE of it. ``recompute``: the policies to search (a name or several of
+    RECOMPUTE; LoRA and QLoRA are run with checkpointing, so every one by default).
     """
     start = time.perf_counter()
     c = _model(model)
@@ -444,6 +467,12 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     trainable = (trainable,) if isinstance(trainable, str) else tuple(trainable)
     for t in trainable:
         check_choice("trainable", t, TRAINABLE)
+    recompute = (recompute,) if isinstance(recompute, str) else tuple(recompute)
+    for r in recompute:
+        check_choice("recompute", r, RECOMPUTE)
+    if not trainable or not recompute:
+        raise ValueError("give at least one trainable (all, lora, qlora) and one recompute "
+                         "policy (none, selective, full) to search")
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = usable_memory(g, headroom)
@@ -452,10 +481,11 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     host_usable = int(host_ram * HOST_USABLE)
     # ZeRO-Offload only when nothing fits on the devices: its host-side step is not modelled
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
-                                            trainable, False, top)
+                                            trainable, False, top, recompute=recompute)
     if not fits and offload:
         fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
-                                                   usable, trainable, True, top, host_usable)
+                                                   usable, trainable, True, top, host_usable,
+                                                   recompute)
         n += more
     out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
                unexplored, estimates=n)
@@ -471,13 +501,14 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
         "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1, ep in powers of 2 "
         "with ZeRO-0 only (labkit.estimate does not shard experts' states yet), ZeRO 0-3 and "
-        "ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, recompute none / selective / full; not "
-        "searched: context parallelism, gpipe (1f1b's bubble with more memory)",
+        f"ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, "
+        f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
+        f"bubble with more memory)",
         *assumptions(g, gpus_per_node),
     ]
     if not fits and advice:
         out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
-                             offload, global_batch, host_ram)
+                             offload, global_batch, host_ram, recompute)
     out.search_s = time.perf_counter() - start          # the search, not the verification
     if verify:
         out.verified = verify_candidates(c, fits[:verify], seq, progress)
@@ -537,11 +568,12 @@ def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
 
 
 def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
-            global_batch, host_ram) -> list[str]:
+            global_batch, host_ram, recompute=RECOMPUTE) -> list[str]:
     """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
     def first_fit(**change):
         kw = dict(gpus=gpus, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                  headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram)
+                  headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram,
+                  recompute=recompute)
         kw.update(change)
         found = plan(c, g, top=1, advice=False, **kw)
         return found.fits[0] if found.fits else None

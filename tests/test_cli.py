@@ -180,19 +180,24 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
 def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.checkpointing import RECOMPUTE_POLICIES
     from labkit.parallel.pipeline import SCHEDULES
-    from labkit.plan import TRAINABLE
+    from labkit.plan import RECOMPUTE, TRAINABLE
     from labkit.gpus import GPUS
     from labkit.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
     vocabulary = {"--precision": PRECISIONS, "--optimizer": OPTIMIZERS,
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
                   "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
-                  "--zero-stage": (0, 1, 2, 3), "--gpu": tuple(GPUS)}
+                  "--zero-stage": (0, 1, 2, 3)}
+    searched = {"--recompute": RECOMPUTE}        # the planner's policies: no every-k, no sqrt
     commands = next(a.choices for a in build_parser()._actions if a.dest == "command")
     for command in ("estimate", "measure", "plan"):
         for action in commands[command]._actions:
+            option = action.option_strings[-1] if action.option_strings else None
             if action.choices is not None:
-                assert tuple(action.choices) == vocabulary[action.option_strings[-1]], action
+                expected = (searched if command == "plan" else {}).get(option, vocabulary.get(option))
+                assert tuple(action.choices) == expected, action
+            if option == "--gpu":                # a name, or a GPU of one's own as JSON
+                assert ", ".join(GPUS) in action.help, action
 
 
 def test_every_pipeline_schedule_of_the_library_runs_from_the_command_line(capsys):

@@ -174,8 +174,94 @@ def test_cli_prints_a_ranked_table_and_the_rejections(capsys):
     assert main(["plan", "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--gpus", "8",
                  "--seq", "4096", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert " 1 " in out and "rejected families" in out and "assumptions:" in out
-    assert "full, ZeRO-0, dp 8, tp 1, pp 1: model states alone need" in out
+    assert " 1 " in out and "rejected families (6), by reason:" in out and "assumptions:" in out
+    assert ("  -   6 x model states alone need 263.30 GiB per GPU > 72.00 GiB usable "
+            "(e.g. full, ZeRO-0, dp 8, tp 1, pp 1)") in out
+
+
+def test_rejections_group_by_reason_without_their_numbers():
+    p = plan("llama-2-7b", "a100-80gb", 64, seq=2048, top=1, advice=False)
+    groups = p.rejected_by_reason()
+    assert sum(g["count"] for g in groups) == len(p.rejected)
+    assert len(groups) < len(p.rejected)            # tp 16, tp 32, tp 64: one reason
+    inside = [g for g in groups if "must stay inside a node" in g["reason"]]
+    assert len(inside) == 1 and inside[0]["count"] == sum(
+        "must stay inside a node" in why for why in p.rejected.values())
+    assert inside[0]["reason"].startswith("tp # > # GPUs per node")
+    assert p.rejected[inside[0]["example"]] == inside[0]["example_reason"]
+    assert json.loads(json.dumps(p.as_dict()))["rejected_by_reason"] == groups
+
+
+def test_the_recompute_policies_searched_can_be_chosen():
+    both = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=2048, trainable="lora", top=None,
+                advice=False)
+    full = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=2048, trainable="lora", recompute="full",
+                top=None, advice=False)
+    assert {k.recipe.recompute for k in full.fits} == {"full"}
+    assert [k.label() for k in full.fits] == [k.label() for k in both.fits
+                                              if k.recipe.recompute == "full"]
+    assert any("recompute full; not searched" in a for a in full.assumptions)
+    with pytest.raises(ValueError, match="recompute"):
+        plan("tiny", "a100-80gb", 1, seq=128, recompute="sqrt")
+    with pytest.raises(ValueError, match="at least one"):
+        plan("tiny", "a100-80gb", 1, seq=128, recompute=())
+
+
+def test_h800_has_deepseeks_links():
+    """DeepSeek-V3's report: NVLink 160 GB/s, InfiniBand 50 GB/s per H800; the H100's compute."""
+    h800, h100 = GPUS["h800-80gb"], GPUS["h100-80gb"]
+    assert (h800.intra_node_gbps, h800.inter_node_gbps) == (160.0, 50.0)
+    assert (h800.memory, h800.bf16_tflops) == (h100.memory, h100.bf16_tflops)
+
+
+def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
+    text = ('{"name": "a6000", "memory_gib": 48, "bf16_tflops": 155, "intra_node_gbps": 32, '
+            '"inter_node_gbps": 12.5, "host_ram_per_gpu_gib": 64}')
+    mine = gpu(text)
+    assert mine == GPU("a6000", 48 * GiB, 155, 32, 12.5, 32.0, 64 * GiB)
+    (tmp_path / "a6000.json").write_text(text)
+    assert gpu(str(tmp_path / "a6000.json")) == mine
+    assert plan("llama-2-7b", mine, 1, seq=1024, trainable="qlora", top=1).gpu == mine
+
+
+@pytest.mark.parametrize("text, fix", [
+    ('{"name": "x", "memory_gib": 48}', "it needs"),
+    ('{"name": "x", "memory_gib": 48, "bf16_tflops": 1, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1, "memory": 5}', "it needs"),
+    ('{"name": "x", "memory_gib": "48", "bf16_tflops": 1, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "memory_gib must be a positive number"),
+    ('{"name": "x", "memory_gib": 48, "bf16_tflops": "fast", "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "bf16_tflops must be a positive number"),
+    ('{"name": 48', "does not parse"),
+    ("missing.json", "no GPU file"),
+])
+def test_a_bad_gpu_json_names_the_fix(text, fix):
+    with pytest.raises(ValueError, match=fix):
+        gpu(text)
+
+
+def test_cli_takes_several_trainables_a_headroom_and_a_gpu_as_json(capsys):
+    mine = ('{"name": "a6000", "memory_gib": 48, "bf16_tflops": 155, "intra_node_gbps": 32, '
+            '"inter_node_gbps": 12.5}')
+    assert main(["plan", "--model", "llama-2-70b", "--gpu", mine, "--gpus", "1", "--seq", "2048",
+                 "--trainable", "lora", "qlora", "--recompute", "full", "--headroom", "0.05",
+                 "--json"]) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["gpu"]["name"] == "a6000" and back["usable"] == int(48 * GiB * 0.95)
+    assert back["fits"][0]["label"].startswith("QLoRA") and "LoRA, one GPU per replica, dp 1" \
+        in back["rejected"]
+    assert {f["recipe"]["recompute"] for f in back["fits"]} == {"full"}
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["--gpu", "{bad"], "does not parse"),
+    (["--gpu", "h100-80gb", "--headroom", "1"], "fraction"),
+    (["--gpu", "h100-80gb", "--recompute", "sqrt"], "invalid choice"),
+])
+def test_cli_bad_gpu_or_headroom_exits_2_naming_the_fix(capsys, argv, fix):
+    assert exit_code(["plan", "--model", "tiny", "--gpus", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert fix in err and "Traceback" not in err
 
 
 def test_cli_host_ram_is_gib_per_node(capsys):
@@ -186,8 +272,16 @@ def test_cli_host_ram_is_gib_per_node(capsys):
     assert any("512.00 GiB of host memory" in a for a in back["assumptions"])
 
 
+def exit_code(argv) -> int:
+    """main's exit code, argparse's own (SystemExit) included."""
+    try:
+        return main(argv)
+    except SystemExit as done:
+        return done.code
+
+
 def test_cli_unknown_gpu_exits_2_listing_the_names(capsys):
-    assert main(["plan", "--model", "tiny", "--gpu", "tpu", "--gpus", "8"]) == 2
+    assert exit_code(["plan", "--model", "tiny", "--gpu", "tpu", "--gpus", "8"]) == 2
     assert "h100-80gb" in capsys.readouterr().err
 
 
