@@ -50,6 +50,8 @@ class Family:
 
     def label(self) -> str:
         what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
+        if self.trainable != "all" and self.zero_stage == 3:
+            return f"{what}, frozen base sharded (ZeRO-3 / FSDP), dp {self.dp}"
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
@@ -180,8 +182,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
     """Every family to consider, and the reasons of those that cannot exist."""
     out, impossible = [], {}
     for what in trainable:
-        if what != "all":        # one GPU's step per replica: labkit estimates LoRA on one GPU
+        if what != "all":        # replicas (one GPU's step each); LoRA's base sharded by FSDP
             out.append(Family(what, gpus, 0, False, 1, 1, 1))
+            if what == "lora" and gpus > 1:     # QLoRA's NF4 base: see predict's exclusions
+                out.append(Family(what, gpus, 3, False, 1, 1, 1))
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
             for pp in _powers_of_two(min(gpus // tp, c.layers)):
@@ -246,7 +250,8 @@ class _Counts:
 def _states(counts: _Counts, f: Family, n: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters."""
     if f.trainable != "all":                # the frozen weights (NF4: at least half a byte)
-        return (n // 2 if f.trainable == "qlora" else 2 * n), 0, 0
+        return per_rank(n // 2 if f.trainable == "qlora" else 2 * n, "params", f.zero_stage,
+                        f.dp), 0, 0
     b = state_bytes(FULL, "adamw")
     params = 0 if f.offload and f.zero_stage == 3 else per_rank(n * b.weights, "params",
                                                                 f.zero_stage, f.dp)
@@ -304,13 +309,15 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
         # (its dense ones) but the fewest experts
         n, experts = max(stages, key=lambda s: s[0])[:2]
         layers, moe = max(s[2] for s in stages), max(s[3] for s in stages)
-        if lora:
-            n, experts = 0, 0                 # adapters only: their all-reduce is negligible
+        frozen = 0
+        if lora:         # adapters only: their all-reduce is negligible; ZeRO-3 gathers the base
+            n, experts, frozen = 0, 0, n
         for micro in _powers_of_two(per_rank_batch):
             m = per_rank_batch // micro
             if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
                 continue
-            layout = (Layout() if lora else
+            layout = (Layout() if lora and f.zero_stage == 0 else
+                      Layout(dp=f.dp, zero_stage=f.zero_stage) if lora else
                       Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                              sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
                              schedule=schedule, virtual_stages=v, ep=f.ep))
@@ -321,7 +328,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               zero_stage=f.zero_stage, offload=f.offload, schedule=schedule,
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,
-                              stage_moe_layers=moe)
+                              stage_moe_layers=moe, frozen_params=frozen)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out
 
@@ -494,7 +501,10 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
-        f"each GPU a replica (labkit estimates LoRA on one GPU), every recompute policy",
+        f"every recompute policy, over dp only: each GPU a replica (one GPU's step; DDP's "
+        f"buckets of the adapters left out), or LoRA's frozen base sharded by FSDP2 (ZeRO-3, "
+        f"its backward prefetch of the next block counted); QLoRA under FSDP is not estimated "
+        f"(bitsandbytes' quant_storage)",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step is not timed",
@@ -545,7 +555,8 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
             how = "measure_step, one GPU"
         elif (L.tp, L.pp, L.ep, L.offload, L.zero_stage) == (1, 1, 1, False, 3):
             measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
-                                       recompute=r.recompute)["peak"]
+                                       recompute=r.recompute, trainable=r.trainable,
+                                       lora_rank=r.lora_rank)["peak"]
             how = f"FSDP2 on a fake group of {L.dp}"
         else:
             row["result"] = "not verifiable on fake tensors here (tp, pp, ep, DDP or offload)"

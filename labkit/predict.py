@@ -98,6 +98,31 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     return busiest
 
 
+# the moments of the backward pass before it reaches the last block
+HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "backward: final norm")
+
+
+def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
+    """LoRA and QLoRA are estimated over data parallelism: replicas (DDP over the adapters,
+    zero_stage=0), or LoRA's frozen base sharded by FSDP2 (zero_stage=3)."""
+    others = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp}
+    split = {k: v for k, v in others.items() if v > 1}
+    if split or layout.offload:
+        given = ", ".join(f"{k}={v}" for k, v in split.items()) or "offload=True"
+        raise ValueError(f"trainable='lora' is estimated over data parallelism (dp with ZeRO-0 "
+                         f"or ZeRO-3) so far, not with {given}: use Layout(dp=..., zero_stage=0 "
+                         f"or 3)")
+    if layout.zero_stage in (1, 2) and layout.dp > 1:
+        raise ValueError(f"trainable='lora' with zero_stage={layout.zero_stage}: labkit's ZeRO-1/2 "
+                         f"steps every parameter, and sharding the adapters' states would save "
+                         f"well under 1% of a replica; use zero_stage=0 (replicas) or 3 (FSDP, "
+                         f"which shards the frozen base)")
+    if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
+        raise ValueError("QLoRA under ZeRO-3 is not estimated yet (FSDP shards NF4 weights only "
+                         "as bitsandbytes' quant_storage): use QLoRA with zero_stage 0-2, or "
+                         "LoRA (weight_format=None) with ZeRO-3")
+
+
 class _Step:
     """One pipeline stage's step: its model states, its saved tensors, its moments."""
 
@@ -128,9 +153,8 @@ class _Step:
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
         # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``)
         self.lora = recipe.trainable == "lora"
-        if self.lora and layout != Layout():
-            raise ValueError("trainable='lora' is estimated on one device so far; use the "
-                             "default Layout() (no dp, tp, pp, ep or cp)")
+        if self.lora:
+            _check_lora_layout(recipe, layout)
         self.lora_rank = recipe.lora_rank if self.lora else 0
         self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
                         if self.lora else self.weights)
@@ -142,8 +166,15 @@ class _Step:
         self.zero = layout.zero_stage if layout.dp > 1 or layout.offload else 0
         self.offload = layout.offload           # ZeRO's shards (from stage 3 params too) on the host
         rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
-        self.units = zero.units(self.block_params, sum(w.local(tp, ep) for w in rest), self.zero)
-        self.rest = self.units[0] if self.zero >= 2 and rest else 0           # its elements
+        rest_params = sum(w.local(tp, ep) for w in rest)
+        # what ZeRO steps and reduces is what trains: LoRA's adapters, each block's in its unit
+        # (the root unit - embedding, final norm, LM head - is frozen); stage 3 (FSDP) gathers
+        # every parameter of a unit, LoRA's frozen base too
+        self.units = zero.units(self.block_trained, 0 if self.lora else rest_params, self.zero)
+        self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
+        self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
+                                if self.lora else self.block_params)
+        self.gathered_rest = rest_params if self.zero == 3 else 0
         # gloo (CPU) stages a copy of every buffer it sends; NCCL works in place
         self.staged = device == "cpu"
         # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
@@ -197,6 +228,10 @@ class _Step:
         targets = [w for m in self.moe for w in lora_targets(self.c, m)]
         numel = sum(w.numel for w in targets)
         rest = (self.n_local - numel) * self.bytes.weights
+        if self.zero == 3:         # FSDP shards the frozen base too (QLoRA's is refused above)
+            return [Tensor("frozen weights' shard", "params", self.wdt,
+                           zero.per_rank(numel * self.bytes.weights + rest, "params", 3,
+                                         self.L.dp))]
         if self.recipe.weight_format == "nf4":
             stored = sum(round(w.numel * nf4_bits_per_param() / 8) + 4 for w in targets)
             return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
@@ -314,10 +349,12 @@ class _Step:
                    **self._dequantise_moment(always, saved, full, unit_start)}
         if self.zero == 3:
             moments.update(self._gather_moments(always, saved, kept + head))
-            for phase, tensors in moments.values():   # the root unit stays gathered throughout
+            for name, (phase, tensors) in moments.items():   # the root stays gathered throughout
                 if phase != "optimizer":
                     tensors.append(self._gathered("the embedding, final norm and LM head",
-                                                  self.rest))
+                                                  self.gathered_rest))
+                if name.startswith(HEAD_BACKWARD):  # the last block's gather is under way
+                    tensors += self._prefetched(len(self.layers))
         return self._result(moments, saved=always + kept + head)
 
     def _loss_moments(self, kept: list[Tensor], head: list[Tensor]) -> dict:
@@ -421,9 +458,9 @@ class _Step:
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
-            this_block = ([self._bucket("this block", self.block_params[i])] if self.zero >= 2
-                          else []) + ([self._gathered("this block", self.block_params[i])]
-                                      if self.zero == 3 else [])
+            this_block = ([self._bucket("this block", self.block_trained[i])] if self.zero >= 2
+                          else []) + ([self._gathered("this block", self.gathered_blocks[i])]
+                                      if self.zero == 3 else []) + self._prefetched(i)
             tensors = always + self._kept_up_to(saved, i) + grads + this_block + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
@@ -434,8 +471,8 @@ class _Step:
                 worst = (i, tensors)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
                 reduce = always + self._kept_up_to(saved, i - 1) + grads + this_block + [
-                    self._reduced_shard(self.block_params[i]),
-                    self._staging(self.block_params[i], self.bytes.grads),
+                    self._reduced_shard(self.block_trained[i]),
+                    self._staging(self.block_trained[i], self.bytes.grads),
                     Tensor("gradient of the residual stream", "other", self.wdt,
                            self.N * c.hidden * stream)]
                 if worst_reduce is None or _total(reduce) > _total(worst_reduce[1]):
@@ -741,12 +778,35 @@ class _Step:
         last = len(self.layers) - 1
         out = {f"forward: gather of layer {self.layers[last]}": ("forward", always + (
             self._kept_up_to(saved, last - 1)) + [
-            self._gathered("this block", self.block_params[last]),
-            *self._gather_transients(self.block_params[last])])}
-        if self.rest:
+            self._gathered("this block", self.gathered_blocks[last]),
+            *self._gather_transients(self.gathered_blocks[last]),
+            *self._all_gather_outputs(last)])}
+        if self.gathered_rest:
             out["backward: gather of the embedding, final norm and LM head"] = (
-                "backward", always + kept + self._gather_transients(self.rest))
+                "backward", always + kept + self._gather_transients(self.gathered_rest))
         return out
+
+    def _prefetched(self, i: int) -> list[Tensor]:
+        """LoRA under ZeRO-3 is FSDP2's (labkit's ZeRO-3 trains every parameter): in layer i's
+        backward (i = the layer count: the head's) FSDP2 has already all-gathered the block
+        below into a flat buffer (its backward prefetch), copied out when that block's
+        backward starts."""
+        if not (self.lora and self.zero == 3 and i > 0):
+            return []
+        return [Tensor("next block's all-gather output (FSDP2's backward prefetch)", "other",
+                       self.wdt, zero.padded(self.gathered_blocks[i - 1], self.L.dp)
+                       * self.bytes.weights)]
+
+    def _all_gather_outputs(self, i: int) -> list[Tensor]:
+        """LoRA under ZeRO-3 (FSDP2): as it copies block i's parameters out of its all-gather's
+        flat output, FSDP2 still holds the previous all-gather's output (kept until the next
+        all-gather, to pace its communication stream)."""
+        if not (self.lora and self.zero == 3):
+            return []
+        flat = [zero.padded(self.gathered_blocks[j], self.L.dp) * self.bytes.weights
+                for j in (i, i - 1) if j >= 0]
+        return [Tensor("all-gather outputs of this block and the one before (FSDP2)", "other",
+                       self.wdt, sum(flat))]
 
     def _gather_transients(self, numel: int) -> list[Tensor]:
         """What an all-gather of a unit allocates besides its result: gloo's copy, and when
@@ -762,7 +822,7 @@ class _Step:
         if self.zero == 1:
             return [self._bucket("the whole model", self.units[0])]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
-                self._shards([self.block_params[j] for j in blocks_done])]
+                self._shards([self.block_trained[j] for j in blocks_done])]
 
     def _bucket(self, what: str, numel: int) -> Tensor:
         """A unit's full gradients, padded, while its backward runs."""
@@ -808,8 +868,9 @@ class _Step:
                                         "grads": 0 if self.offload else self.grads(),
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
+            gathered = self.gathered_blocks + [self.gathered_rest] if self.zero == 3 else []
             out.details["largest unit (elements)"] = max(zero.padded(u, self.L.dp)
-                                                         for u in self.units)
+                                                         for u in self.units + gathered)
         if self.L.ep > 1 and not self.zero:
             out.details["bytes sent per step, by message"] = self._expert_messages()
             out.details["bytes sent per step"] = sum(
@@ -819,6 +880,11 @@ class _Step:
                 f"{compose.routed_rows(self.c, self.B, self.T):,} rows per MoE layer; a skewed "
                 f"router puts more rows, activations and bytes sent on the busiest rank "
                 f"(labkit.parallel.expert.routing_imbalance measures it)"]
+        elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
+            out.details["bytes sent per step"] = (
+                zero.bytes_sent(self.units, 2, self.L.dp, self.bytes.grads, 0)
+                + zero.bytes_sent(self.gathered_blocks + [self.gathered_rest], 3, self.L.dp, 0,
+                                  self.bytes.weights))
         elif self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
                 self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)

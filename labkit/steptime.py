@@ -54,9 +54,11 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               top_k: int, seq: int, global_batch: int, micro: int, dp: int, tp: int, pp: int,
               ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
               recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
-              stage_layers: int, stage_moe_layers: int, mfu: float = MFU) -> StepTime:
+              stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
+              frozen_params: int = 0) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
-    busiest stage holds outside the routed experts, ``rank_expert_params`` inside them."""
+    busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
+    ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base)."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
@@ -78,7 +80,8 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         scatters = m if zero_stage >= 2 else 1
         gathers = 2 * m if zero_stage == 3 else 1       # stage 3: before each forward, backward
         sent = (scatters * ring(dp, grads, "reduce-scatter")
-                + gathers * ring(dp, grads, "all-gather"))
+                + gathers * ring(dp, grads + (frozen_params * STREAM_BYTES if zero_stage == 3
+                                              else 0), "all-gather"))
     if ep > 1:            # each expert shard is averaged over its dp / ep copies
         sent += ring(dp // ep, rank_expert_params * STREAM_BYTES, "all-reduce")
     dp_time = sent / dp_bw if dp > 1 else 0.0

@@ -12,12 +12,13 @@ from labkit.parallel.ddp import (bucket_bytes, ddp_step, ddp_steps, extra_bytes,
 N = 2
 TINY_GRAD_BYTES = 125_248 * 4            # tiny's parameters, fp32
 # one cluster run for the file: tiny (seq 32, one row per rank) in both modes, tiny with
-# buckets capped at 0.2 MiB (several buckets), and the MoE preset once
+# buckets capped at 0.2 MiB (several buckets), the MoE preset once, and LoRA on tiny
 SETTINGS = {
     "off": dict(gradient_as_bucket_view=False, keep_params=True),
     "view": dict(gradient_as_bucket_view=True, keep_params=True),
     "capped": dict(gradient_as_bucket_view=False, bucket_cap_mb=0.2),
     "moe": dict(model_name="tiny-moe", gradient_as_bucket_view=True),
+    "lora": dict(trainable="lora", gradient_as_bucket_view=False),   # replicas of a frozen model
 }
 VIEW = {name: s["gradient_as_bucket_view"] for name, s in SETTINGS.items()}
 
@@ -53,8 +54,10 @@ def test_the_rule():
 def test_buckets_hold_exactly_the_gradient_bytes(ranks, name):
     for step in ranks[name]:
         assert sum(step.buckets) == bucket_bytes(step.grad_bytes)
-    if name != "moe":
+    if name not in ("moe", "lora"):
         assert ranks[name][0].grad_bytes == TINY_GRAD_BYTES
+    if name == "lora":                  # the adapters alone: rank 16 on tiny's block linears
+        assert 0 < ranks[name][0].grad_bytes < TINY_GRAD_BYTES
 
 
 def test_bucket_cap_sets_how_many_buckets_not_their_bytes(ranks):
@@ -87,7 +90,7 @@ def test_the_estimate_gives_each_ranks_peak_within_3_percent(ranks, name):
     setting = SETTINGS[name]
     layout = lk.Layout(dp=N, gradient_as_bucket_view=setting["gradient_as_bucket_view"])
     est = lk.estimate(setting.get("model_name", "tiny"), 1, 32, precision="fp32", device="cpu",
-                      layout=layout)
+                      layout=layout, trainable=setting.get("trainable", "all"))
     for step in ranks[name]:
         assert step.peak == pytest.approx(est.total, rel=0.03)
         assert step.sent["all_reduce"] == est.details["bytes sent per step"]

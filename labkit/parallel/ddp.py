@@ -56,7 +56,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import preset
+from ..lora import apply_lora
 from ..model import build_model
+from ..recipe import TRAINABLE
 from ..track import current, tag_live
 from ..step import make_optimizer, param_dtype
 from ..units import check_choice, check_positive
@@ -153,12 +155,15 @@ def _check(model_name, batch, seq, steps, precision, bucket_cap_mb):
                          f"default, 25), got {bucket_cap_mb!r}")
 
 
-def _model_and_optimizer(model_name, precision, seed, device):
-    """The labkit model (same weights for every seed-equal caller) and its for-loop AdamW."""
+def _model_and_optimizer(model_name, precision, seed, device, trainable="all", lora_rank=16):
+    """The labkit model (same weights for every seed-equal caller), with rank-``lora_rank``
+    LoRA adapters on a frozen model if ``trainable="lora"``, and a for-loop AdamW of what trains."""
     torch.manual_seed(seed)
     model = build_model(preset(model_name), param_dtype(precision), device)
-    optimizer = make_optimizer(model.parameters(), "adamw", impl="for-loop",
-                               master_weights=precision == "bf16-master")
+    if trainable == "lora":
+        apply_lora(model, lora_rank, 2 * lora_rank)
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
+                               impl="for-loop", master_weights=precision == "bf16-master")
     return model, optimizer
 
 
@@ -176,9 +181,11 @@ def _finish(step: RankStep, model, log: BucketLog | None, keep_params: bool) -> 
 def ddp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps: int = 3,
              precision: str = "fp32", bucket_cap_mb: float | None = None,
              gradient_as_bucket_view: bool = False, forward_sync_buffers: bool = False,
-             seed: int = 0, keep_params: bool = False) -> DDPStep:
+             seed: int = 0, keep_params: bool = False, trainable: str = "all",
+             lora_rank: int = 16) -> DDPStep:
     """Train ``model_name`` under DDP on this rank's rows (``batch`` of them); the tracker
-    measures the last step, the buckets counted as gradients.
+    measures the last step, the buckets counted as gradients. ``trainable="lora"``: LoRA's
+    adapters on the frozen model (each rank a replica; only the adapters are bucketed).
 
     ``bucket_cap_mb=None`` is torch's default: 25 MiB and a first bucket of 1 MiB (an explicit
     25 gives no small first bucket). ``forward_sync_buffers`` (True in DDP) broadcasts every
@@ -186,7 +193,9 @@ def ddp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps
     buffers are the RoPE tables, equal on every rank, so it is off here.
     """
     _check(model_name, batch, seq, steps, precision, bucket_cap_mb)
-    model, optimizer = _model_and_optimizer(model_name, precision, seed, ctx.device)
+    check_choice("trainable", trainable, TRAINABLE)
+    model, optimizer = _model_and_optimizer(model_name, precision, seed, ctx.device, trainable,
+                                            check_positive("lora_rank", lora_rank))
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
         process_group=ctx.group, bucket_cap_mb=bucket_cap_mb,

@@ -49,7 +49,7 @@ from .zero_step import train_zero
 # labkit's ZeroOptimizer defaults (its inner AdamW is a for-loop), with the lab's learning rate
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, foreach=False)
 WORLDS = tuple(2 ** k for k in range(3, 11))        # 8, 16, ..., 1024 ranks
-FAKE_PRECISIONS = ("fp32", "bf16-master")
+FAKE_PRECISIONS = ("fp32", "bf16", "bf16-master")
 
 
 @dataclass
@@ -222,7 +222,8 @@ def fake_group(world_size: int, rank: int = 0):
 def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
                     precision: str = "bf16-master", reshard_after_forward: bool = True,
                     recompute: str = "none", placement: str = "dim0", rank: int = 0,
-                    cross_check: bool = False) -> dict:
+                    cross_check: bool = False, trainable: str = "all",
+                    lora_rank: int = 16) -> dict:
     """One rank's bytes in one steady-state FSDP2 training step of ``cfg_name`` over
     ``world_size`` ranks, on fake tensors with CUDA's defaults (AdamW foreach).
 
@@ -249,13 +250,14 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
         mesh = DeviceMesh.from_group(group, "cpu")          # outside FakeTensorMode
         # FSDP2's way for big models: build and shard on the meta device (no memory, no fake
         # tensor for each of the N chunks of every parameter), then make this rank's shards
-        model = _build(_Setup(cfg, None, "cuda", torch.device("meta")), precision, recompute)
+        model = _build(_Setup(cfg, None, "cuda", torch.device("meta")), precision, recompute,
+                       trainable=trainable, lora_rank=lora_rank)
         tracked_modules = shard_blocks(model, mesh, reshard_after_forward, placement)
         with FakeTensorMode(allow_non_fake_inputs=True):    # to_empty reads the meta tensors
             model.to_empty(device="cpu")                    # CPU fake tensors, CUDA's defaults
             tracked = FSDP2Parameters(model, tracked_modules)
-            opt = make_optimizer(model.parameters(), "adamw", device="cuda",
-                                 master_weights=precision == "bf16-master")
+            opt = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
+                                 device="cuda", master_weights=precision == "bf16-master")
             init_optimizer_state(model, opt)                # a steady-state step
             inputs, targets, step = _batch(model, batch, seq, None, torch.device("cpu"))
             with MemoryTracker(tracked, opt, timeline=False) as mt:
