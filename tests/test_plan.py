@@ -317,7 +317,7 @@ def test_advice_from_a_part_of_a_node_tries_whole_nodes_after_it():
 def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp():
     """The commonest large fine-tuning layout: LoRA with FSDP on 8 x 80 GB (replicas cannot
     hold the 128 GiB base). Checked on fake tensors: FSDP2 over 8, 24.48 GiB vs 23.80 estimated
-    then (+2.8%), 24.45 since FSDP2's held all-gather outputs are counted."""
+    then (+2.8%), 24.45 GiB (+0.1%) since FSDP2's held all-gather outputs are counted."""
     p = plan("llama-2-70b", "a100-80gb", 8, seq=2048, trainable="lora", top=3)
     best = p.fits[0]
     assert best.family.zero_stage == 3 and best.layout == lk.Layout(dp=8, zero_stage=3)
