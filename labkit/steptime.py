@@ -9,7 +9,8 @@ reduce-scatter or all-gather (n - 1) / n S (Patarasuk and Yuan, 2009); ZeRO's 2 
 twice in each layer's forward and twice in its backward (Shoeybi et al., 2019); the pipeline
 idles for ``labkit.pipeline_bubble``; expert parallelism sends each token's top-k rows out and
 back (all_to_all) in the forward and again in the backward (DeepSeek-V3, section 3.2). Nothing
-overlaps: the parts add up.
+overlaps: the parts add up (``StepTime.total``); ``StepTime.overlapped`` is the other end, what
+frameworks can hide under compute hidden, so a ranking can be checked against both.
 """
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ class StepTime:
     def total(self) -> float:
         return (self.compute + self.bubble + self.dp + self.tp + self.pp + self.ep
                 + self.offload)
+
+    @property
+    def overlapped(self) -> float:
+        """Seconds with every collective frameworks overlap hidden under the compute, as far as
+        it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
+        pipeline's sends and expert parallel's all-to-all (DualPipe). Tensor parallel's
+        all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies."""
+        hidden = self.dp + self.pp + self.ep
+        return (self.compute + self.bubble + self.tp + self.offload
+                + max(0.0, hidden - self.compute))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -139,6 +150,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "(theoretical); the host's optimizer step is not counted (ZeRO-Offload's bottleneck: "
         "about 30 bytes of DRAM traffic per parameter); the planner checks the host memory it "
         "needs apart (host_ram)",
-        "nothing overlaps: compute, bubble and every collective add up (real systems overlap "
-        "some of it, so the ranking, not the seconds, is the result)",
+        "the ranking adds compute, bubble and every collective (nothing overlaps); real "
+        "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
+        "dp, pp and ep communication hidden under compute (tp's and offload's stay exposed): "
+        "the two ends of what a framework does",
     ]

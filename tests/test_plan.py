@@ -324,3 +324,23 @@ def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp():
     assert best.label().startswith("LoRA, frozen base sharded (ZeRO-3 / FSDP), dp 8")
     assert best.estimate.total < p.usable and best.time.dp > 0      # the base is gathered
     assert "model states alone" in p.rejected["LoRA, one GPU per replica, dp 8"]
+
+
+def test_overlap_hides_dp_pp_and_ep_under_compute_but_not_tp():
+    from labkit.steptime import StepTime
+    t = StepTime(compute=1.0, bubble=0.1, dp=0.5, tp=0.2, pp=0.1, ep=0.3, offload=0.05)
+    assert t.total == pytest.approx(2.25) and t.overlapped == pytest.approx(1.35)
+    slow = StepTime(compute=1.0, bubble=0.0, dp=2.0, tp=0.0, pp=0.0, ep=0.4, offload=0.0)
+    assert slow.overlapped == pytest.approx(1.0 + 1.4)     # only the compute's length is hidden
+
+
+def test_the_plan_says_whether_its_first_layout_stays_first_with_overlap():
+    p = plan("llama-2-7b", "l4-24gb", 8, seq=4096, advice=False)   # PCIe-class links
+    k = int(p.overlap.split("#")[1].split()[0])
+    assert "becomes first" in p.overlap and k > 1
+    assert p.fits[k - 1].time.total > p.fits[0].time.total          # slower without overlap
+    assert p.fits[k - 1].time.overlapped < 0.99 * p.fits[0].time.overlapped    # faster with
+    assert p.overlap in p.text() and p.as_dict()["overlap"] == p.overlap
+    kept = plan("llama-2-70b", "h100-80gb", 64, seq=4096, advice=False)
+    assert "#1 stays first" in kept.overlap
+    assert all(k.time.overlapped >= 0.99 * kept.fits[0].time.overlapped for k in kept.fits)
