@@ -54,10 +54,14 @@ class GPU:
 #   B200: DGX B200 / HGX B200 datasheet - 180 GB, 2.25 PFLOPS dense fp16/bf16, NVLink 1.8 TB/s.
 #   L4: NVIDIA L4 datasheet - 24 GB, 242 TFLOPS bf16 with sparsity (121 dense), PCIe Gen4 x16,
 #     no NVLink; its inter-node figure (100 GbE per GPU) is an assumption, not a datasheet.
+#   RTX A6000: NVIDIA RTX A6000 datasheet - 48 GB GDDR6, 154.8 TFLOPS bf16 dense (309.7 with
+#     sparsity), a two-GPU NVLink bridge at 112.5 GB/s both ways, PCIe Gen4 x16; inter-node and
+#     host memory assumed as for the RTX 4090 (a workstation card).
 #   RTX 4090: Ada Lovelace architecture whitepaper - 165.2 TFLOPS bf16 with fp32 accumulate
 #     (what training uses), PCIe Gen4 x16, no NVLink; inter-node assumed as for the L4.
 # Memory: what nvidia-smi reports as the total (A100-80GB 81,920 MiB, H100 SXM 81,559 MiB,
-# H200 SXM 143,771 MiB, B200 183,359 MiB, L4 23,034 MiB, RTX 4090 24,564 MiB). The RTX 4090
+# H200 SXM 143,771 MiB, B200 183,359 MiB, L4 23,034 MiB, RTX A6000 49,140 MiB, RTX 4090
+# 24,564 MiB). The RTX 4090
 # has no GPU-to-GPU P2P: its 32 GB/s "intra-node" link goes through host memory and is
 # optimistic; PCIe figures are theoretical (about 25 GB/s is typical from pinned memory).
 # Host memory per GPU (ZeRO-Offload's pinned states must fit in a node's): DGX A100 320GB 1 TB
@@ -77,6 +81,7 @@ GPUS = {g.name: g for g in (
     GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
     GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB),
     GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB),
+    GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB),
     GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB),
 )}
 
