@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--explain", action="store_true", help="list the tensors alive at the peak")
     est.add_argument("--gpu", type=_gpu, metavar="GPU",
                      help=f"say whether the step fits this GPU with the planner's "
-                          f"{HEADROOM:.0%} headroom: {GPU_HELP}")
+                          f"{HEADROOM:.0%}% headroom: {GPU_HELP}")   # %%: argparse's
     mea = sub.add_parser("measure", help="run one training step under the memory tracker")
     _step_options(mea)
     mea.add_argument("--device", choices=DEVICES,

@@ -9,6 +9,7 @@ Describe your own with ``GPU(...)``, or as JSON (``gpu_from_json``; the command 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -31,15 +32,16 @@ class GPU:
     def __post_init__(self):
         for field in ("memory", "host_ram_per_gpu"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GPU {field} is bytes, a positive int (e.g. 80 * 2**30), got "
                                  f"{value!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"GPU name must be a non-empty string, got {self.name!r}")
         for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"GPU {field} must be a positive number, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < math.inf):
+                raise ValueError(f"GPU {field} must be a positive finite number, got {value!r}")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -69,10 +71,11 @@ class GPU:
 # system memory), so 128 and 256 GiB per GPU; the L4 as in Google Cloud's g2-standard-96 (8 L4s,
 # 384 GB: 48 GiB each); the RTX 4090 an assumption, a workstation's 128 GiB per GPU. A plan's
 # node has this times its GPUs on the node. Pass host_ram= (--host-ram) for your own nodes.
-#   H800 SXM: the H100 with NVLink cut to 400 GB/s (200 per direction), sold in China. Its two
-#     links are the DeepSeek-V3 report's (arXiv:2412.19437, section 3.2.2): NVLink 160 GB/s and
-#     InfiniBand 50 GB/s per GPU, as achieved on DeepSeek's 2,048 H800s, not datasheet figures;
-#     its host memory per GPU is assumed as for a DGX H100.
+#   H800 SXM: the H100 with NVLink cut to 400 GB/s (200 per direction), sold in China. Its links
+#     are the DeepSeek-V3 report's (arXiv:2412.19437, section 3.2.2): NVLink 160 GB/s - unlike the
+#     other rows, a practical maximum (DeepEP's README), about 80% of the 200 GB/s datasheet
+#     figure - and InfiniBand 50 GB/s, the line rate of its 400 Gb/s NIC as for the H100. Its
+#     memory (81,559 MiB) and host memory per GPU are assumed as for the H100 SXM / DGX H100.
 GPUS = {g.name: g for g in (
     GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB),
     GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB),
@@ -97,6 +100,11 @@ def usable_memory(g: GPU, headroom: float = HEADROOM) -> int:
     return int(g.memory * (1 - headroom))
 
 
+def _no_constant(name: str):
+    """json.loads reads NaN and Infinity as numbers; a GPU's figures must be finite."""
+    raise ValueError(f"the GPU's JSON holds {name}: give finite numbers, e.g. '{JSON_EXAMPLE}'")
+
+
 # A GPU of one's own as JSON: memory and host memory in GiB, the rest as GPU's fields
 JSON_EXAMPLE = ('{"name": "my-gpu", "memory_gib": 48, "bf16_tflops": 181, '
                 '"intra_node_gbps": 32, "inter_node_gbps": 12.5}')
@@ -107,7 +115,8 @@ def gpu(name: str | GPU) -> GPU:
     ``.json`` file or the text itself (``JSON_EXAMPLE``); ValueError lists the names."""
     if isinstance(name, GPU):
         return name
-    if isinstance(name, str) and (name.lstrip().startswith("{") or name.endswith(".json")):
+    if isinstance(name, str) and (name.lstrip().startswith("{")
+                                  or name.lower().endswith(".json") or Path(name).is_file()):
         return gpu_from_json(name)
     if name not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}, or describe "
@@ -120,15 +129,22 @@ def gpu(name: str | GPU) -> GPU:
 def gpu_from_json(text_or_path: str) -> GPU:
     """A ``GPU`` from JSON text or a ``.json`` file: ``memory_gib`` (and ``host_ram_per_gpu_gib``)
     in GiB, the other fields as ``GPU``'s (``pcie_gbps`` and the host memory optional)."""
+    if not isinstance(text_or_path, str):
+        raise ValueError(f"a GPU as JSON is a string (the text or a file's path), got "
+                         f"{type(text_or_path).__name__}")
     source = text_or_path
     if not text_or_path.lstrip().startswith("{"):
         path = Path(text_or_path)
         if not path.is_file():
             raise ValueError(f"no GPU file {text_or_path!r}: give a .json file that exists, or "
                              f"the JSON itself, e.g. '{JSON_EXAMPLE}'")
-        source = path.read_text()
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{text_or_path} is not UTF-8 text: save the GPU's JSON as UTF-8, "
+                             f"e.g. '{JSON_EXAMPLE}'") from None
     try:
-        spec = json.loads(source)
+        spec = json.loads(source, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         raise ValueError(f"the GPU's JSON does not parse ({error}): write it as "
                          f"'{JSON_EXAMPLE}'") from None
@@ -137,13 +153,19 @@ def gpu_from_json(text_or_path: str) -> GPU:
     known = {f.name for f in fields(GPU)} - {"memory", "host_ram_per_gpu"}
     known |= {"memory_gib", "host_ram_per_gpu_gib"}
     required = {"name", "memory_gib", "bf16_tflops", "intra_node_gbps", "inter_node_gbps"}
-    if set(spec) - known or required - set(spec):
-        raise ValueError(f"the GPU's JSON has {sorted(spec)}; it needs {sorted(required)} "
-                         f"(optional: pcie_gbps, host_ram_per_gpu_gib), e.g. '{JSON_EXAMPLE}'")
+    unknown, missing = sorted(set(spec) - known), sorted(required - set(spec))
+    if unknown or missing:
+        said = "; ".join(part for part in (
+            unknown and f"unknown key(s) {unknown} (memory and host memory are in GiB: "
+                        f"memory_gib, host_ram_per_gpu_gib)",
+            missing and f"missing {missing}") if part)
+        raise ValueError(f"the GPU's JSON: {said}; it needs {sorted(required)} (optional: "
+                         f"pcie_gbps, host_ram_per_gpu_gib), e.g. '{JSON_EXAMPLE}'")
     for key in ("memory_gib", "host_ram_per_gpu_gib"):
         if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], (int, float))
-                            or spec[key] <= 0):
-            raise ValueError(f"the GPU's {key} must be a positive number of GiB, got {spec[key]!r}")
+                            or not 1 / GiB <= spec[key] < math.inf):
+            raise ValueError(f"the GPU's {key} must be a positive finite number of GiB (e.g. "
+                             f"48), got {spec[key]!r}")
     bytes_of = {key[:-4]: int(spec.pop(key) * GiB) for key in ("memory_gib", "host_ram_per_gpu_gib")
                 if key in spec}
     return GPU(**spec, **bytes_of)

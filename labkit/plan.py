@@ -15,6 +15,7 @@ family that keeps more (a larger micro-batch, a weaker recompute policy) without
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -138,8 +139,10 @@ class Plan:
         groups = self.rejected_by_reason()
         if groups:
             lines += ["", f"rejected families ({len(self.rejected)}), by reason:"]
-        lines += [f"  - {g['count']:>3} x {g['example_reason']} (e.g. {g['example']})"
-                  for g in groups[:max_rejected]]
+        lines += [f"  - {g['count']} families, "
+                  f"{'the nearest' if _first_bytes(g['example_reason']) < math.inf else 'e.g.'} "
+                  f"{g['example']}: {g['example_reason']}" if g["count"] > 1 else
+                  f"  - {g['example']}: {g['example_reason']}" for g in groups[:max_rejected]]
         if len(groups) > max_rejected:
             lines.append(f"  ... {len(groups) - max_rejected} more reasons (see --json)")
         if self.unexplored:
@@ -153,10 +156,12 @@ class Plan:
         ``reason`` (the pattern), ``count``, one ``example`` family and its ``example_reason``."""
         groups: dict[str, dict] = {}
         for family, why in self.rejected.items():
-            kind = _reason_kind(why)
+            kind = f"{family.split(',')[0]}: {_reason_kind(why)}"      # full / LoRA / QLoRA
             group = groups.setdefault(kind, dict(reason=kind, count=0, example=family,
                                                  example_reason=why))
             group["count"] += 1
+            if _first_bytes(why) < _first_bytes(group["example_reason"]):   # the nearest miss
+                group.update(example=family, example_reason=why)
         return sorted(groups.values(), key=lambda g: -g["count"])
 
     def as_dict(self) -> dict:
@@ -170,10 +175,20 @@ class Plan:
                 "estimates": self.estimates, "search_s": self.search_s}
 
 
+_NUMBER = r"\d(?:[\d,.]*\d)?"
+_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
 def _reason_kind(why: str) -> str:
-    """A rejection's reason without its numbers and its largest category: what groups it."""
-    why = re.sub(r"\s*\(largest: [^)]*\)", "", why)
-    return re.sub(r"\d[\d,.]*(\s*[KMGT]iB|\s*B\b)?", "#", why)
+    """A rejection's reason without its numbers: what groups it (the largest category and
+    the peak's phase stay)."""
+    return re.sub(_NUMBER + r"(\s*[KMGT]iB|\s*B\b)?", "#", why)
+
+
+def _first_bytes(why: str) -> float:
+    """The first size a reason names (what the family needs), or infinity."""
+    found = re.search(r"(" + _NUMBER + r")\s*(B|[KMGT]iB)\b", why)
+    return float(found.group(1).replace(",", "")) * _BYTES[found.group(2)] if found else math.inf
 
 
 # ---- the search space --------------------------------------------------------------------
@@ -474,10 +489,10 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
                          f"{gpus_per_node} (or set gpus_per_node)")
     batch = gpus if global_batch is None else global_batch
     check_positive("global_batch (sequences per step)", batch)
-    trainable = (trainable,) if isinstance(trainable, str) else tuple(trainable)
+    trainable = (trainable,) if isinstance(trainable, str) else tuple(dict.fromkeys(trainable))
     for t in trainable:
         check_choice("trainable", t, TRAINABLE)
-    recompute = (recompute,) if isinstance(recompute, str) else tuple(recompute)
+    recompute = (recompute,) if isinstance(recompute, str) else tuple(dict.fromkeys(recompute))
     for r in recompute:
         check_choice("recompute", r, RECOMPUTE)
     if not trainable or not recompute:
@@ -500,11 +515,11 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
                unexplored, estimates=n)
     out.assumptions = [
-        f"usable memory: {fmt_bytes(g.memory)} less {headroom:.0%} headroom for the CUDA "
+        f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
-        f"every recompute policy, over dp only: each GPU a replica (one GPU's step; DDP's "
+        f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (one GPU's step; DDP's "
         f"buckets of the adapters left out), or LoRA's frozen base sharded by FSDP2 (ZeRO-3, "
         f"its backward prefetch of the next block counted); QLoRA under FSDP is not estimated "
         f"(bitsandbytes' quant_storage)",
@@ -613,6 +628,12 @@ def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
         return found.fits[0] if found.fits else None
 
     out = []
+    if tuple(recompute) != RECOMPUTE:        # the policies left out may fit as they are
+        k = first_fit(recompute=RECOMPUTE)
+        if k:
+            out.append(f"recompute {k.recipe.recompute} on these GPUs (only "
+                       f"{' / '.join(recompute)} searched): {k.label()} "
+                       f"({fmt_bytes(k.estimate.total)} per GPU)")
     n = gpus
     while n < 16384:
         n = _twice_the_gpus(n, gpus_per_node)

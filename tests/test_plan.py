@@ -175,21 +175,37 @@ def test_cli_prints_a_ranked_table_and_the_rejections(capsys):
                  "--seq", "4096", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert " 1 " in out and "rejected families (6), by reason:" in out and "assumptions:" in out
-    assert ("  -   6 x model states alone need 263.30 GiB per GPU > 72.00 GiB usable "
-            "(e.g. full, ZeRO-0, dp 8, tp 1, pp 1)") in out
+    assert ("  - 6 families, the nearest full, ZeRO-0, dp 8, tp 1, pp 1, ep 4: model states "
+            "alone need 73.17 GiB per GPU > 72.00 GiB usable") in out
 
 
 def test_rejections_group_by_reason_without_their_numbers():
     p = plan("llama-2-7b", "a100-80gb", 64, seq=2048, top=1, advice=False)
     groups = p.rejected_by_reason()
     assert sum(g["count"] for g in groups) == len(p.rejected)
-    assert len(groups) < len(p.rejected)            # tp 16, tp 32, tp 64: one reason
+    assert len(groups) < len(p.rejected)            # dp 4, 2, 1 with tp 16: one reason
     inside = [g for g in groups if "must stay inside a node" in g["reason"]]
     assert len(inside) == 1 and inside[0]["count"] == sum(
         "must stay inside a node" in why for why in p.rejected.values())
-    assert inside[0]["reason"].startswith("tp # > # GPUs per node")
+    assert inside[0]["reason"].startswith("full: tp # > # GPUs per node")
     assert p.rejected[inside[0]["example"]] == inside[0]["example_reason"]
     assert json.loads(json.dumps(p.as_dict()))["rejected_by_reason"] == groups
+
+
+def test_a_group_of_rejections_shows_its_nearest_miss_and_keeps_what_differs_apart():
+    """DeepSeek-V2-Lite on one 24 GB card: full fine-tuning's states from 29.26 GiB (offloaded)
+    to 234 GiB (ZeRO-0) are one reason, shown by the nearest; LoRA's and QLoRA's stay apart."""
+    p = plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048,
+             trainable=("all", "lora", "qlora"), advice=False)
+    groups = {g["reason"]: g for g in p.rejected_by_reason()}
+    states = groups["full: model states alone need # per GPU > # usable"]
+    assert states["count"] == 3 and "29.26 GiB" in states["example_reason"]
+    assert states["example"] == "full, ZeRO-1-Offload, dp 1, tp 1, pp 1"
+    assert any(r.startswith("LoRA:") for r in groups) and any(r.startswith("QLoRA:") for r in groups)
+    assert all(g["reason"].count("#") and "largest: #" not in g["reason"] for g in groups.values())
+    qlora = next(g for r, g in groups.items() if r.startswith("QLoRA:"))
+    assert "(largest: parameters #, peak in the backward)" in qlora["reason"]
+    assert "recompute full (largest" in qlora["reason"]          # no number eats the comma
 
 
 def test_the_recompute_policies_searched_can_be_chosen():
@@ -229,9 +245,9 @@ def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
     ('{"name": "x", "memory_gib": 48, "bf16_tflops": 1, "intra_node_gbps": 1, '
      '"inter_node_gbps": 1, "memory": 5}', "it needs"),
     ('{"name": "x", "memory_gib": "48", "bf16_tflops": 1, "intra_node_gbps": 1, '
-     '"inter_node_gbps": 1}', "memory_gib must be a positive number"),
+     '"inter_node_gbps": 1}', "memory_gib must be a positive finite number"),
     ('{"name": "x", "memory_gib": 48, "bf16_tflops": "fast", "intra_node_gbps": 1, '
-     '"inter_node_gbps": 1}', "bf16_tflops must be a positive number"),
+     '"inter_node_gbps": 1}', "bf16_tflops must be a positive finite number"),
     ('{"name": 48', "does not parse"),
     ("missing.json", "no GPU file"),
 ])
@@ -251,6 +267,47 @@ def test_cli_takes_several_trainables_a_headroom_and_a_gpu_as_json(capsys):
     assert back["fits"][0]["label"].startswith("QLoRA") and "LoRA, one GPU per replica, dp 1" \
         in back["rejected"]
     assert {f["recipe"]["recompute"] for f in back["fits"]} == {"full"}
+
+
+def test_advice_names_a_recompute_policy_the_filter_left_out():
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=4096, trainable="lora", recompute="none")
+    assert not p.fits and p.advice[0].startswith("recompute full on these GPUs (only none searched)")
+    assert any("recompute none" in a and "LoRA/QLoRA" in a for a in p.assumptions)
+
+
+@pytest.mark.parametrize("text, fix", [
+    ('{"name": "x", "memory_gib": Infinity, "bf16_tflops": 1, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "holds Infinity"),
+    ('{"name": "x", "memory_gib": 8, "bf16_tflops": NaN, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "holds NaN"),
+    ('{"name": "x", "memory_gib": 8, "bf16_tflops": 1e999, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "positive finite number"),
+    ('{"name": "x", "memory_gib": 1e-12, "bf16_tflops": 1, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', "finite number of GiB"),
+    ('{"name": "x", "memory": 8, "bf16_tflops": 1, "intra_node_gbps": 1, '
+     '"inter_node_gbps": 1}', r"unknown key\(s\) \['memory'\].*missing \['memory_gib'\]"),
+])
+def test_a_gpu_json_with_no_finite_figure_names_the_fix(text, fix):
+    with pytest.raises(ValueError, match=fix):
+        gpu(text)
+
+
+def test_a_gpu_file_is_read_whatever_its_suffix(tmp_path):
+    path = tmp_path / "MY_GPU"
+    path.write_text('{"name": "mine", "memory_gib": 24, "bf16_tflops": 100, '
+                    '"intra_node_gbps": 32, "inter_node_gbps": 12.5}')
+    assert gpu(str(path)).memory == 24 * GiB
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        gpu(str(path))
+    with pytest.raises(ValueError, match="is a string"):
+        lk.gpus.gpu_from_json(123)
+
+
+@pytest.mark.parametrize("command", ["estimate", "measure", "plan", "presets", "doctor"])
+def test_every_commands_help_prints(capsys, command):
+    assert exit_code([command, "--help"]) == 0
+    assert "usage:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, fix", [
