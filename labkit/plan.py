@@ -53,7 +53,7 @@ class Family:
     def label(self) -> str:
         what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
         if self.trainable != "all" and self.zero_stage == 3:
-            return f"{what}, frozen base sharded (ZeRO-3 / FSDP), dp {self.dp}"
+            return f"{what}, frozen base sharded (FSDP2), dp {self.dp}"
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
@@ -334,8 +334,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
             m = per_rank_batch // micro
             if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
                 continue
-            layout = (Layout() if lora and f.zero_stage == 0 else
-                      Layout(dp=f.dp, zero_stage=f.zero_stage) if lora else
+            layout = (Layout(dp=f.dp, zero_stage=f.zero_stage) if lora else
                       Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                              sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
                              schedule=schedule, virtual_stages=v, ep=f.ep))
@@ -519,10 +518,11 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
-        f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (one GPU's step; DDP's "
-        f"buckets of the adapters left out), or LoRA's frozen base sharded by FSDP2 (ZeRO-3, "
-        f"its backward prefetch of the next block counted); QLoRA under FSDP is not estimated "
-        f"(bitsandbytes' quant_storage)",
+        f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (DDP over the "
+        f"adapters), or LoRA's frozen base sharded by FSDP2 (its backward prefetch and held "
+        f"all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, one unit gathered "
+        f"at a time, which FSDP2 exceeds by up to ~4%); QLoRA under FSDP (torchao's NF4Tensor, "
+        f"bitsandbytes' quant_storage) is not estimated",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step is not timed",
@@ -531,7 +531,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         "with ZeRO-0 only (labkit.estimate does not shard experts' states yet), ZeRO 0-3 and "
         f"ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
-        f"bubble with more memory)",
+        f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
+        f"FSDP-QLoRA",
         *assumptions(g, gpus_per_node),
     ]
     out.overlap = _overlap_check(fits)
@@ -567,11 +568,12 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
                                   disable=not progress), 1):
         L, r, e = k.layout, k.recipe, k.estimate
         row = {"rank": rank, "label": k.label(), "estimated": e.total}
-        if L == Layout():
+        if L == Layout() or (r.trainable == "lora" and L == Layout(dp=L.dp)):
             measured = measure_step(c, k.micro_batch, seq, r.precision, recompute=r.recompute,
                                     fake=True, device="cuda", trainable=r.trainable,
                                     lora_rank=r.lora_rank, weight_format=r.weight_format).total
-            how = "measure_step, one GPU"
+            how = ("measure_step, one GPU" if L.dp == 1 else
+                   "measure_step, one replica (DDP's adapter buckets not in it)")
         elif (L.tp, L.pp, L.ep, L.offload, L.zero_stage) == (1, 1, 1, False, 3):
             measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
                                        recompute=r.recompute, trainable=r.trainable,

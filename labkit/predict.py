@@ -76,6 +76,9 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     (``labkit.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device is
     one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
     loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
+    ``zero_stage=3`` models labkit's ZeroOptimizer (one unit gathered at a time) for full
+    fine-tuning, and FSDP2 (its backward prefetch and held all-gather outputs) under LoRA, the
+    only way LoRA shards its base; FSDP2 holds up to ~4% more than the first (lab 09 checks).
     """
     c = preset(cfg) if isinstance(cfg, str) else cfg
     recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
@@ -113,14 +116,15 @@ def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
                          f"or ZeRO-3) so far, not with {given}: use Layout(dp=..., zero_stage=0 "
                          f"or 3)")
     if layout.zero_stage in (1, 2) and layout.dp > 1:
-        raise ValueError(f"trainable='lora' with zero_stage={layout.zero_stage}: labkit's ZeRO-1/2 "
-                         f"steps every parameter, and sharding the adapters' states would save "
-                         f"well under 1% of a replica; use zero_stage=0 (replicas) or 3 (FSDP, "
-                         f"which shards the frozen base)")
+        raise ValueError(f"trainable='lora' with zero_stage={layout.zero_stage} is not estimated: "
+                         f"ZeRO-1/2 keep the frozen base whole on every rank, as replicas do; "
+                         f"use zero_stage=0, an upper bound by the adapters' gradients and "
+                         f"optimizer states (1-3% of a LoRA step)")
     if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
-        raise ValueError("QLoRA under ZeRO-3 is not estimated yet (FSDP shards NF4 weights only "
-                         "as bitsandbytes' quant_storage): use QLoRA with zero_stage 0-2, or "
-                         "LoRA (weight_format=None) with ZeRO-3")
+        raise ValueError("QLoRA under ZeRO-3 (FSDP-QLoRA) is not estimated yet: FSDP2 shards an "
+                         "NF4 base through torchao's NF4Tensor or bitsandbytes' quant_storage, "
+                         "neither modelled here; use zero_stage=0 (replicas), or LoRA "
+                         "(weight_format=None) with ZeRO-3")
 
 
 class _Step:
@@ -679,11 +683,14 @@ class _Step:
                 for phase, (i, tensors) in worst.items()}
 
     def _lora_backward(self, always, saved, i: int) -> list[Tensor]:
-        """What is alive in layer i's backward under LoRA (one device): the states, what layers
-        0 .. i keep, the adapters' gradients of the layers done, the residual stream's gradient
-        (and under autocast its bf16 copy, for the MLP's bf16 output)."""
+        """What is alive in layer i's backward under LoRA: the states, what layers 0 .. i keep,
+        the adapters' gradients of the layers done, the residual stream's gradient (and under
+        autocast its bf16 copy, for the MLP's bf16 output); under FSDP2 (ZeRO-3) this block
+        gathered and the next one's all-gather prefetched."""
         stream, wide = self.bytes.weights, self.N * self.c.hidden
-        return always + self._kept_up_to(saved, i) + [
+        fsdp = ([self._gathered("this block", self.gathered_blocks[i]), *self._prefetched(i)]
+                if self.zero == 3 else [])
+        return always + self._kept_up_to(saved, i) + fsdp + [
             Tensor("gradients of the layers done", "grads", self.wdt,
                    sum(self.block_trained[i + 1:]) * stream),
             Tensor("gradient of the residual stream", "other", self.wdt, wide * stream),
@@ -799,8 +806,9 @@ class _Step:
 
     def _all_gather_outputs(self, i: int) -> list[Tensor]:
         """LoRA under ZeRO-3 (FSDP2): as it copies block i's parameters out of its all-gather's
-        flat output, FSDP2 still holds the previous all-gather's output (kept until the next
-        all-gather, to pace its communication stream)."""
+        flat output, FSDP2 still holds the previous all-gather's output (kept so that the next
+        copy-in cannot reuse memory a copy-out still reads: torch 2.13's _fsdp_param_group.py,
+        its prev_all_gather_state in wait_for_unshard)."""
         if not (self.lora and self.zero == 3):
             return []
         flat = [zero.padded(self.gathered_blocks[j], self.L.dp) * self.bytes.weights

@@ -113,9 +113,9 @@ def test_finetune_trains_modules_to_save_beside_the_adapters():
     (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
                          layout=lk.Layout(dp=2, zero_stage=3, offload=True)), "offload=True"),
     (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
-                         layout=lk.Layout(dp=2, zero_stage=1)), "zero_stage=0 .replicas. or 3"),
+                         layout=lk.Layout(dp=2, zero_stage=1)), "use zero_stage=0, an upper bound"),
     (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora", weight_format="nf4"),
-                         layout=lk.Layout(dp=2, zero_stage=3)), "quant_storage"),
+                         layout=lk.Layout(dp=2, zero_stage=3)), r"use zero_stage=0 \(replicas\)"),
 ])
 def test_bad_lora_recipes_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
@@ -217,29 +217,39 @@ def test_combinations_without_meaning_still_name_the_fix():
 
 
 # ---- LoRA over data parallelism: FSDP2 shards the frozen base -----------------------------------
-def _fsdp2_and_estimate(cfg, dp, seq, recompute):
+# small widened to 1024 (6 layers, vocabulary 256): blocks large beside the loss, so that FSDP2's
+# gathered, prefetched and held blocks set the peak, as at full size, in about 1.5 s a case
+WIDE = lk.preset("small").replace(hidden=1024, ffn=2816, heads=8, kv_heads=8, head_dim=128,
+                                  vocab_size=256, layers=6)
+
+
+def _fsdp2_and_estimate(cfg, dp, batch, seq, recompute):
     from labkit.parallel.fsdp import fake_fsdp2_peak
-    measured = fake_fsdp2_peak(cfg, dp, 1, seq, precision="bf16", recompute=recompute,
+    measured = fake_fsdp2_peak(cfg, dp, batch, seq, precision="bf16", recompute=recompute,
                                trainable="lora")
-    return measured, lk.estimate(cfg, 1, seq, precision="bf16", recompute=recompute,
+    return measured, lk.estimate(cfg, batch, seq, precision="bf16", recompute=recompute,
                                  trainable="lora", layout=lk.Layout(dp=dp, zero_stage=3))
 
 
-@pytest.mark.parametrize("dp, recompute", [(2, "full"), (4, "none")])
-def test_lora_under_fsdp2_matches_the_estimate(dp, recompute):
-    """Measured: 37.73 / 54.41 MiB, estimated to 0.0% (the prefetched and held all-gathers
-    of FSDP2 counted)."""
-    measured, est = _fsdp2_and_estimate("small", dp, 512, recompute)
-    assert est.total == pytest.approx(measured["peak"], rel=0.03), est.details["peak moment"]
-    replica = lk.estimate("small", 1, 512, precision="bf16", recompute=recompute,
+@pytest.mark.parametrize("dp, batch, seq, recompute, moment", [
+    (2, 1, 256, "full", "forward: gather of layer 5"),        # two all-gather outputs held
+    (8, 4, 512, "full", "backward: recomputing layer 5"),     # gathered, and the next prefetched
+    (4, 2, 256, "none", None)])
+def test_lora_under_fsdp2_matches_the_estimate(dp, batch, seq, recompute, moment):
+    """Measured: -0.31%, +0.01%, -0.15% (without FSDP2's held outputs and prefetch counted, the
+    first two were -6.7% and -5.2%)."""
+    measured, est = _fsdp2_and_estimate(WIDE, dp, batch, seq, recompute)
+    assert est.total == pytest.approx(measured["peak"], rel=0.005), est.details["peak moment"]
+    assert moment is None or est.details["peak moment"] == moment
+    replica = lk.estimate(WIDE, batch, seq, precision="bf16", recompute=recompute,
                           trainable="lora")
     assert est.total < replica.total            # the frozen base is sharded
 
 
 @pytest.mark.slow
 def test_lora_of_llama_2_7b_under_fsdp2_over_8_matches_the_estimate():
-    """Measured 3.81 GiB, estimated 3.76 GiB (-1.2%); one replica needs 14.04 GiB."""
-    measured, est = _fsdp2_and_estimate("llama-2-7b", 8, 2048, "full")
-    assert est.total == pytest.approx(measured["peak"], rel=0.03), est.details["peak moment"]
+    """Measured 3.81 GiB, estimated to 0.0%; one replica needs 14.04 GiB."""
+    measured, est = _fsdp2_and_estimate("llama-2-7b", 8, 1, 2048, "full")
+    assert est.total == pytest.approx(measured["peak"], rel=0.005), est.details["peak moment"]
     assert est.total < 0.3 * lk.estimate("llama-2-7b", 1, 2048, precision="bf16",
                                          recompute="full", trainable="lora").total
