@@ -47,13 +47,13 @@ class PublishedRun:
 RUNS = (
     PublishedRun(
         "Guanaco-65B: QLoRA on one 48 GB GPU",
-        "Dettmers et al., QLoRA (2023), and its scripts/finetune_guanaco_65b.sh: NF4 with double "
-        "quantisation, rank-64 LoRA on every linear, bf16, gradient checkpointing, 4 sequences "
-        "of at most 16 + 512 tokens",
-        LLAMA_65B, "a6000-48gb", 1, 4, 528,
+        "Dettmers et al., QLoRA (2023), and its scripts/finetune_guanaco_65b.sh (86ac601): NF4 "
+        "with double quantisation, rank-64 LoRA on every linear, bf16, gradient checkpointing, "
+        "1 sequence (16 accumulated) of at most 16 + 512 tokens",
+        LLAMA_65B, "a6000-48gb", 1, 1, 528,
         Recipe("bf16", recompute="full", trainable="lora", lora_rank=64, weight_format="nf4"),
-        note="the paper's paged 32-bit AdamW keeps the adapters' moments in fp32 (3 GiB more "
-             "here) and pages them to host memory under pressure; labkit's are bf16"),
+        note="the paper's paged 32-bit AdamW keeps the adapters' moments in fp32 (2.98 GiB "
+             "more) and pages them to host memory under pressure; labkit's are bf16"),
     PublishedRun(
         "Alpaca: LLaMA-7B fully fine-tuned with FSDP on 4 x A100-80GB",
         "Taori et al., Stanford Alpaca (2023), README: FSDP full_shard per decoder layer, bf16, "
@@ -63,12 +63,13 @@ RUNS = (
              "bytes per parameter / N as labkit's bf16-master"),
     PublishedRun(
         "torchtune: LLaMA-2-7B LoRA on one GPU",
-        "torchtune, recipes/configs/llama2/7B_lora_single_device.yaml: rank-8 LoRA, bf16, "
+        "torchtune, recipes/configs/llama2/7B_lora_single_device.yaml: rank-8 LoRA (from "
+        "torchtune 0.5 on q, v, the output projection and the MLP; q and v before), bf16, "
         "activation checkpointing, batch 2",
         "llama-2-7b", "rtx-4090-24gb", 1, 2, 2048,
         Recipe("bf16", recompute="full", trainable="lora", lora_rank=8),
-        note="the recipe adapts q and v only and names no GPU: checked on a 24 GB card with "
-             "every linear adapted and 2048-token sequences, more than it needs"),
+        note="the recipe names no GPU: checked on a 24 GB card with every linear adapted and "
+             "2048-token sequences, more than it needs"),
     PublishedRun(
         "torchtune: LLaMA-2-70B LoRA with FSDP on 8 GPUs",
         "torchtune, recipes/configs/llama2/70B_lora.yaml (lora_finetune_distributed, FSDP2): "
