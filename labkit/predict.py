@@ -179,6 +179,7 @@ class _Step:
         self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
                                 if self.lora else self.block_params)
         self.gathered_rest = rest_params if self.zero == 3 else 0
+        self.fsdp2 = self.lora and self.zero == 3   # LoRA's ZeRO-3 is FSDP2's: its buffers count
         # gloo (CPU) stages a copy of every buffer it sends; NCCL works in place
         self.staged = device == "cpu"
         # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
@@ -689,7 +690,7 @@ class _Step:
         gathered and the next one's all-gather prefetched."""
         stream, wide = self.bytes.weights, self.N * self.c.hidden
         fsdp = ([self._gathered("this block", self.gathered_blocks[i]), *self._prefetched(i)]
-                if self.zero == 3 else [])
+                if self.fsdp2 else [])
         return always + self._kept_up_to(saved, i) + fsdp + [
             Tensor("gradients of the layers done", "grads", self.wdt,
                    sum(self.block_trained[i + 1:]) * stream),
@@ -798,7 +799,7 @@ class _Step:
         backward (i = the layer count: the head's) FSDP2 has already all-gathered the block
         below into a flat buffer (its backward prefetch), copied out when that block's
         backward starts."""
-        if not (self.lora and self.zero == 3 and i > 0):
+        if not (self.fsdp2 and i > 0):
             return []
         return [Tensor("next block's all-gather output (FSDP2's backward prefetch)", "other",
                        self.wdt, zero.padded(self.gathered_blocks[i - 1], self.L.dp)
@@ -809,7 +810,7 @@ class _Step:
         flat output, FSDP2 still holds the previous all-gather's output (kept so that the next
         copy-in cannot reuse memory a copy-out still reads: torch 2.13's _fsdp_param_group.py,
         its prev_all_gather_state in wait_for_unshard)."""
-        if not (self.lora and self.zero == 3):
+        if not self.fsdp2:
             return []
         flat = [zero.padded(self.gathered_blocks[j], self.L.dp) * self.bytes.weights
                 for j in (i, i - 1) if j >= 0]
