@@ -175,6 +175,14 @@ class _Step:
         # (the root unit - embedding, final norm, LM head - is frozen); stage 3 (FSDP) gathers
         # every parameter of a unit, LoRA's frozen base too
         self.units = zero.units(self.block_trained, 0 if self.lora else rest_params, self.zero)
+        self.unit_ranks = [layout.dp] * len(self.units)   # the ranks each unit is sharded over
+        # with ep, ZeRO-1 shards the replicated weights over every dp rank and this rank's
+        # experts over their dp / ep copies (``parallel.zero_step``'s experts, Megatron's
+        # distributed optimizer): two units
+        routed = sum(w.local(tp, ep) for w in self.trained if w.copies > 1) if ep > 1 else 0
+        if self.zero and routed:
+            self.units, self.unit_ranks = ([self.units[0] - routed, routed],
+                                           [layout.dp, layout.dp // ep])
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
         self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
                                 if self.lora else self.block_params)
@@ -193,8 +201,7 @@ class _Step:
         c, L, b, n = self.c, self.L, self.bytes, self.n_train
         wdt = self.wdt
         numbers = STATE_NUMBERS[self.recipe.optimizer]
-        moments = zero.per_rank(n * (b.optimizer - (4 if self.master else 0)), "optimizer",
-                                L.zero_stage, L.dp)
+        moments = self._per_rank(b.optimizer - (4 if self.master else 0), "optimizer")
         if self.eight_bit:          # per stepped tensor: codes + fp32 block absmax, or fp32
             moments = sum(eight_bit_state_bytes(size) for size in self._stepped_sizes())
         state = HOST if self.offload else "optimizer"
@@ -202,7 +209,7 @@ class _Step:
         # at stage 3 it is the only copy of the parameters between gathers
         on_device = 0 if self.offload and self.zero == 3 else 1
         out = [Tensor("LoRA adapters A and B" if self.lora else "weights", "params", wdt,
-                      on_device * zero.per_rank(n * b.weights, "params", L.zero_stage, L.dp)),
+                      on_device * self._per_rank(b.weights, "params")),
                *self._frozen_weights(),
                Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
                       state, "int8" if self.recipe.optimizer == "adamw-8bit" else
@@ -214,14 +221,22 @@ class _Step:
         if self.master or self.offload:
             out.append(Tensor("fp32 master weights" if self.master else "weights' shard",
                               state, "fp32" if self.master else wdt,
-                              zero.per_rank(n * (4 if self.master else b.weights), "optimizer",
-                                            L.zero_stage, L.dp)))
+                              self._per_rank(4 if self.master else b.weights, "optimizer")))
         if self.ddp:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
         if self.recipe.optimizer == "adamw":   # on CUDA torch keeps them on the host
             out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
                               4 * (len(self.units) if self.zero else len(self.trained))))
         return out
+
+    def _per_rank(self, number: int, state: str) -> int:
+        """Bytes one rank holds of a ``state`` of ``number`` bytes per trained parameter: all of
+        them, or from the stage that shards it the rank's share of each unit."""
+        if len(set(self.unit_ranks)) == 1:
+            return zero.per_rank(self.n_train * number, state, self.L.zero_stage, self.L.dp)
+        if self.L.zero_stage < zero.SHARDED_FROM_STAGE[state]:
+            return self.n_train * number
+        return sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)) * number
 
     def _frozen_weights(self) -> list[Tensor]:
         """LoRA's frozen model: the targeted linears in ``weight_format`` (NF4: packed codes and
@@ -765,18 +780,20 @@ class _Step:
         """The step on the gradient shards (fp32 under master weights); before it stage 1
         reduce-scatters its whole bucket, after it stages 1 and 2 all-gather each unit's
         updated shard (the units after it still hold their gradient shards)."""
-        out = {"optimizer step": ("optimizer", always + [self._shards(self.units), temporaries])}
-        whole = self.units[0]
-        if self.zero == 1:
-            out["optimizer step: reduce-scatter"] = ("optimizer", always + [
-                self._bucket("the whole model", whole), self._reduced_shard(whole),
-                self._staging(whole, self.bytes.grads)])
+        units, ranks = self.units, self.unit_ranks
+        out = {"optimizer step": ("optimizer", always + [self._shards(units, ranks), temporaries])}
+        if self.zero == 1:             # each unit's bucket in turn (with ep: two)
+            reduces = [always + self._buckets(k) + [
+                self._shards(units[:k], ranks[:k]), self._reduced_shard(n, r),
+                self._staging(n, self.bytes.grads, r)]
+                for k, (n, r) in enumerate(zip(units, ranks))]
+            out["optimizer step: reduce-scatter"] = ("optimizer", max(reduces, key=_total))
         if self.zero <= 2:
-            gathers = [always + [self._shards(self.units[k + 1:]),
+            gathers = [always + [self._shards(units[k + 1:], ranks[k + 1:]),
                                  Tensor("this rank's updated shard, copied", "other", self.wdt,
-                                        zero.shard(n, self.L.dp) * self.bytes.weights),
-                                 self._staging(n, self.bytes.weights)]
-                       for k, n in enumerate(self.units)]
+                                        zero.shard(n, r) * self.bytes.weights),
+                                 self._staging(n, self.bytes.weights, r)]
+                       for k, (n, r) in enumerate(zip(units, ranks))]
             out["optimizer step: all-gather"] = ("optimizer", max(gathers, key=_total))
         return out
 
@@ -826,39 +843,53 @@ class _Step:
 
     def _grads_in_backward(self, blocks_done) -> list[Tensor]:
         """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
-        the whole model's bucket; from stage 2 the root unit's bucket (embedding, final norm,
-        head: reduced last) and the shards of the blocks done."""
+        the whole model's bucket (with ep, the experts' once an MoE block's backward is done: it
+        is made by the block's last matmuls, when most of what the block kept is freed); from
+        stage 2 the root unit's bucket (embedding, final norm, head: reduced last) and the
+        shards of the blocks done."""
         if self.zero == 1:
-            return [self._bucket("the whole model", self.units[0])]
+            buckets = self._buckets(0)
+            return buckets if any(self.moe[j] for j in blocks_done) else buckets[:1]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
                 self._shards([self.block_trained[j] for j in blocks_done])]
 
-    def _bucket(self, what: str, numel: int) -> Tensor:
+    def _bucket(self, what: str, numel: int, ranks: int | None = None) -> Tensor:
         """A unit's full gradients, padded, while its backward runs."""
         return Tensor(f"gradient bucket of {what}", "grads", self.wdt,
-                      zero.padded(numel, self.L.dp) * self.bytes.grads)
+                      zero.padded(numel, ranks or self.L.dp) * self.bytes.grads)
 
-    def _shards(self, numels) -> Tensor:
+    def _buckets(self, first: int) -> list[Tensor]:
+        """Stage 1's buckets of units ``first`` on: the whole model's, or with ep the
+        replicated weights' and the experts'."""
+        names = ["the whole model"] if len(self.units) == 1 else ["the replicated weights",
+                                                                  "this rank's experts"]
+        return [self._bucket(*unit) for unit in
+                list(zip(names, self.units, self.unit_ranks))[first:]]
+
+    def _shards(self, numels, ranks=None) -> Tensor:
         """This rank's averaged gradient shards of these units (fp32 under master weights)."""
         number = 4 if self.master else self.bytes.grads
+        ranks = ranks or [self.L.dp] * len(numels)
         return Tensor("gradient shards", HOST if self.offload else "grads",
                       "fp32" if self.master else self.wdt,
-                      sum(zero.shard(n, self.L.dp) for n in numels) * number)
+                      sum(zero.shard(n, r) for n, r in zip(numels, ranks)) * number)
 
-    def _reduced_shard(self, numel: int) -> Tensor:
+    def _reduced_shard(self, numel: int, ranks: int | None = None) -> Tensor:
         """The shard a reduce-scatter writes, in the gradients' dtype."""
         return Tensor("gradient shard being reduced", "grads", self.wdt,
-                      zero.shard(numel, self.L.dp) * self.bytes.grads)
+                      zero.shard(numel, ranks or self.L.dp) * self.bytes.grads)
 
     def _gathered(self, what: str, numel: int) -> Tensor:
         """Stage 3: a unit's full parameters, all-gathered around its forward or backward."""
         return Tensor(f"gathered parameters of {what}", "params", self.wdt,
                       zero.padded(numel, self.L.dp) * self.bytes.weights)
 
-    def _staging(self, numel: int, number: int) -> Tensor:
-        """gloo's copy of a buffer it sends (the CPU backend; NCCL works in place)."""
+    def _staging(self, numel: int, number: int, ranks: int | None = None) -> Tensor:
+        """gloo's copy of a buffer it sends (the CPU backend; NCCL works in place; a group of
+        one rank sends nothing)."""
+        ranks = ranks or self.L.dp
         return Tensor("gloo's copy of the buffer sent", "other", self.wdt,
-                      zero.padded(numel, self.L.dp) * number if self.staged else 0)
+                      zero.padded(numel, ranks) * number if self.staged and ranks > 1 else 0)
 
     def _result(self, moments, saved) -> Estimate:
         peak = max(moments, key=lambda k: _total(moments[k][1]))
@@ -878,9 +909,10 @@ class _Step:
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
             gathered = self.gathered_blocks + [self.gathered_rest] if self.zero == 3 else []
-            out.details["largest unit (elements)"] = max(zero.padded(u, self.L.dp)
-                                                         for u in self.units + gathered)
-        if self.L.ep > 1 and not self.zero:
+            out.details["largest unit (elements)"] = max(
+                [zero.padded(u, r) for u, r in zip(self.units, self.unit_ranks)]
+                + [zero.padded(u, self.L.dp) for u in gathered])
+        if self.L.ep > 1:
             out.details["bytes sent per step, by message"] = self._expert_messages()
             out.details["bytes sent per step"] = sum(
                 out.details["bytes sent per step, by message"].values())
@@ -911,13 +943,19 @@ class _Step:
         routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
         out = compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
                                        compute_bytes(self.recipe.precision), sum(self.moe))
-        return out | compose.gradient_bytes_sent((self.n_local - routed) * grads, routed * grads,
-                                                 L.ep, L.dp // L.ep)
+        if not self.zero:
+            return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
+                                                     routed * grads, L.ep, L.dp // L.ep)
+        for (n, r), group in zip(zip(self.units, self.unit_ranks), ("", " (experts, dp group)")):
+            if r > 1:   # ZeRO-1: each unit's gradients reduce-scattered, its weights all-gathered
+                out[f"reduce_scatter{group}"] = (r - 1) * zero.shard(n, r) * grads
+                out[f"all_gather{group}"] = (r - 1) * zero.shard(n, r) * self.bytes.weights
+        return out
 
     def _offload_traffic(self) -> int:
         """Bytes copied each step under offload: every gradient shard down to the host, and
         the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two)."""
-        shards = sum(zero.shard(n, self.L.dp) for n in self.units)
+        shards = sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks))
         return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1))
 
     # ---- transients ------------------------------------------------------------------------------
@@ -962,13 +1000,13 @@ class _Step:
         if not self.recipe.optimizer.startswith("adamw") or self.impl == "fused":
             return 0
         if self.impl == "foreach":
-            return zero.per_rank(self.n_train * number, "optimizer", self.L.zero_stage, self.L.dp)
+            return self._per_rank(number, "optimizer")
         sizes = self._stepped_sizes()
         return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
 
     def _stepped_sizes(self) -> list[int]:
         """Numbers of each tensor the optimizer steps on this rank, in the model's order."""
-        return ([zero.shard(n, self.L.dp) for n in self.units] if self.zero else
+        return ([zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)] if self.zero else
                 [w.local(self.L.tp, self.L.ep) for w in self.trained])
 
 

@@ -31,11 +31,15 @@ BATCH, STEP_SEQ_4 = 2, 64
 
 
 def composed(ctx) -> dict:
-    """ep 2 x dp 2 against one process (fp64, unbiased and skewed routers), and each layout's
-    steady training step (fp32, for-loop AdamW)."""
+    """ep 2 x dp 2 against one process (fp64, unbiased and skewed routers, and ZeRO-1's
+    gradients), and each layout's steady training step (fp32, for-loop AdamW; and ZeRO-1)."""
     torch.set_num_threads(1)
     out = {name: forward_backward(ctx, seq=SEQ, dtype=torch.float64, hot=hot, ep=2)
            for name, hot in (("fp64", None), ("fp64 skewed", HOT))}
     out["steps"] = {(ep, dp): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4)
                     for ep, dp in LAYOUTS}
+    # ZeRO-1: each expert shard's states over its dp copies, the rest over the 4 ranks
+    out["fp64 zero-1"] = forward_backward(ctx, seq=SEQ, dtype=torch.float64, ep=2, zero_stage=1)
+    out["zero-1 steps"] = {(ep, dp): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4,
+                                                zero_stage=1) for ep, dp in LAYOUTS}
     return out

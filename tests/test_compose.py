@@ -36,9 +36,10 @@ def one():
         torch.set_num_threads(threads)
 
 
-def estimate(ep: int, dp: int, **kw):
-    """The estimate of one rank of ep x dp (no DDP buckets: the step averages in place)."""
-    layout = lk.Layout(dp=ep * dp, ep=ep, ddp_buckets=False)
+def estimate(ep: int, dp: int, zero_stage: int = 0, **kw):
+    """The estimate of one rank of ep x dp (no DDP buckets: the step averages in place, or
+    ZeRO-1's flat buckets)."""
+    layout = lk.Layout(dp=ep * dp, ep=ep, ddp_buckets=False, zero_stage=zero_stage)
     return lk.estimate(CFG, BATCH, STEP_SEQ_4, precision="fp32", device="cpu", layout=layout, **kw)
 
 
@@ -49,12 +50,14 @@ def test_groups_are_blocks_of_ep_and_strides_of_ep():
     assert group_ranks(4, 1) == ([[0], [1], [2], [3]], [[0, 1, 2, 3]])
 
 
-@pytest.mark.parametrize("case", ["fp64", "fp64 skewed"])
+@pytest.mark.parametrize("case", ["fp64", "fp64 skewed", "fp64 zero-1"])
 def test_ep2_dp2_output_and_every_gradient_equal_one_process(ranks, one, case):
     """Rank r's logits are the one-process logits of its rows; after averaging, its replicated
     gradients are the one-process ones and its experts' are shard r % 2's slice of them (ranks
-    r and r + 2 hold the same shard). "skewed": every token picks shard 0's experts."""
-    ref, per = one[case], CFG.routed_experts // 2
+    r and r + 2 hold the same shard). "skewed": every token picks shard 0's experts. "zero-1":
+    averaged by ZeRO-1's reduce-scatters (the experts' over their dp group, divided by all 4
+    ranks), gathered back."""
+    ref, per = one[case.replace(" zero-1", "")], CFG.routed_experts // 2
     for r, got in enumerate(rank[case] for rank in ranks):
         shard = r % 2
         assert (got["logits"][0] - ref["logits"][r]).abs().max() <= FP64 * ref["logits"].abs().max()
@@ -82,6 +85,29 @@ def test_each_rank_peak_is_the_estimate_within_3_percent(ranks, ep, dp):
         assert step.peak_by_category["optimizer"] == est.optimizer
         assert step.peak_phase == est.peak_phase == "backward"
         assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (rank["steps"], est)
+
+
+@pytest.mark.parametrize("ep, dp", LAYOUTS)
+def test_zero1_with_ep_is_the_estimate(ranks, ep, dp):
+    """ZeRO-1 inside ep x dp (labkit's ZeroOptimizer with the experts' unit over their dp
+    group): weights and optimizer states exactly, each collective's bytes exactly, the peak
+    within 3%, and each state smaller than without ZeRO by the shares the groups give."""
+    est, plain = estimate(ep, dp, zero_stage=1), estimate(ep, dp)
+    routed, replicated = rank_params(CFG, ep)
+    for rank in ranks:
+        step = rank["zero-1 steps"][(ep, dp)]
+        assert step.peak_by_category["params"] == est.params == step.param_bytes
+        assert step.peak_by_category["optimizer"] == est.optimizer
+        if ep > 1:     # ZeRO's collectives exactly (the all_to_alls' bytes follow the routing)
+            zero = {k: v for k, v in est.details["bytes sent per step, by message"].items()
+                    if k.startswith(("reduce_scatter", "all_gather")) and v}
+            assert {k: v for k, v in step.sent.items() if k in zero or v and "_" in k} == zero
+        else:
+            assert sum(step.sent.values()) == est.details["bytes sent per step"]
+        assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (step, est)
+    assert est.optimizer < plain.optimizer
+    if ep > 1:         # fp32 AdamW's two moments of each unit's share, and a step counter each
+        assert est.optimizer == 8 * (-(-replicated // WORLD) + -(-routed // dp)) + 4 * 2
 
 
 def test_ddp_buckets_stay_out_of_expert_parallel_layouts():

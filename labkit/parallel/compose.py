@@ -26,6 +26,8 @@ rank (``labkit.parallel.expert.routing_imbalance`` measures it).
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..layers import block_weights, embedding_weights, head_weights, mlp_weights
+from ..recipe import state_bytes
 
 
 def dp_degree(world: int, ep: int) -> int:
@@ -35,6 +37,18 @@ def dp_degree(world: int, ep: int) -> int:
         raise ValueError(f"ep={ep!r} must divide the {world} ranks (world = ep x dp); choose ep "
                          f"among {divisors}")
     return world // ep
+
+
+def experts_per_rank(cfg: ModelConfig, ep: int) -> int:
+    """routed_experts / ep, or ValueError naming the fix when ep does not divide them."""
+    if not cfg.is_moe:
+        raise ValueError(f"{cfg.name} has no routed experts: expert parallelism needs an MoE "
+                         f"model (tiny-moe, deepseek-v2-lite, deepseek-v3)")
+    if not isinstance(ep, int) or ep < 1 or cfg.routed_experts % ep:
+        divisors = [d for d in range(1, cfg.routed_experts + 1) if cfg.routed_experts % d == 0]
+        raise ValueError(f"ep={ep!r} must divide routed_experts={cfg.routed_experts}; choose ep "
+                         f"among {divisors}")
+    return cfg.routed_experts // ep
 
 
 def group_ranks(world: int, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -61,6 +75,15 @@ def new_groups(ctx, ep: int) -> tuple:
 
 
 # ---- byte rules (labkit.estimate) ---------------------------------------------------------------
+def rank_params(cfg: ModelConfig, ep: int) -> tuple[int, int]:
+    """(routed-expert parameters, all the others) on one of ``ep`` ranks, from labkit.layers."""
+    experts_per_rank(cfg, ep)
+    routed = cfg.moe_layers * sum(w.local(ep=ep) for w in mlp_weights(cfg, True) if w.copies > 1)
+    blocks = [w for i in range(cfg.layers) for w in block_weights(cfg, i >= cfg.dense_layers)]
+    everything = sum(w.local(ep=ep) for w in embedding_weights(cfg) + head_weights(cfg) + blocks)
+    return routed, everything - routed
+
+
 def routed_rows(cfg: ModelConfig, batch: int, seq: int) -> int:
     """(token, expert) rows a rank dispatches per MoE layer, and under balanced routing the rows
     its experts receive: batch * seq * top_k."""
@@ -99,3 +122,16 @@ def gradient_bytes_sent(replicated: int, experts: int, ep: int, dp: int) -> dict
     if dp > 1:
         out["all_reduce (experts, dp group)"] = 2 * (dp - 1) * experts // dp
     return out
+
+
+def shard_kept_bytes(cfg: ModelConfig, rows: int, tokens: int, precision: str = "fp32") -> int:
+    """Bytes an ``ExpertShard`` keeps from its forward pass, with its output: for each of the
+    ``rows`` routed to its experts, the regrouped input (h) and gate, up, silu(gate) and their
+    product (4 moe_ffn) in the weights' dtype, and two int64 permutation indices; plus the
+    combined output, (tokens * top_k, h). Not under autocast, which keeps copies of its own."""
+    if precision not in ("fp32", "bf16", "bf16-master"):
+        raise ValueError(f"the rule covers fp32, bf16 and bf16-master, got {precision!r}; "
+                         f"autocast (-mixed) keeps bf16 copies of the inputs it does not count")
+    b = state_bytes(precision, "adamw").weights
+    return (rows * (cfg.hidden + 4 * cfg.moe_ffn) * b + permutation_bytes(rows)
+            + tokens * cfg.top_k * cfg.hidden * b)

@@ -44,7 +44,6 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..config import ModelConfig, preset
-from ..layers import block_weights, embedding_weights, head_weights, mlp_weights
 from ..model import MoE, RoutedExperts, build_model
 from ..recipe import Layout, state_bytes
 from ..track import MemoryTracker, activations_per_module
@@ -52,20 +51,10 @@ from ..step import make_optimizer, param_dtype, train_step
 from ..units import check_positive
 from .cluster import RankContext, run
 from .comm import CommCounter
-from .compose import dp_degree, new_groups, permutation_bytes
+from .compose import (dp_degree, experts_per_rank, new_groups, permutation_bytes,  # noqa: F401
+                      rank_params, shard_kept_bytes)
 from .steps import RankStep, measure_rank, rank_tokens
-
-
-def experts_per_rank(cfg: ModelConfig, ep: int) -> int:
-    """routed_experts / ep, or ValueError naming the fix when ep does not divide them."""
-    if not cfg.is_moe:
-        raise ValueError(f"{cfg.name} has no routed experts: expert parallelism needs an MoE "
-                         f"model (tiny-moe, deepseek-v2-lite, deepseek-v3)")
-    if not isinstance(ep, int) or ep < 1 or cfg.routed_experts % ep:
-        divisors = [d for d in range(1, cfg.routed_experts + 1) if cfg.routed_experts % d == 0]
-        raise ValueError(f"ep={ep!r} must divide routed_experts={cfg.routed_experts}; choose ep "
-                         f"among {divisors}")
-    return cfg.routed_experts // ep
+from .zero_step import ZeroOptimizer
 
 
 # ---- the messages ------------------------------------------------------------------------------
@@ -288,33 +277,52 @@ class EPStep(RankStep):
     sent_by_group: dict = field(default_factory=dict)
 
 
+def ep_optimizer(model: nn.Module, groups: EPGroups, precision: str, zero_stage: int = 0):
+    """(what holds the optimizer state, what steps): for-loop AdamW behind ``average_gradients``,
+    or at ``zero_stage=1`` labkit's ZeRO-1 with each expert shard's states sharded over its dp
+    copies and the rest over every rank (Megatron's distributed optimizer, DeepSeek-V3's)."""
+    if not zero_stage:
+        return averaging_adamw(model, groups, precision)
+    replicas = groups.replicas.group if groups.replicas is not None else None
+    opt = ZeroOptimizer(model, groups.world.group, zero_stage, precision,
+                        experts=expert_parameters(model), expert_group=replicas)
+    return opt, opt
+
+
 def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: int = 1,
                seq: int = 32, steps: int = 2, precision: str = "fp32", hot: float | None = None,
-               seed: int = 0) -> EPStep:
+               seed: int = 0, zero_stage: int = 0) -> EPStep:
     """Train under ``ep`` (None: every rank) x dp = world / ep on this rank's rows (``batch`` of
-    them, for-loop AdamW); the tracker measures the last (steady) step. ``hot``: see
-    ``seeded_model``."""
+    them, for-loop AdamW; ``ep_optimizer`` for ``zero_stage``); the tracker measures the last
+    (steady) step. ``hot``: see ``seeded_model``."""
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         check_positive(name, value)
     if steps < 2:
         raise ValueError(f"steps={steps}: use steps >= 2; the first step creates the optimizer "
                          "state, the second is the first steady one")
     model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
-    inner, optimizer = averaging_adamw(model, groups, precision)
+    states, optimizer = ep_optimizer(model, groups, precision, zero_stage)
 
     def forward(tokens, targets):                              # (batch, seq) each
         groups.reset()                                         # count the last step only
         return model(tokens, targets)
 
+    def sent() -> dict[str, int]:
+        return dict(groups.experts.sent) | optimizer.last_step if zero_stage else groups.sent()
+
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed)
-    step = measure_rank(ctx, model, forward, optimizer, batches, precision, states=inner,
-                        sent=groups.sent)
+    step = measure_rank(ctx, model, forward, optimizer, batches, precision, states=states,
+                        sent=sent)
+    by_group = groups.sent_by_group()
+    if zero_stage:
+        by_group |= {"world": sum(n for k, n in optimizer.last_step.items() if "experts" not in k),
+                     "dp": sum(n for k, n in optimizer.last_step.items() if "experts" in k)}
     return EPStep(**vars(step), received=list(groups.experts.received),
                   dispatched=model.cfg.top_k * batch * seq,
                   expert_bytes=sum(p.nbytes for p in expert_parameters(model)),
                   param_bytes=sum(p.nbytes for p in model.parameters()),
                   ep=groups.experts.world, dp=ctx.world_size // groups.experts.world,
-                  sent_by_group=groups.sent_by_group())
+                  sent_by_group=by_group)
 
 
 def ep_step(ctx, **settings) -> EPStep:
@@ -356,11 +364,18 @@ def _forward_backward(model, ctx, batch: int, seq: int, seed: int):
 
 def forward_backward(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                      dtype: torch.dtype = torch.float64, hot: float | None = None,
-                     seed: int = 0, ep: int | None = None) -> dict:
+                     seed: int = 0, ep: int | None = None, zero_stage: int = 0) -> dict:
     """One forward and backward under ``ep`` (None: every rank) x dp on this rank's rows:
-    logits, loss, every gradient by name (averaged: ``average_gradients``), the bytes sent."""
+    logits, loss, every gradient by name (averaged: ``average_gradients``, or ZeRO-1's
+    reduce-scatters gathered back), the bytes sent."""
     model, groups = build(ctx, model_name, hot, seed, dtype, ep)
+    precision = "fp64" if dtype == torch.float64 else "fp32"
+    _, zero = ep_optimizer(model, groups, precision, zero_stage)
     logits, loss = _forward_backward(model, ctx, batch, seq, seed)
+    if zero_stage:
+        grads = zero.averaged_gradients()
+        return dict(logits=logits, loss=loss, sent={}, grads={
+            n: grads[id(p)] for n, p in model.named_parameters() if id(p) in grads})
     average_gradients(model, groups)
     return dict(logits=logits, loss=loss, sent=groups.sent(),
                 grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None})
@@ -380,19 +395,6 @@ def one_process(ranks: int, model_name: str = "tiny-moe", batch: int = 1, seq: i
 
 
 # ---- unbalanced routing ------------------------------------------------------------------------
-def shard_kept_bytes(cfg: ModelConfig, rows: int, tokens: int, precision: str = "fp32") -> int:
-    """Bytes an ``ExpertShard`` keeps from its forward pass, with its output: for each of the
-    ``rows`` routed to its experts, the regrouped input (h) and gate, up, silu(gate) and their
-    product (4 moe_ffn) in the weights' dtype, and two int64 permutation indices; plus the
-    combined output, (tokens * top_k, h). Not under autocast, which keeps copies of its own."""
-    if precision not in ("fp32", "bf16", "bf16-master"):
-        raise ValueError(f"the rule covers fp32, bf16 and bf16-master, got {precision!r}; "
-                         f"autocast (-mixed) keeps bf16 copies of the inputs it does not count")
-    b = param_dtype(precision).itemsize
-    return (rows * (cfg.hidden + 4 * cfg.moe_ffn) * b + permutation_bytes(rows)
-            + tokens * cfg.top_k * cfg.hidden * b)
-
-
 def shard_kept(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                hot: float | None = None, seed: int = 0) -> list[tuple[int, int]]:
     """(rows received, bytes kept) of each MoE layer's ``ExpertShard`` in one forward pass
@@ -440,15 +442,6 @@ def routing_imbalance(ep: int, hots=(0.0, 0.02, 0.05, 1.0), model_name: str = "t
 
 
 # ---- full scale: per-rank parameters, and one rank on fake tensors ------------------------------
-def rank_params(cfg: ModelConfig, ep: int) -> tuple[int, int]:
-    """(routed-expert parameters, all the others) on one of ``ep`` ranks, from labkit.layers."""
-    experts_per_rank(cfg, ep)
-    routed = cfg.moe_layers * sum(w.local(ep=ep) for w in mlp_weights(cfg, True) if w.copies > 1)
-    blocks = [w for i in range(cfg.layers) for w in block_weights(cfg, i >= cfg.dense_layers)]
-    everything = sum(w.local(ep=ep) for w in embedding_weights(cfg) + head_weights(cfg) + blocks)
-    return routed, everything - routed
-
-
 def ep_memory(cfg, eps=(8, 16, 32, 64), batch: int = 1, seq: int = 4096,
               precision: str = "bf16-master", optimizer: str = "adamw") -> list[dict]:
     """Per rank at each ep: routed-expert and replicated parameters, the experts' model-state

@@ -52,6 +52,7 @@ class CommCounter:
 
     def __init__(self, group):
         self.group, self.world = group, dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
         self.sent = Counter()          # kind -> bytes this rank sent since the last reset
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
@@ -72,14 +73,34 @@ class CommCounter:
         self.sent.clear()
 
 
+class OneRank:
+    """A group of one rank (an expert shard with no data-parallel copy): nothing is sent."""
+
+    world, rank, total = 1, 0, 0
+
+    def __init__(self):
+        self.sent = Counter()
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
+        out.copy_(full)
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor):
+        full.copy_(mine)
+
+    def reset(self):
+        pass
+
+
 class FlatShard:
     """One unit's parameters as views into one flat buffer (padded to a multiple of N), this
     rank's shard of it (``master``, which AdamW steps: fp32 under bf16-master), and the unit's
-    gradient bucket while its backward runs."""
+    gradient bucket while its backward runs. ``divisor``: what the summed gradients are divided
+    by (None: the group's ranks; an expert unit's group is only part of the data-parallel world)."""
 
     def __init__(self, params, comm: CommCounter, rank: int, master_dtype, stage: int,
-                 offload: bool = False):
+                 offload: bool = False, divisor: int | None = None):
         self.params, self.comm, self.world = params, comm, comm.world
+        self.divisor = divisor or comm.world
         self.numel = sum(p.numel() for p in params)                       # Ψ of this unit
         self.shard_numel = shard(self.numel, self.world)                  # its Ψ/N, rounded up
         self.padding = self.shard_numel * self.world - self.numel
@@ -153,7 +174,7 @@ class FlatShard:
         self.comm.reduce_scatter(grad_shard, full)    # (Ψ + padding,) summed -> my (Ψ/N,)
         del full
         # average (PREMUL_SUM does not run on gloo), in the master's dtype (fp32 under bf16)
-        grad = grad_shard.to(self.home, self.master.dtype).div_(self.world)
+        grad = grad_shard.to(self.home, self.master.dtype).div_(self.divisor)
         if self.offload:               # device -> host: the gradient shard
             self.moved += grad_shard.nbytes
         tag_live(grad, HOST if self.offload else "grads")
@@ -170,11 +191,14 @@ class ZeroOptimizer:
     parameter must get a gradient in each backward. ``precision="bf16-master"`` takes a bf16
     model and keeps fp32 masters for the shards. ``offload`` keeps the masters, their AdamW
     state and gradient shards in host memory (ZeRO-Offload): AdamW steps on the host.
+    ``experts``: under expert parallelism, this rank's routed experts; stage 1 shards them over
+    ``expert_group`` (the data-parallel copies of its shard; None: no copy), the rest over
+    ``group``, as Megatron's distributed optimizer and DeepSeek-V3's ZeRO-1 do.
     """
 
     def __init__(self, model: nn.Module, group, stage: int, precision: str = "fp32",
                  lr: float = 1e-3, weight_decay: float = 0.1, betas=(0.9, 0.999),
-                 eps: float = 1e-8, offload: bool = False):
+                 eps: float = 1e-8, offload: bool = False, experts=(), expert_group=None):
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES} (1: optimizer state "
                              "sharded, 2: + gradients, 3: + parameters)")
@@ -195,12 +219,17 @@ class ZeroOptimizer:
         if not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"group={group!r} is not a torch.distributed ProcessGroup: pass the "
                              "group explicitly (ctx.group under labkit.parallel.cluster.run)")
+        experts = {id(p) for p in experts}
+        if experts and stage != 1:
+            raise ValueError(f"stage={stage} with experts: expert parallelism is sharded at "
+                             "stage 1 so far (Megatron's distributed optimizer, DeepSeek-V3's "
+                             "ZeRO-1); use stage=1")
         self.stage, self.precision, self.group, self.params = stage, precision, group, params
         self.comm = CommCounter(group)
         self.world, self.rank = self.comm.world, dist.get_rank(group=group)
         master_dtype = torch.float32 if precision == "bf16-master" else dtype
         if stage == 1:                 # one unit: the whole model, its gradients kept whole
-            groups, modules = [params], [model]
+            groups, modules = [[p for p in params if id(p) not in experts]], [model]
         else:                          # a unit per block, and one for the rest (embed, norm, head)
             in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
             groups = [[p for p in params if id(p) not in in_blocks]]
@@ -208,6 +237,13 @@ class ZeroOptimizer:
             modules = [model, *model.blocks]
         self.units = [FlatShard(ps, self.comm, self.rank, master_dtype, stage, offload)
                       for ps in groups]
+        # the experts' unit: over their own copies, averaged over every rank as the rest
+        self.expert_comm = OneRank() if expert_group is None else CommCounter(expert_group)
+        if experts:
+            self.units.append(FlatShard([p for p in params if id(p) in experts],
+                                        self.expert_comm, self.expert_comm.rank, master_dtype,
+                                        stage, offload, divisor=self.world))
+            modules.append(model)
         for unit, module in zip(self.units, modules):
             self._hook(unit, module)
         self.numel = sum(u.numel for u in self.units)                      # Ψ
@@ -298,6 +334,24 @@ class ZeroOptimizer:
         return [whole[id(p)] for p in self.params]
 
     @torch.no_grad()
+    def averaged_gradients(self) -> dict:
+        """Stage 1, after a backward pass: {id(parameter): its gradient averaged over the ranks,
+        whole}, reduced as ``step`` reduces them and gathered back (for checks; the bytes sent
+        are not counted, nothing is stepped, the gradients are consumed)."""
+        if self.stage != 1:
+            raise ValueError("averaged_gradients reads stage 1's buckets: use stage=1")
+        out = {}
+        for unit in self.units:
+            sent = unit.comm.sent.copy()
+            unit.reduce_grads()
+            full = unit.flat.new_empty(unit.flat.numel())                  # (Ψ + padding,)
+            unit.comm.all_gather(full, unit.master.grad.to(full.dtype))
+            unit.comm.sent, unit.master.grad = sent, None
+            out |= {id(p): full[o:o + p.numel()].view_as(p)
+                    for p, o in zip(unit.params, unit.offsets)}
+        return out
+
+    @torch.no_grad()
     def step(self):
         pending = [i for i, u in enumerate(self.units) if self.stage >= 2 and u.bucket is not None]
         if pending:
@@ -307,15 +361,18 @@ class ZeroOptimizer:
                              "its gradients were never reduced: give every trainable parameter a "
                              "gradient, or set requires_grad=False on those that get none")
         if self.stage == 1:            # stages 2, 3 reduce-scattered during the backward pass
-            self.units[0].reduce_grads()   # and, as DeepSpeed's stage 1, drop the full gradients
+            for unit in self.units:    # and, as DeepSpeed's stage 1, drop the full gradients
+                unit.reduce_grads()
         with on_host() if self.offload else contextlib.nullcontext():
             self.inner.step()              # offloaded: AdamW runs on the host
         for unit in self.units:
             unit.master.grad = None
             unit.stepped(gather=self.stage < 3)    # stage 3 gathers at the next forward
-        self.last_step = dict(self.comm.sent)
+        self.last_step = dict(self.comm.sent) | {f"{kind} (experts, dp group)": n
+                                                 for kind, n in self.expert_comm.sent.items()}
         self.last_moved = self.moved_bytes()
         self.comm.reset()
+        self.expert_comm.reset()
         for unit in self.units:
             unit.moved = 0
 
