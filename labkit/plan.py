@@ -213,9 +213,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                 zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp > 1 else [])
                 zeros += [(z, True) for z in (1, 2, 3)] if offload else []
                 out += [Family("all", dp, z, off, tp, pp, 1) for z, off in zeros]
-                # expert parallelism inside dp; ZeRO with ep > 1 is not estimated yet
+                # expert parallelism inside dp, without ZeRO or with ZeRO-1 (each expert
+                # shard's states over its dp / ep copies: Megatron's distributed optimizer)
                 if c.is_moe:
-                    out += [Family("all", dp, 0, False, tp, pp, e)
+                    out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1)
                             for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
     families = []
     for f in dict.fromkeys(out):
@@ -265,8 +266,9 @@ class _Counts:
         return self.memo[key]
 
 
-def _states(counts: _Counts, f: Family, n: int) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters."""
+def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters,
+    ``experts`` of them routed experts (ZeRO-1 with ep shards their states over dp / ep)."""
     if f.trainable != "all":                # the frozen weights (NF4: at least half a byte)
         return per_rank(n // 2 if f.trainable == "qlora" else 2 * n, "params", f.zero_stage,
                         f.dp), 0, 0
@@ -277,13 +279,18 @@ def _states(counts: _Counts, f: Family, n: int) -> tuple[int, int, int]:
         return params, 0, 0
     grads = per_rank(n * b.grads, "grads", f.zero_stage, f.dp)
     grads += n * b.grads if f.dp > 1 and f.zero_stage == 0 and f.ep == 1 else 0   # DDP buckets
+    if f.ep > 1:
+        return params, grads, (per_rank((n - experts) * b.optimizer, "optimizer", f.zero_stage,
+                                        f.dp)
+                               + per_rank(experts * b.optimizer, "optimizer", f.zero_stage,
+                                          f.dp // f.ep))
     return params, grads, per_rank(n * b.optimizer, "optimizer", f.zero_stage, f.dp)
 
 
 def _states_bound(counts: _Counts, f: Family) -> int:
     """Bytes per GPU of the busiest stage's model states alone: a lower bound on its peak
     (the optimizer step holds them all)."""
-    return max(sum(_states(counts, f, n)) for n, _, _, _ in counts.stages(f.tp, f.pp, f.ep))
+    return max(sum(_states(counts, f, n, e)) for n, e, _, _ in counts.stages(f.tp, f.pp, f.ep))
 
 
 def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
@@ -292,8 +299,8 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
     f, L = k.family, k.layout
     v = L.virtual_stages
     worst = 0
-    for s, (n, _, _, _) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
-        params, grads, opt = _states(counts, f, n)
+    for s, (n, experts, _, _) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
+        params, grads, opt = _states(counts, f, n, experts)
         acts = 0
         if f.trainable == "all":
             flight = in_flight(s, L.pp, L.micro_batch_count, L.schedule, v)
@@ -528,11 +535,11 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         f"CPU optimizer step is not timed",
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
         "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1, ep in powers of 2 "
-        "with ZeRO-0 only (labkit.estimate does not shard experts' states yet), ZeRO 0-3 and "
-        f"ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, "
+        "with ZeRO-0 or ZeRO-1 (each expert shard's states over its dp / ep copies), ZeRO 0-3 "
+        f"and ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
         f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
-        f"FSDP-QLoRA",
+        f"FSDP-QLoRA, ep with ZeRO-2/3",
         *assumptions(g, gpus_per_node),
     ]
     out.overlap = _overlap_check(fits)

@@ -844,12 +844,14 @@ class _Step:
     def _grads_in_backward(self, blocks_done) -> list[Tensor]:
         """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
         the whole model's bucket (with ep, the experts' once an MoE block's backward is done: it
-        is made by the block's last matmuls, when most of what the block kept is freed); from
+        is made by the block's last matmuls, when most of what the block kept is freed; with
+        more micro-batches, from the second on); from
         stage 2 the root unit's bucket (embedding, final norm, head: reduced last) and the
         shards of the blocks done."""
-        if self.zero == 1:
+        if self.zero == 1:   # after the first micro-batch every bucket is there until the step
             buckets = self._buckets(0)
-            return buckets if any(self.moe[j] for j in blocks_done) else buckets[:1]
+            done = self.L.micro_batch_count > 1 or any(self.moe[j] for j in blocks_done)
+            return buckets if done else buckets[:1]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
                 self._shards([self.block_trained[j] for j in blocks_done])]
 
@@ -936,13 +938,22 @@ class _Step:
         return out
 
     def _expert_messages(self) -> dict[str, int]:
-        """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls
-        (rows in the stream's dtype out, the experts' outputs back in the matmuls'), the
-        replicated gradients all-reduced over every rank, its experts' over their dp copies."""
+        """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls for
+        each micro-batch (rows in the stream's dtype out, the experts' outputs back in the
+        matmuls'; the forward's again for each MoE block recomputed: labkit's selective policy
+        keeps no all_to_all), the replicated gradients all-reduced over every rank, its
+        experts' over their dp copies (or ZeRO-1's reduce-scatters and all-gathers), once."""
         L, c, grads = self.L, self.c, self.bytes.grads
         routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
-        out = compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
-                                       compute_bytes(self.recipe.precision), sum(self.moe))
+        units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
+        again = sum(self.moe[i] for u in units if u.recompute for i in range(u.first, u.last))
+
+        def all_to_all(layers: int) -> dict[str, int]:
+            return compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
+                                            compute_bytes(self.recipe.precision), layers)
+        once, recomputed = all_to_all(sum(self.moe)), all_to_all(again)
+        out = {k: L.micro_batch_count * (v + (recomputed[k] if "backward" not in k else 0))
+               for k, v in once.items()}
         if not self.zero:
             return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
                                                      routed * grads, L.ep, L.dp // L.ep)

@@ -3,7 +3,8 @@
 The planner is only as good as the estimate under it: each run here is a configuration its
 authors ran, with the recipe and layout they published, so the estimate must put it under its
 GPU's memory (less the planner's headroom). DeepSeek-V3's own layout (expert parallelism with
-ZeRO-1 over the data-parallel ranks) is listed with the reason the estimate cannot express it.
+ZeRO-1 over the data-parallel ranks) is estimated apart: it trains in FP8, which labkit does
+not model, so in bf16 it fits only with full recomputation.
 """
 from __future__ import annotations
 
@@ -80,16 +81,26 @@ RUNS = (
         note="its sequences (Alpaca) are under 2048 tokens; 80 GB GPUs assumed"),
 )
 
-# DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2: 2,048 H800s, pp 16 (DualPipe),
-# ep 64 over 8 nodes, ZeRO-1 across the data-parallel ranks, no tensor parallelism, FP8
+# DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2: 2,048 H800s, pp 16 (DualPipe,
+# here 1F1B, which keeps one micro-batch fewer in flight), ep 64 over 8 nodes, ZeRO-1 across the
+# data-parallel ranks, no tensor parallelism, FP8; 15,360 sequences of 4096 tokens per step
+# (after the ramp): 120 micro-batches of one sequence on each of the 128 data-parallel ranks
 DEEPSEEK_V3 = dict(model="deepseek-v3", gpu="h800-80gb", gpus=2048, seq=4096,
-                   layout=dict(dp=128, zero_stage=1, pp=16, ep=64))
+                   layout=dict(dp=128, zero_stage=1, pp=16, ep=64, micro_batches=120))
 
 
-def deepseek_v3_gap() -> str:
-    """Why the estimate cannot yet check DeepSeek-V3's own layout (its ValueError), or ""."""
-    try:
-        Layout(**DEEPSEEK_V3["layout"]).check(preset("deepseek-v3"), DEEPSEEK_V3["seq"])
-    except ValueError as error:
-        return str(error)
-    return ""
+def deepseek_v3_own_layout(recomputes=("none", "selective", "full")) -> list[dict]:
+    """DeepSeek-V3's layout estimated in bf16-master (labkit has no FP8) under each recompute
+    policy: bytes per GPU of the busiest stage, its parameters, model states and activations,
+    against the H800's usable memory."""
+    usable = usable_memory(gpu_named(DEEPSEEK_V3["gpu"]))
+    rows = []
+    for recompute in recomputes:
+        est = estimate(DEEPSEEK_V3["model"], 1, DEEPSEEK_V3["seq"],
+                       recipe=Recipe("bf16-master", recompute=recompute),
+                       layout=Layout(**DEEPSEEK_V3["layout"]), device="cuda")
+        rows.append(dict(recompute=recompute, per_gpu=est.total, usable=usable,
+                         fits=est.total <= usable, activations=est.activations,
+                         states=sum(est.details["model states"].values()),
+                         params=est.details["parameters on this device"]))
+    return rows

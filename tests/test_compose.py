@@ -192,3 +192,25 @@ def test_an_ep_that_does_not_divide_the_ranks_raises(ep):
         dp_degree(4, ep)
     with pytest.raises(ValueError, match="must divide"):     # before any model or message
         build(RankContext(0, 4, None, torch.device("cpu")), ep=ep)
+
+
+def test_per_step_bytes_count_every_micro_batch_and_every_recomputed_forward():
+    """A step of 4 micro-batches sends each micro-batch's all_to_alls, and each forward one
+    again where a block is recomputed; ZeRO-1's collectives and the counts' shape stay per step.
+    From the second micro-batch on, both of ZeRO-1's buckets are there."""
+    def messages(micro_batches=None, recompute="none"):
+        layout = lk.Layout(dp=4, ep=2, zero_stage=1, micro_batches=micro_batches)
+        est = lk.estimate(CFG, BATCH, STEP_SEQ_4, precision="fp32", device="cpu",
+                          recompute=recompute, layout=layout)
+        return est, est.details["bytes sent per step, by message"]
+    _, one = messages()
+    est, four = messages(micro_batches=4)
+    _, again = messages(recompute="full")
+    for kind in ("dispatch", "combine", "counts", "dispatch (backward)", "combine (backward)"):
+        assert four[kind] == 4 * one[kind] > 0
+        assert again[kind] == (2 if "backward" not in kind else 1) * one[kind]
+    for kind in ("reduce_scatter", "all_gather", "all_gather (experts, dp group)"):
+        assert four[kind] == again[kind] == one[kind] > 0
+    buckets = {t.name for t in est.tensors if t.name.startswith("gradient bucket")}
+    assert buckets == {"gradient bucket of the replicated weights",
+                       "gradient bucket of this rank's experts"}
