@@ -10,7 +10,8 @@ import labkit
 PACKAGE = Path(labkit.__file__).parent
 # the core (vocabulary, units, configs) and the estimate: torch-free byte rules
 ESTIMATE = {"labkit.units", "labkit.config", "labkit.recipe", "labkit.recompute",
-            "labkit.formats", "labkit.layers", "labkit.predict", "labkit.papers",
+            "labkit.formats", "labkit.layers", "labkit.predict", "labkit.predict.terms",
+            "labkit.predict.states", "labkit.predict.moments", "labkit.predict.step", "labkit.papers",
             "labkit.parallel.zero", "labkit.parallel.compose", "labkit.parallel.schedules"}
 
 

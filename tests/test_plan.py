@@ -103,7 +103,7 @@ def test_more_memory_never_removes_a_fitting_layout():
 
 
 def test_the_cheap_bound_never_exceeds_the_estimate():
-    from labkit.plan import _bound, _Counts
+    from labkit.plan_search import _bound, _Counts
     p = plan("tiny-moe", small_gpu(4), gpus=8, seq=128, top=None, advice=False)
     cfg, counts = lk.preset("tiny-moe"), _Counts(lk.preset("tiny-moe"))
     assert len(p.fits) > 20

@@ -1,0 +1,85 @@
+"""Predict the memory of one training step, per device, as named tensors.
+
+``estimate`` finds the peak of a steady-state step as the largest of a few moments (the loss,
+the start of backward, the worst layer of the backward pass, the embedding's backward, the
+optimizer step). Each moment is a list of named tensors: the model states (by the recipe's
+bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
+autocast's weight copies, the transient gradients and the optimizer's temporaries. The byte
+rules it reads are torch-free and load no mechanism (tests/test_imports.py checks it):
+``recipe`` (precisions), ``layers`` (the model), ``recompute`` (the policies),
+``formats`` (NF4, 8-bit AdamW), ``parallel.zero``, ``parallel.schedules`` (pipeline stages)
+and ``parallel.compose`` (expert parallelism inside data parallelism).
+
+    terms.py    a named tensor, the Estimate they add up to
+    states.py   model states by the recipe's bytes, ZeRO's units, buckets, shards and messages
+    moments.py  the candidate peaks: loss, each layer's backward, embedding, optimizer, LoRA
+    step.py     one pipeline stage: what each layer keeps, its moments, the largest of them
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig, preset
+from ..layers import count_params  # noqa: F401  (re-exported)
+from ..parallel import schedules
+from ..recipe import Layout, Recipe, device_type, layout_from, recipe_from
+from ..units import check_positive, dtype_bytes
+from .step import _Step
+from .terms import Estimate, Tensor  # noqa: F401  (re-exported)
+
+
+def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
+             precision: str = "bf16-mixed", optimizer: str = "adamw", recompute: str = "none",
+             zero_stage: int = 0, dp: int = 1, tp: int = 1, pp: int = 1, sp: bool = False,
+             optimizer_impl: str | None = None, device="cuda", every: int = 2,
+             loss_chunk: int | None = None, attention: str = "sdpa", trainable: str = "all",
+             lora_rank: int = 16, weight_format: str | None = None,
+             recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
+    """Predicted peak bytes per device of one steady-state training step, by category.
+
+    The arguments are ``measure_step``'s. Give the step as keywords or as
+    ``recipe=lk.Recipe(...)``, and the layout as keywords or as ``layout=lk.Layout(...)``:
+    a keyword the recipe or layout contradicts raises. ``device`` ("cuda", "cuda:0", a
+    torch.device): whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU
+    adds its CUDA context, allocator rounding and library workspaces.
+    With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
+    of a chunked loss (``labkit.loss``), None for the full logits. ``attention``: the core
+    (``labkit.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device is
+    one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
+    loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
+    ``zero_stage=3`` models labkit's ZeroOptimizer (one unit gathered at a time) for full
+    fine-tuning, and FSDP2 (its backward prefetch and held all-gather outputs) under LoRA, the
+    only way LoRA shards its base; FSDP2 holds up to ~4% more than the first (lab 09 checks).
+    """
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
+                         optimizer_impl=optimizer_impl, recompute=recompute, every=every,
+                         loss_chunk=loss_chunk, attention=attention, trainable=trainable,
+                         lora_rank=lora_rank, weight_format=weight_format)
+    layout = layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
+    batch, seq = check_positive("batch", batch), check_positive("seq", seq)
+    device = device_type(device)
+    layout.check(c, seq)
+    stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
+              for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
+    per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
+                 for s, layers in enumerate(stages)]
+    busiest = max(per_stage, key=lambda e: e.total)
+    if layout.pp > 1:        # each stage's peak and what it keeps for the backward pass
+        busiest.details["stages"] = [dict(total=e.total, saved_activations=e.saved_activations,
+                                          peak_moment=e.details["peak moment"])
+                                     for e in per_stage]
+    return busiest
+
+
+def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
+                   dtype: str = "bf16", tp: int = 1) -> int:
+    """Bytes of the inference KV cache: per token and layer 2 * kv_heads * head_dim numbers
+    (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope."""
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    check_positive("batch", batch)
+    check_positive("seq", seq)
+    Layout(tp=tp).check(c, seq)
+    if c.attention == "mla":
+        per_token = c.kv_lora_rank + c.qk_rope_dim                             # not split by tp
+    else:
+        per_token = 2 * max(1, c.kv_heads // tp) * c.head_dim
+    return int(batch * seq * c.layers * per_token * dtype_bytes(dtype))

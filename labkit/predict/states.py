@@ -1,0 +1,265 @@
+"""The model states of one pipeline stage's step, and ZeRO's buckets, shards and gathers: a
+mixin of ``step._Step``, reading what its ``__init__`` sets. Weights, gradients and optimizer
+state by the recipe's bytes per parameter, each unit sharded over its ranks (``parallel.zero``;
+with ep, the experts' unit over their dp / ep copies); what each collective sends."""
+from __future__ import annotations
+
+from ..formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
+                       step_temporary_bytes)
+from ..layers import lora_targets
+from ..parallel import compose, zero
+from ..recipe import STATE_NUMBERS, compute_bytes
+from ..recompute import plan
+from ..units import HOST
+from .terms import Tensor, _total
+
+
+class States:
+    """Model states, ZeRO's terms and the bytes sent per step."""
+
+    # ---- model states ------------------------------------------------------------------------
+    def states(self) -> list[Tensor]:
+        c, L, b, n = self.c, self.L, self.bytes, self.n_train
+        wdt = self.wdt
+        numbers = STATE_NUMBERS[self.recipe.optimizer]
+        moments = self._per_rank(b.optimizer - (4 if self.master else 0), "optimizer")
+        if self.eight_bit:          # per stepped tensor: codes + fp32 block absmax, or fp32
+            moments = sum(eight_bit_state_bytes(size) for size in self._stepped_sizes())
+        state = HOST if self.offload else "optimizer"
+        # offloaded, the shard AdamW steps lives on the host (fp32 master, or the weights');
+        # at stage 3 it is the only copy of the parameters between gathers
+        on_device = 0 if self.offload and self.zero == 3 else 1
+        out = [Tensor("LoRA adapters A and B" if self.lora else "weights", "params", wdt,
+                      on_device * self._per_rank(b.weights, "params")),
+               *self._frozen_weights(),
+               Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
+                      state, "int8" if self.recipe.optimizer == "adamw-8bit" else
+                      ("fp32" if self.master else wdt), moments),
+               Tensor("RoPE cos and sin tables", "other", "fp32", 2 * c.max_seq * c.rope_dim * 4)]
+        if self.eight_bit:
+            out += [Tensor("8-bit maps (2 x 256 values)", state, "fp32", MAP_BYTES),
+                    Tensor("8-bit maps' lookup tables", "other", "fp32", LOOKUP_BYTES)]
+        if self.master or self.offload:
+            out.append(Tensor("fp32 master weights" if self.master else "weights' shard",
+                              state, "fp32" if self.master else wdt,
+                              self._per_rank(4 if self.master else b.weights, "optimizer")))
+        if self.ddp:
+            out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
+        if self.recipe.optimizer == "adamw":   # on CUDA torch keeps them on the host
+            out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
+                              4 * (len(self.units) if self.zero else len(self.trained))))
+        return out
+
+    def _per_rank(self, number: int, state: str) -> int:
+        """Bytes one rank holds of a ``state`` of ``number`` bytes per trained parameter: all of
+        them, or from the stage that shards it the rank's share of each unit."""
+        if len(set(self.unit_ranks)) == 1:
+            return zero.per_rank(self.n_train * number, state, self.L.zero_stage, self.L.dp)
+        if self.L.zero_stage < zero.SHARDED_FROM_STAGE[state]:
+            return self.n_train * number
+        return sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)) * number
+
+    def _frozen_weights(self) -> list[Tensor]:
+        """LoRA's frozen model: the targeted linears in ``weight_format`` (NF4: packed codes and
+        double-quantised scales, ``quant.nf4_bits_per_param``, plus one fp32 mean of the scales
+        per tensor), everything else (embedding, norms, router, routed experts, LM head) in the
+        precision's dtype. No gradients, no optimizer state."""
+        if not self.lora:
+            return []
+        targets = [w for m in self.moe for w in lora_targets(self.c, m)]
+        numel = sum(w.numel for w in targets)
+        rest = (self.n_local - numel) * self.bytes.weights
+        if self.zero == 3:         # FSDP shards the frozen base too (QLoRA's is refused above)
+            return [Tensor("frozen weights' shard", "params", self.wdt,
+                           zero.per_rank(numel * self.bytes.weights + rest, "params", 3,
+                                         self.L.dp))]
+        if self.recipe.weight_format == "nf4":
+            stored = sum(round(w.numel * nf4_bits_per_param() / 8) + 4 for w in targets)
+            return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
+                           "nf4", stored),
+                    Tensor("frozen embedding, norms, LM head (not quantised)", "params",
+                           self.wdt, rest)]
+        return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
+
+    def grads(self) -> int:
+        return self._done(self.n_train * self.bytes.grads)
+
+    def _done(self, grad_bytes: int) -> int:
+        """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
+        gradients are views of them)."""
+        if self.in_buckets:
+            return 0
+        return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.dp)
+
+    # ---- ZeRO over dp ranks: buckets, shards, gathered units, collectives ---------------------
+    def _zero_optimizer_moments(self, always, temporaries) -> dict:
+        """The step on the gradient shards (fp32 under master weights); before it stage 1
+        reduce-scatters its whole bucket, after it stages 1 and 2 all-gather each unit's
+        updated shard (the units after it still hold their gradient shards)."""
+        units, ranks = self.units, self.unit_ranks
+        out = {"optimizer step": ("optimizer", always + [self._shards(units, ranks), temporaries])}
+        if self.zero == 1:             # each unit's bucket in turn (with ep: two)
+            reduces = [always + self._buckets(k) + [
+                self._shards(units[:k], ranks[:k]), self._reduced_shard(n, r),
+                self._staging(n, self.bytes.grads, r)]
+                for k, (n, r) in enumerate(zip(units, ranks))]
+            out["optimizer step: reduce-scatter"] = ("optimizer", max(reduces, key=_total))
+        if self.zero <= 2:
+            gathers = [always + [self._shards(units[k + 1:], ranks[k + 1:]),
+                                 Tensor("this rank's updated shard, copied", "other", self.wdt,
+                                        zero.shard(n, r) * self.bytes.weights),
+                                 self._staging(n, self.bytes.weights, r)]
+                       for k, (n, r) in enumerate(zip(units, ranks))]
+            out["optimizer step: all-gather"] = ("optimizer", max(gathers, key=_total))
+        return out
+
+    def _gather_moments(self, always, saved, kept) -> dict:
+        """Stage 3 gathers each block before its forward (the worst: the last block, with every
+        layer before it saved) and the root unit again when the backward pass starts."""
+        last = len(self.layers) - 1
+        out = {f"forward: gather of layer {self.layers[last]}": ("forward", always + (
+            self._kept_up_to(saved, last - 1)) + [
+            self._gathered("this block", self.gathered_blocks[last]),
+            *self._gather_transients(self.gathered_blocks[last]),
+            *self._all_gather_outputs(last)])}
+        if self.gathered_rest:
+            out["backward: gather of the embedding, final norm and LM head"] = (
+                "backward", always + kept + self._gather_transients(self.gathered_rest))
+        return out
+
+    def _prefetched(self, i: int) -> list[Tensor]:
+        """LoRA under ZeRO-3 is FSDP2's (labkit's ZeRO-3 trains every parameter): in layer i's
+        backward (i = the layer count: the head's) FSDP2 has already all-gathered the block
+        below into a flat buffer (its backward prefetch), copied out when that block's
+        backward starts."""
+        if not (self.fsdp2 and i > 0):
+            return []
+        return [Tensor("next block's all-gather output (FSDP2's backward prefetch)", "other",
+                       self.wdt, zero.padded(self.gathered_blocks[i - 1], self.L.dp)
+                       * self.bytes.weights)]
+
+    def _all_gather_outputs(self, i: int) -> list[Tensor]:
+        """LoRA under ZeRO-3 (FSDP2): as it copies block i's parameters out of its all-gather's
+        flat output, FSDP2 still holds the previous all-gather's output (kept so that the next
+        copy-in cannot reuse memory a copy-out still reads: torch 2.13's _fsdp_param_group.py,
+        its prev_all_gather_state in wait_for_unshard)."""
+        if not self.fsdp2:
+            return []
+        flat = [zero.padded(self.gathered_blocks[j], self.L.dp) * self.bytes.weights
+                for j in (i, i - 1) if j >= 0]
+        return [Tensor("all-gather outputs of this block and the one before (FSDP2)", "other",
+                       self.wdt, sum(flat))]
+
+    def _gather_transients(self, numel: int) -> list[Tensor]:
+        """What an all-gather of a unit allocates besides its result: gloo's copy, and when
+        offloaded the shard copied up from the host."""
+        up = zero.shard(numel, self.L.dp) * self.bytes.weights if self.offload else 0
+        return [self._staging(numel, self.bytes.weights),
+                Tensor("this rank's shard, copied from the host", "other", self.wdt, up)]
+
+    def _grads_in_backward(self, blocks_done) -> list[Tensor]:
+        """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
+        the whole model's bucket (with ep, the experts' once an MoE block's backward is done: it
+        is made by the block's last matmuls, when most of what the block kept is freed; with
+        more micro-batches, from the second on); from
+        stage 2 the root unit's bucket (embedding, final norm, head: reduced last) and the
+        shards of the blocks done."""
+        if self.zero == 1:   # after the first micro-batch every bucket is there until the step
+            buckets = self._buckets(0)
+            done = self.L.micro_batch_count > 1 or any(self.moe[j] for j in blocks_done)
+            return buckets if done else buckets[:1]
+        return [self._bucket("the embedding, final norm and LM head", self.rest),
+                self._shards([self.block_trained[j] for j in blocks_done])]
+
+    def _bucket(self, what: str, numel: int, ranks: int | None = None) -> Tensor:
+        """A unit's full gradients, padded, while its backward runs."""
+        return Tensor(f"gradient bucket of {what}", "grads", self.wdt,
+                      zero.padded(numel, ranks or self.L.dp) * self.bytes.grads)
+
+    def _buckets(self, first: int) -> list[Tensor]:
+        """Stage 1's buckets of units ``first`` on: the whole model's, or with ep the
+        replicated weights' and the experts'."""
+        names = ["the whole model"] if len(self.units) == 1 else ["the replicated weights",
+                                                                  "this rank's experts"]
+        return [self._bucket(*unit) for unit in
+                list(zip(names, self.units, self.unit_ranks))[first:]]
+
+    def _shards(self, numels, ranks=None) -> Tensor:
+        """This rank's averaged gradient shards of these units (fp32 under master weights)."""
+        number = 4 if self.master else self.bytes.grads
+        ranks = ranks or [self.L.dp] * len(numels)
+        return Tensor("gradient shards", HOST if self.offload else "grads",
+                      "fp32" if self.master else self.wdt,
+                      sum(zero.shard(n, r) for n, r in zip(numels, ranks)) * number)
+
+    def _reduced_shard(self, numel: int, ranks: int | None = None) -> Tensor:
+        """The shard a reduce-scatter writes, in the gradients' dtype."""
+        return Tensor("gradient shard being reduced", "grads", self.wdt,
+                      zero.shard(numel, ranks or self.L.dp) * self.bytes.grads)
+
+    def _gathered(self, what: str, numel: int) -> Tensor:
+        """Stage 3: a unit's full parameters, all-gathered around its forward or backward."""
+        return Tensor(f"gathered parameters of {what}", "params", self.wdt,
+                      zero.padded(numel, self.L.dp) * self.bytes.weights)
+
+    def _staging(self, numel: int, number: int, ranks: int | None = None) -> Tensor:
+        """gloo's copy of a buffer it sends (the CPU backend; NCCL works in place; a group of
+        one rank sends nothing)."""
+        ranks = ranks or self.L.dp
+        return Tensor("gloo's copy of the buffer sent", "other", self.wdt,
+                      zero.padded(numel, ranks) * number if self.staged and ranks > 1 else 0)
+
+    def _expert_messages(self) -> dict[str, int]:
+        """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls for
+        each micro-batch (rows in the stream's dtype out, the experts' outputs back in the
+        matmuls'; the forward's again for each MoE block recomputed: labkit's selective policy
+        keeps no all_to_all), the replicated gradients all-reduced over every rank, its
+        experts' over their dp copies (or ZeRO-1's reduce-scatters and all-gathers), once."""
+        L, c, grads = self.L, self.c, self.bytes.grads
+        routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
+        units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
+        again = sum(self.moe[i] for u in units if u.recompute for i in range(u.first, u.last))
+
+        def all_to_all(layers: int) -> dict[str, int]:
+            return compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
+                                            compute_bytes(self.recipe.precision), layers)
+        once, recomputed = all_to_all(sum(self.moe)), all_to_all(again)
+        out = {k: L.micro_batch_count * (v + (recomputed[k] if "backward" not in k else 0))
+               for k, v in once.items()}
+        if not self.zero:
+            return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
+                                                     routed * grads, L.ep, L.dp // L.ep)
+        for (n, r), group in zip(zip(self.units, self.unit_ranks), ("", " (experts, dp group)")):
+            if r > 1:   # ZeRO-1: each unit's gradients reduce-scattered, its weights all-gathered
+                out[f"reduce_scatter{group}"] = (r - 1) * zero.shard(n, r) * grads
+                out[f"all_gather{group}"] = (r - 1) * zero.shard(n, r) * self.bytes.weights
+        return out
+
+    def _offload_traffic(self) -> int:
+        """Bytes copied each step under offload: every gradient shard down to the host, and
+        the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two)."""
+        shards = sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks))
+        return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1))
+
+    def _optimizer_temporaries(self) -> int:
+        """Bytes the optimizer step allocates and frees: AdamW's sqrt(v) and bias correction.
+
+        foreach makes them for every parameter at once. The for-loop makes two for each
+        parameter in turn (sqrt(v), then / bc2) while the previous parameter's last one is
+        still alive: the worst pair of neighbours in the model's order, 2 n_i + n_(i-1).
+        AdamW8bit (any impl) steps each tensor a chunk at a time: its largest chunk's.
+        """
+        number = 4 if self.master else self.bytes.weights
+        if self.eight_bit:
+            return max(step_temporary_bytes(n, number) for n in self._stepped_sizes())
+        if not self.recipe.optimizer.startswith("adamw") or self.impl == "fused":
+            return 0
+        if self.impl == "foreach":
+            return self._per_rank(number, "optimizer")
+        sizes = self._stepped_sizes()
+        return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
+
+    def _stepped_sizes(self) -> list[int]:
+        """Numbers of each tensor the optimizer steps on this rank, in the model's order."""
+        return ([zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)] if self.zero else
+                [w.local(self.L.tp, self.L.ep) for w in self.trained])

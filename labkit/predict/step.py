@@ -1,0 +1,299 @@
+"""One pipeline stage's step as named tensors: what it holds (``states``), what each layer keeps
+for the backward pass, and the largest of its moments (``moments``)."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..layers import (Saved, Term, Weight, block_weights, embedding_weights, head_saved,
+                      head_weights, layer_saved, lora_weights)
+from ..parallel import compose, schedules, zero
+from ..recipe import Layout, Recipe, state_bytes
+from ..recompute import parse_policy, plan
+from ..units import HOST
+from .moments import Moments
+from .states import States
+from .terms import Estimate, Tensor, _by_category, _total
+
+# the moments of the backward pass before it reaches the last block
+HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "backward: final norm")
+
+
+def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
+    """LoRA and QLoRA are estimated over data parallelism: replicas (DDP over the adapters,
+    zero_stage=0), or LoRA's frozen base sharded by FSDP2 (zero_stage=3)."""
+    others = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp}
+    split = {k: v for k, v in others.items() if v > 1}
+    if split or layout.offload:
+        given = ", ".join(f"{k}={v}" for k, v in split.items()) or "offload=True"
+        raise ValueError(f"trainable='lora' is estimated over data parallelism (dp with ZeRO-0 "
+                         f"or ZeRO-3) so far, not with {given}: use Layout(dp=..., zero_stage=0 "
+                         f"or 3)")
+    if layout.zero_stage in (1, 2) and layout.dp > 1:
+        raise ValueError(f"trainable='lora' with zero_stage={layout.zero_stage} is not estimated: "
+                         f"ZeRO-1/2 keep the frozen base whole on every rank, as replicas do; "
+                         f"use zero_stage=0, an upper bound by the adapters' gradients and "
+                         f"optimizer states (1-3% of a LoRA step)")
+    if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
+        raise ValueError("QLoRA under ZeRO-3 (FSDP-QLoRA) is not estimated yet: FSDP2 shards an "
+                         "NF4 base through torchao's NF4Tensor or bitsandbytes' quant_storage, "
+                         "neither modelled here; use zero_stage=0 (replicas), or LoRA "
+                         "(weight_format=None) with ZeRO-3")
+
+
+class _Step(States, Moments):
+    """One pipeline stage's step: its model states, its saved tensors, its moments."""
+
+    def __init__(self, c, batch, seq, recipe, layout, device, stage, layers):
+        self.c, self.recipe, self.L = c, recipe, layout
+        self.B, self.T = batch, seq // layout.cp                 # tokens on this rank
+        self.N = self.B * self.T
+        self._names: dict = {}        # id(Saved) -> (it, its bytes by name): see _by_name
+        self.layers = list(layers)
+        self.stage, self.first, self.last = stage, stage == 0, stage == layout.pp - 1
+        self.in_flight = schedules.in_flight(stage, layout.pp, layout.micro_batch_count,
+                                            layout.schedule, layout.virtual_stages)
+        # AdamW's implementation: the device's default; offloaded, the step runs on the host,
+        # where torch's default is the for-loop
+        self.impl = recipe.impl("cpu" if layout.offload else device)
+        self.bytes = state_bytes(recipe.precision, recipe.optimizer)
+        self.mixed = self.bytes.weight_cache > 0                          # autocast
+        self.wdt = "fp32" if self.bytes.weights == 4 else "bf16"          # weights, grads, stream
+        self.cdt = "fp32" if recipe.precision == "fp32" else "bf16"       # what matmuls produce
+        self.master = recipe.precision.endswith("-master")
+        self.eight_bit = recipe.optimizer == "adamw-8bit"                   # labkit's AdamW8bit
+        self._count_weights()
+        self._zero_units()
+        # gloo (CPU) stages a copy of every buffer it sends; NCCL works in place
+        self.staged = device == "cpu"
+        # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
+        # gradient_as_bucket_view the gradients are views of them instead of a second copy
+        # (labkit's expert-parallel step averages in place instead: ``Layout.ddp_buckets``)
+        self.ddp = layout.dp > 1 and layout.zero_stage == 0 and layout.keeps_ddp_buckets
+        self.in_buckets = self.ddp and layout.gradient_as_bucket_view
+
+    def _count_weights(self):
+        """The stage's weights in model order, per block, and what of them trains."""
+        c, recipe, layout = self.c, self.recipe, self.L
+        tp, ep = layout.tp, layout.ep
+        self.moe = [i >= c.dense_layers for i in self.layers]
+        self.block_params = [sum(w.local(tp, ep) for w in block_weights(c, m)) for m in self.moe]
+        self.weights: list[Weight] = ((embedding_weights(c) if self.first else [])   # model order
+                                      + [w for m in self.moe for w in block_weights(c, m)]
+                                      + (head_weights(c) if self.last else []))
+        self.n_local = sum(w.local(tp, ep) for w in self.weights)
+        # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``)
+        self.lora = recipe.trainable == "lora"
+        if self.lora:
+            _check_lora_layout(recipe, layout)
+        self.lora_rank = recipe.lora_rank if self.lora else 0
+        self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
+                        if self.lora else self.weights)
+        self.n_train = sum(w.local(tp, ep) for w in self.trained)
+        self.block_trained = ([sum(w.local() for w in lora_weights(c, m, self.lora_rank))
+                               for m in self.moe] if self.lora else self.block_params)
+
+    def _zero_units(self):
+        """ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of
+        the model (embedding, final norm, LM head), then each block; stage 1: the whole model."""
+        c, layout = self.c, self.L
+        tp, ep = layout.tp, layout.ep
+        self.zero = layout.zero_stage if layout.dp > 1 or layout.offload else 0
+        self.offload = layout.offload           # ZeRO's shards (from stage 3 params too) on the host
+        rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
+        rest_params = sum(w.local(tp, ep) for w in rest)
+        # what ZeRO steps and reduces is what trains: LoRA's adapters, each block's in its unit
+        # (the root unit - embedding, final norm, LM head - is frozen); stage 3 (FSDP) gathers
+        # every parameter of a unit, LoRA's frozen base too
+        self.units = zero.units(self.block_trained, 0 if self.lora else rest_params, self.zero)
+        self.unit_ranks = [layout.dp] * len(self.units)   # the ranks each unit is sharded over
+        # with ep, ZeRO-1 shards the replicated weights over every dp rank and this rank's
+        # experts over their dp / ep copies (``parallel.zero_step``'s experts, Megatron's
+        # distributed optimizer): two units
+        routed = sum(w.local(tp, ep) for w in self.trained if w.copies > 1) if ep > 1 else 0
+        if self.zero and routed:
+            self.units, self.unit_ranks = ([self.units[0] - routed, routed],
+                                           [layout.dp, layout.dp // ep])
+        self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
+        self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
+                                if self.lora else self.block_params)
+        self.gathered_rest = rest_params if self.zero == 3 else 0
+        self.fsdp2 = self.lora and self.zero == 3   # LoRA's ZeRO-3 is FSDP2's: its buffers count
+
+    # ---- activations ---------------------------------------------------------------------------
+    def saved_per_layer(self) -> tuple[list[Saved], list[Saved], dict[int, int]]:
+        """(what each layer keeps under the policy, what it keeps without one, unit starts)."""
+        c, p, L = self.c, self.recipe.precision, self.L
+        name, _ = parse_policy(self.recipe.recompute, self.recipe.every)
+        units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
+        kept = {}            # what each layer keeps: everything, its input, or (inside a unit) nothing
+        for u in units:
+            kept[u.first] = "selective" if name == "selective" else ("full" if u.recompute else "none")
+            kept.update({i: "nothing" for i in range(u.first + 1, u.last)})
+        lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0,
+                     weight_format=self.recipe.weight_format) if self.lora else {}
+                for j in range(len(self.moe))]
+        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j],
+                                                    attention=self.recipe.attention), m)
+                for j, m in enumerate(self.moe)]
+        saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
+                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep, **lora[j])
+                 for j, m in enumerate(self.moe)]
+        self.kept = kept
+        return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}
+
+    def _with_permutations(self, saved: Saved, moe: bool) -> Saved:
+        """Under expert parallelism an MoE layer also keeps the two int64 permutations that
+        regroup the rows its experts received by expert and back (top_k rows per token)."""
+        if not (moe and self.L.ep > 1):
+            return saved
+        return Saved(saved + [Term("expert-parallel permutations (argsort and its inverse)",
+                                   "int64", compose.permutation_bytes(self.c.top_k))])
+
+    def tensors_of(self, layers: list[Saved], times: int = 1, label: str = "") -> list[Tensor]:
+        """The terms of several layers' ``Saved``, added up by name (x ``times`` micro-batches)."""
+        total, meta = defaultdict(int), {}
+        for saved in layers:
+            for name, (term, nbytes) in self._by_name(saved).items():
+                total[name] += nbytes
+                meta[name] = term
+        suffix = f", {label}" if label else ""
+        if getattr(times, "denominator", 1) == 1:    # a whole number (int arithmetic is faster)
+            times = int(times)
+        return [Tensor(k + suffix, meta[k].category, meta[k].dtype, int(v * times))
+                for k, v in total.items()]
+
+    def _by_name(self, saved: Saved) -> dict:
+        """{name: (its last term, the bytes of its terms)} of one layer's ``Saved``, worked out
+        once per step (the moments add up the same layers many times over)."""
+        key = id(saved)
+        if key not in self._names:            # the Saved is kept with it: its id stays its own
+            by_name = {}
+            for term in saved:
+                by_name[term.name] = (term, by_name.get(term.name, (None, 0))[1]
+                                      + term.bytes(self.B, self.T))
+            self._names[key] = (saved, by_name)
+        return self._names[key][1]
+
+    def _head(self, heads) -> list[Tensor]:
+        """What the last stage's final norm, LM head and loss keep, for ``heads`` micro-batches."""
+        return self.tensors_of([head_saved(self.c, self.recipe.precision, self.L.tp,
+                                           self.recipe.loss_chunk, self.L.sp, frozen=self.lora)],
+                               heads)
+
+    def _sent_outputs(self, flight=None) -> list[Tensor]:
+        """A pipeline stage keeps each (B, T, hidden) output it sent until that micro-batch's
+        backward, as torch.distributed.pipelining and labkit's executor do (Megatron-LM frees
+        the data once sent): one per chunk in flight, but the model's last."""
+        if self.L.pp == 1:
+            return []
+        v = self.L.virtual_stages
+        chunks = (self.in_flight if flight is None else flight) * (v if not self.last else v - 1)
+        return [Tensor("stage outputs sent, kept until their backward", "activations",
+                       self.wdt, int(self.N * self.c.hidden * self.bytes.weights * chunks))]
+
+    # ---- the moments -----------------------------------------------------------------------
+    def estimate(self) -> Estimate:
+        """The largest of the step's moments, each a list of the tensors alive then."""
+        saved, full, unit_start = self.saved_per_layer()
+        flight = self.in_flight
+        label = f"{len(self.layers)} layers" + (f" x {float(flight):g} micro-batches"
+                                                if flight > 1 else "")
+        kept = self.tensors_of(saved, flight, label) + self._sent_outputs()
+        always = self.states()
+        if self.first:       # alive the whole step: inputs and shifted targets, (B, T + 1) int64
+            always.append(Tensor("token batch", "activations", "int64", 8 * self.B * (self.T + 1)))
+        if self.last:
+            always.append(Tensor("loss", "activations", "fp32", 4))
+        # GPipe's last stage runs every micro-batch's loss before any backward: it keeps m heads
+        heads = flight if self.L.schedule == "gpipe" else 1
+        head = self._head(heads) if self.last else []
+        moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
+                   **(self._final_norm_moment(always + kept) if self.last else {}),
+                   **self._worst_layer_moment(always, saved, full, unit_start),
+                   **self._naive_attention_moment(always, saved, full, unit_start),
+                   **self._later_micro_batch_moments(always, saved, label),
+                   **(self._embedding_moment(always) if self.first else {}),
+                   **self._optimizer_moment(always),
+                   **self._lora_recompute_moment(always, saved, full, unit_start),
+                   **self._dequantise_moment(always, saved, full, unit_start)}
+        if self.zero == 3:
+            moments.update(self._gather_moments(always, saved, kept + head))
+            for name, (phase, tensors) in moments.items():   # the root stays gathered throughout
+                if phase != "optimizer":
+                    tensors.append(self._gathered("the embedding, final norm and LM head",
+                                                  self.gathered_rest))
+                if name.startswith(HEAD_BACKWARD):  # the last block's gather is under way
+                    tensors += self._prefetched(len(self.layers))
+        return self._result(moments, saved=always + kept + head)
+
+    def _result(self, moments, saved) -> Estimate:
+        peak = max(moments, key=lambda k: _total(moments[k][1]))
+        phase, tensors = moments[peak]
+        at_forward_end = _by_category(saved)
+        out = Estimate(peak_phase=phase, **_by_category(tensors),
+                       saved_activations=at_forward_end["activations"],
+                       saved_weight_cache=at_forward_end["weight_cache"])
+        out.tensors = [t for t in tensors if t.nbytes]
+        out.moments = {k: _total(v) for k, (_, v) in moments.items()}
+        states = _by_category(self.states())
+        out.details = {"peak moment": peak, "optimizer implementation": self.impl,
+                       "parameters on this device": self.n_local,
+                       "layers on this device": len(self.layers),
+                       "model states": {"params": states["params"],
+                                        "grads": 0 if self.offload else self.grads(),
+                                        "optimizer": states["optimizer"]}}
+        if self.zero:        # what one collective sends at most: the largest flat unit
+            gathered = self.gathered_blocks + [self.gathered_rest] if self.zero == 3 else []
+            out.details["largest unit (elements)"] = max(
+                [zero.padded(u, r) for u, r in zip(self.units, self.unit_ranks)]
+                + [zero.padded(u, self.L.dp) for u in gathered])
+        if self.L.ep > 1:
+            out.details["bytes sent per step, by message"] = self._expert_messages()
+            out.details["bytes sent per step"] = sum(
+                out.details["bytes sent per step, by message"].values())
+            out.details["assumes"] = [
+                f"balanced routing: each rank's experts receive batch x seq x top_k = "
+                f"{compose.routed_rows(self.c, self.B, self.T):,} rows per MoE layer; a skewed "
+                f"router puts more rows, activations and bytes sent on the busiest rank "
+                f"(labkit.parallel.expert.routing_imbalance measures it)"]
+        elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
+            out.details["bytes sent per step"] = (
+                zero.bytes_sent(self.units, 2, self.L.dp, self.bytes.grads, 0)
+                + zero.bytes_sent(self.gathered_blocks + [self.gathered_rest], 3, self.L.dp, 0,
+                                  self.bytes.weights))
+        elif self.L.dp > 1:
+            out.details["bytes sent per step"] = zero.bytes_sent(
+                self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)
+        if self.offload:
+            out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
+                                             for _, v in moments.values())
+            out.details["host <-> device bytes per step"] = self._offload_traffic()
+        return out
+
+    # ---- transients ------------------------------------------------------------------------------
+    def _first_grad(self, moe: bool) -> int:
+        """The gradient autograd accumulates first in a block's backward: the MLP's down projection."""
+        c = self.c
+        if self.lora:        # its LoRA B (hidden x r)
+            return c.hidden * self.lora_rank * self.bytes.weights
+        width = (max(1, c.shared_experts) * c.moe_ffn if moe else c.ffn) // self.L.tp
+        return c.hidden * width * self.bytes.weights
+
+    def _layer_backward_transient(self, moe: bool) -> int:
+        """Gradients of activations alive together inside an MLP's backward.
+
+        SwiGLU: the gradients of silu(gate) and up exist while the product's gradient is held.
+        MoE: the tokens' gradient gathered back to expert order, the gate-weight product and
+        the experts' output gradient (in fp32 under autocast, then its bf16 copy).
+        """
+        c, N, stream = self.c, self.N, self.bytes.weights
+        compute = 4 if self.recipe.precision == "fp32" else 2
+        swiglu = 2 * N * self._mlp_width(moe) * compute
+        if not moe:
+            return swiglu
+        routed = N * c.top_k * (c.hidden * (2 * stream + (2 if self.mixed else 0)) + 4)
+        return max(swiglu, routed)
+
+    def _mlp_width(self, moe: bool) -> int:
+        """The SwiGLU's width on this rank: the dense MLP's, or an MoE layer's shared experts'."""
+        return (self.c.shared_experts * self.c.moe_ffn if moe else self.c.ffn) // self.L.tp
