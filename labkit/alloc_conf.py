@@ -1,6 +1,7 @@
 """PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF: the CUDA caching allocator's settings, parsed
 and checked as PyTorch 2.13 does (``c10/core/AllocatorConfig.cpp``), for ``labkit.allocator``'s
-model and the host report (``labkit.system``).
+model and the host report (``labkit.system``); and its size rules (``round_size``,
+``get_allocation_size``: ``c10/cuda/CUDACachingAllocator.cpp``).
 
     parse_alloc_conf("expandable_segments:True,max_split_size_mb:128")
 """
@@ -14,6 +15,10 @@ kMinLargeAlloc = 10485760      # allocations between 1 and 10 MiB may use kLarge
 kLargeBuffer = 20971520        # "large" allocations may be packed in 20 MiB blocks (large_segment_size)
 kRoundUpPowerOfTwoIntervals = 16   # roundup_power2_divisions: one value per power of two, 1 MiB..64 GiB
 kMB = 1048576
+kMinBlockSize = 512            # all sizes are rounded to at least 512 bytes
+kSmallSize = 1048576           # largest "small" allocation is 1 MiB
+kSmallBuffer = 2097152         # "small" allocations are packed in 2 MiB blocks
+kRoundLarge = 2097152          # round up large allocations to 2 MiB
 
 @dataclass(frozen=True)
 class AllocatorSettings:
@@ -158,3 +163,43 @@ def parse_alloc_conf(text: str) -> AllocatorSettings:
                              max_split_size=mb.get("max_split_size_mb"),
                              max_non_split_rounding_size=mb.get("max_non_split_rounding_mb"),
                              unmodelled=tuple(unmodelled))
+
+
+# ---- size rules (CUDACachingAllocator.cpp) ------------------------------------------------
+def roundup_power2_next_division(size: int, divisions: int) -> int:
+    """Round up to the next of ``divisions`` equal steps between two powers of two (1200, 4 -> 1280)."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    rounded = size & ~(step - 1)
+    return size if rounded == size else rounded + step
+
+
+def round_size(size: int, settings: AllocatorSettings = AllocatorSettings()) -> int:
+    """The block size a request gets: at least 512 B, then a multiple of 512 (or a power-2 division)."""
+    if size < kMinBlockSize:
+        return kMinBlockSize
+    divisions = settings.divisions(size)
+    if divisions > 1 and size > kMinBlockSize * divisions:
+        return roundup_power2_next_division(size, divisions)
+    return kMinBlockSize * -(-size // kMinBlockSize)
+
+
+def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> int:
+    """The segment cudaMalloc is asked for when no cached block fits a (rounded) request."""
+    if size <= kSmallSize:
+        return kSmallBuffer
+    if size < kMinLargeAlloc:
+        return large_segment_size
+    return kRoundLarge * -(-size // kRoundLarge)
+
+
+def format_size(size: int) -> str:
+    """The allocator's own size printer (its OOM message): '20.00 MiB', '512 bytes'."""
+    for limit, unit in ((1024, None), (kMB, "KiB"), (1 << 30, "MiB")):
+        if size <= limit:
+            return f"{size} bytes" if unit is None else f"{size / (limit >> 10):.2f} {unit}"
+    return f"{size / (1 << 30):.2f} GiB"

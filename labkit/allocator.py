@@ -19,169 +19,18 @@ graphs, IPC, events or garbage collection.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
+from .alloc_blocks import (POOLS, AllocatorStats, Block, OomInfo, OutOfMemory,  # noqa: F401
+                           Replay, Segment, _Expandable, _Pool)
 from .alloc_conf import (ALLOC_CONF_KEYS, AllocatorSettings, kLargeBuffer, kMB,  # noqa: F401
-                         kMinLargeAlloc, parse_alloc_conf)
+                         kMinBlockSize, kMinLargeAlloc, kRoundLarge, kSmallBuffer, kSmallSize,
+                         format_size, get_allocation_size, parse_alloc_conf, round_size,
+                         roundup_power2_next_division)
 
-kMinBlockSize = 512            # all sizes are rounded to at least 512 bytes
-kSmallSize = 1048576           # largest "small" allocation is 1 MiB
-kSmallBuffer = 2097152         # "small" allocations are packed in 2 MiB blocks
-kRoundLarge = 2097152          # round up large allocations to 2 MiB
-POOLS = ("small_pool", "large_pool")
 _ADDRESS_BASE = 0x7F0000000000     # where the model's "cudaMalloc" hands out addresses
 
 
-# ------------------------------------------------------------------------------ size rules
-def roundup_power2_next_division(size: int, divisions: int) -> int:
-    """Round up to the next of ``divisions`` equal steps between two powers of two (1200, 4 -> 1280)."""
-    if size & (size - 1) == 0:
-        return size
-    floor = 1 << (size.bit_length() - 1)
-    step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
-    rounded = size & ~(step - 1)
-    return size if rounded == size else rounded + step
-
-
-def round_size(size: int, settings: AllocatorSettings = AllocatorSettings()) -> int:
-    """The block size a request gets: at least 512 B, then a multiple of 512 (or a power-2 division)."""
-    if size < kMinBlockSize:
-        return kMinBlockSize
-    divisions = settings.divisions(size)
-    if divisions > 1 and size > kMinBlockSize * divisions:
-        return roundup_power2_next_division(size, divisions)
-    return kMinBlockSize * -(-size // kMinBlockSize)
-
-
-def get_allocation_size(size: int, large_segment_size: int = kLargeBuffer) -> int:
-    """The segment cudaMalloc is asked for when no cached block fits a (rounded) request."""
-    if size <= kSmallSize:
-        return kSmallBuffer
-    if size < kMinLargeAlloc:
-        return large_segment_size
-    return kRoundLarge * -(-size // kRoundLarge)
-
-
-def format_size(size: int) -> str:
-    """The allocator's own size printer (its OOM message): '20.00 MiB', '512 bytes'."""
-    for limit, unit in ((1024, None), (kMB, "KiB"), (1 << 30, "MiB")):
-        if size <= limit:
-            return f"{size} bytes" if unit is None else f"{size / (limit >> 10):.2f} {unit}"
-    return f"{size / (1 << 30):.2f} GiB"
-
-
 # ---------------------------------------------------------------------------- the allocator
-class OutOfMemory(RuntimeError):
-    """The model ran out of ``capacity``; the message reads like PyTorch's OutOfMemoryError."""
-
-    def __init__(self, message: str, requested: int, alloc_size: int, allocated: int, reserved: int):
-        super().__init__(message)
-        self.requested, self.alloc_size = requested, alloc_size
-        self.allocated, self.reserved = allocated, reserved
-
-
-@dataclass(eq=False, slots=True)
-class Block:
-    """A piece of a segment: handed out (``allocated``) or cached free; ``mapped`` is False only
-    for the not-yet-backed address space of an expandable segment."""
-
-    addr: int
-    size: int
-    pool: _Pool = field(repr=False)
-    requested: int = 0
-    allocated: bool = False
-    mapped: bool = True
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
-    expandable: _Expandable | None = field(default=None, repr=False)
-    context: object = None                 # what the tensor is (the snapshot's frames)
-    segment_context: object = None         # what made the segment (its first block only)
-
-    @property
-    def is_split(self) -> bool:
-        return self.prev is not None or self.next is not None
-
-
-class _Pool:
-    """``BlockPool``: free blocks ordered by (size, address) - best fit is a bisect - and the
-    unmapped blocks of expandable segments ordered by address."""
-
-    def __init__(self, is_small: bool):
-        self.is_small, self.name = is_small, POOLS[0] if is_small else POOLS[1]
-        self.blocks: list[tuple] = []          # (size, addr, Block)
-        self.unmapped: list[tuple] = []        # (addr, Block)
-
-    def insert(self, b: Block):
-        bisect.insort(self.blocks, (b.size, b.addr, b))
-
-    def erase(self, b: Block):
-        i = bisect.bisect_left(self.blocks, (b.size, b.addr))
-        del self.blocks[i]
-
-    def erase_unmapped(self, b: Block):
-        del self.unmapped[bisect.bisect_left(self.unmapped, (b.addr,))]
-
-
-class _Expandable:
-    """``ExpandableSegment``: a reserved address range whose pages are mapped on demand."""
-
-    def __init__(self, base: int, page: int, pages: int):
-        self.base, self.page, self.pages, self.mapped = base, page, pages, set()
-
-    def map(self, addr: int, size: int, room: int) -> int:
-        """Map the pages covering [addr, addr+size); all or nothing. Returns the bytes mapped."""
-        begin, end = (addr - self.base) // self.page, -(-(addr + size - self.base) // self.page)
-        if (end - begin) * self.page > room:
-            return 0                            # cuMemCreate fails: release what it made, map none
-        self.mapped.update(range(begin, end))
-        return (end - begin) * self.page
-
-    def unmap(self, addr: int, size: int) -> tuple[int, int]:
-        """Unmap the whole pages inside [addr, addr+size): (their start, their bytes)."""
-        begin, end = -(-(addr - self.base) // self.page), (addr + size - self.base) // self.page
-        if begin >= end:
-            return addr, 0
-        self.mapped.difference_update(range(begin, end))
-        return self.base + begin * self.page, (end - begin) * self.page
-
-
-@dataclass
-class AllocatorStats:
-    """``torch.cuda.memory_stats()``'s aggregate numbers ("all" pools): current and peak bytes."""
-
-    allocated_bytes: int          # rounded sizes of the blocks handed out (memory_allocated)
-    reserved_bytes: int           # segments from cudaMalloc, or mapped pages (memory_reserved)
-    requested_bytes: int          # what the callers asked for
-    active_bytes: int
-    inactive_split_bytes: int     # free bytes inside segments that are partly in use
-    allocations: int
-    segments: int                 # cudaMalloc segments (expandable segments do not count)
-    inactive_split: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    peak_requested_bytes: int
-    peak_inactive_split_bytes: int
-    num_alloc_retries: int
-    num_ooms: int
-    num_device_alloc: int
-    num_device_free: int
-
-
-@dataclass
-class Segment:
-    """One segment as ``torch.cuda.memory_snapshot()`` lists it (an expandable segment: one
-    contiguous mapped range)."""
-
-    address: int
-    total_size: int
-    pool: str                     # "small_pool" | "large_pool"
-    expandable: bool
-    blocks: list[Block]
-    context: object = None
-
-
 _STATS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
           "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 
@@ -569,36 +418,6 @@ class CachingAllocator:
 
 
 # ------------------------------------------------------------------------------------ replay
-@dataclass
-class OomInfo:
-    """Where a replay ran out of memory, and PyTorch's message for it."""
-
-    index: int                    # the event that failed
-    nbytes: int
-    category: str
-    phase: str
-    message: str
-
-
-@dataclass
-class Replay:
-    """A tracker's event log replayed through the allocator: the series after each event."""
-
-    allocated: list[int]          # memory_allocated() after each event
-    reserved: list[int]           # memory_reserved()
-    requested: list[int]          # the bytes the tensors asked for
-    inactive_split: list[int]     # free bytes stranded inside partly used segments
-    phase: list[str]
-    peak_allocated: int
-    peak_reserved: int
-    peak_requested: int
-    peak_index: int               # the first event at which reserved peaks (-1: no events)
-    fragmentation: float          # (reserved - allocated) / reserved at that event
-    oom: OomInfo | None           # the series stop at the event that failed
-    stats: AllocatorStats
-    allocator: CachingAllocator = field(repr=False)
-
-
 def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: int | None = None,
            record_trace: bool = True) -> Replay:
     """Replay ``StorageEvent``-like objects (action, storage, nbytes, category, phase) through a

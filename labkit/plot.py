@@ -1,5 +1,5 @@
 """Matplotlib figures every lab shows: the peak's breakdown, the memory timeline of one step,
-and predicted vs measured. Each returns a ``Figure`` that pyplot does not keep open: display it
+and predicted vs measured (shared pieces in ``plot_base``, lab 08's in ``plot_host``). Each returns a ``Figure`` that pyplot does not keep open: display it
 or save it; nothing accumulates when a notebook or a test draws hundreds."""
 from __future__ import annotations
 
@@ -10,38 +10,11 @@ import numpy as np
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
+from .plot_base import (CATEGORY_COLORS, MAX_POINTS, PHASE_COLORS, _downsample,  # noqa: F401
+                        _legend, new_figure, unit_for)
+from .plot_host import allocator_figure, snapshot_figure  # noqa: F401
 from .track import Timeline
 from .units import CATEGORIES, Breakdown, fmt_bytes, fmt_count
-
-# One colour per category in every labkit plot (Okabe & Ito's colour-blind-safe palette).
-CATEGORY_COLORS = {
-    "params": "#0072B2",        # blue
-    "grads": "#E69F00",         # orange
-    "optimizer": "#009E73",     # bluish green
-    "activations": "#D55E00",   # vermillion
-    "weight_cache": "#CC79A7",  # reddish purple
-    "other": "#999999",         # grey
-}
-PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FBEFE3", "optimizer": "#E6F5EF"}
-MAX_POINTS = 2000
-
-
-def unit_for(largest: float) -> tuple[str, int]:
-    """GiB, or MiB when everything is below 1 GiB (binary units, as ``fmt_bytes``)."""
-    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
-
-
-def _legend(fig, ax):
-    """The categories' legend below the axes, where it never covers data."""
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
-               ncol=len(CATEGORIES), frameon=False)
-
-
-def new_figure(width: float, height: float, **kwargs):
-    """A constrained-layout figure that pyplot forgets at once (returned, never shown twice)."""
-    fig, ax = plt.subplots(figsize=(width, height), layout="constrained", **kwargs)
-    plt.close(fig)                   # not kept by pyplot: no double display, no leak in loops
-    return fig, ax
 
 
 def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
@@ -65,16 +38,6 @@ def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
     ax.set_title(title or "where the memory goes at the peak")
     _legend(fig, ax)
     return fig
-
-
-def _downsample(total: np.ndarray, limit: int = MAX_POINTS) -> np.ndarray:
-    """Indices of at most ``limit`` events: each bucket's lowest and highest, so no peak is lost."""
-    if len(total) <= limit:
-        return np.arange(len(total))
-    keep = set()
-    for bucket in np.array_split(np.arange(len(total)), limit // 2):
-        keep.update((bucket[total[bucket].argmin()], bucket[total[bucket].argmax()]))
-    return np.array(sorted(keep))
 
 
 def timeline_figure(m, title: str | None = None):
@@ -430,68 +393,6 @@ def _place_labels(ax, rows, highlight, fontsize: float = 8):
         placed.append(box)
         ax.annotate(label, (bits, error), xytext=(dx, dy), textcoords="offset points", ha=ha,
                     fontsize=fontsize, fontweight="bold" if i == highlight else "normal")
-
-
-def _shade_phases(ax, phases: list[str]) -> list:
-    """Forward, backward and optimizer bands behind a per-event plot; legend handles for them
-    (bands too narrow to label, such as each step's optimizer, still get a colour key)."""
-    start = 0
-    for i in range(1, len(phases) + 1):
-        if i == len(phases) or phases[i] != phases[start]:
-            if phases[start] in PHASE_COLORS:
-                ax.axvspan(start, i, color=PHASE_COLORS[phases[start]], zorder=0)
-            start = i
-    keys = [Patch(facecolor=color, edgecolor="#aaaaaa", label=phase)
-            for phase, color in PHASE_COLORS.items() if phase in phases]
-    if phases and phases[0] == "setup":
-        keys.insert(0, Patch(facecolor="white", edgecolor="#aaaaaa",
-                             label="setup (the states alive before)"))
-    return keys
-
-
-def allocator_figure(replays: dict, title: str | None = None):
-    """Bytes the tensors hold (allocated) and the caching allocator reserves, after each event of
-    a step replayed under each setting (``{label: labkit.allocator.Replay}``)."""
-    if not replays:
-        raise ValueError("nothing to plot: pass {label: replay(events, settings)}")
-    first = next(iter(replays.values()))
-    name, scale = unit_for(max(r.peak_reserved for r in replays.values()))
-    fig, ax = new_figure(9, 4.2)
-    bands = _shade_phases(ax, first.phase)
-    x = _downsample(np.array(first.allocated))
-    ax.plot(x, np.array(first.allocated)[x] / scale, color="black", linewidth=1.5,
-            label="allocated (the tensors' blocks)")
-    for (label, r), color in zip(replays.items(), ("#0072B2", "#D55E00", "#009E73", "#CC79A7")):
-        xr = _downsample(np.array(r.reserved))
-        ax.plot(xr, np.array(r.reserved)[xr] / scale, color=color, linewidth=1.5,
-                label=f"reserved, {label} (peak {fmt_bytes(r.peak_reserved)})")
-    ax.set_xlim(0, len(first.allocated) - 1)
-    ax.set_ylim(0, max(r.peak_reserved for r in replays.values()) / scale * 1.2)
-    ax.set(xlabel="allocation events", ylabel=name,
-           title=title or "what the caching allocator reserves, event by event")
-    lines, _ = ax.get_legend_handles_labels()
-    ax.legend(handles=lines + bands, frameon=False, fontsize=8, loc="lower right", ncol=2)
-    return fig
-
-
-def snapshot_figure(series: dict, title: str | None = None):
-    """A memory snapshot's trace drawn back: live bytes per category, stacked, and the reserved
-    segments above them (``labkit.memory_snapshot.snapshot_timeline``'s series)."""
-    reserved = np.array(series["reserved"])
-    if len(reserved) == 0:
-        raise ValueError("the snapshot's trace is empty")
-    name, scale = unit_for(reserved.max())
-    cats = [c for c in CATEGORIES if c in series["by_category"]]
-    x = _downsample(reserved)
-    fig, ax = new_figure(9, 4.2)
-    ax.stackplot(x, *[np.array(series["by_category"][c])[x] / scale for c in cats],
-                 colors=[CATEGORY_COLORS[c] for c in cats], labels=[CATEGORIES[c] for c in cats])
-    ax.plot(x, reserved[x] / scale, color="black", linewidth=1.2, label="reserved segments")
-    ax.set_xlim(0, len(reserved) - 1)
-    ax.set_ylim(0, reserved.max() / scale * 1.15)
-    ax.set(xlabel="trace entries", ylabel=name, title=title or "the exported snapshot, read back")
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=4, frameon=False)
-    return fig
 
 
 def course_savings_figure(rows, title: str | None = None):

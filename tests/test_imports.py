@@ -118,3 +118,23 @@ def test_the_estimate_runs_without_torch_installed():
         layout=labkit.Layout(dp=256, zero_stage=3, tp=8, sp=True)).total
     data = {"labkit", "labkit.parallel", "labkit.preset_data"}      # packages, the presets' JSON
     assert set(done.stdout.split("\n")[1].split()) <= ESTIMATE | data
+
+
+MAX_MODULE_LINES = 500      # a module reads top to bottom
+MAX_FUNCTION_LINES = 60     # code lines of a function, its docstring not counted
+
+
+def test_modules_and_functions_stay_short():
+    long_modules, long_functions = [], []
+    for name, path in modules().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            long_modules.append((name, text.count("\n")))
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            if body and body[-1].end_lineno - body[0].lineno + 1 > MAX_FUNCTION_LINES:
+                long_functions.append(f"{name}.{node.name}")
+    assert not long_modules, f"split these modules: {long_modules}"
+    assert not long_functions, f"split these functions: {long_functions}"
