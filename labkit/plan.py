@@ -217,11 +217,11 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"CPU optimizer step is not timed",
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
         "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1, ep in powers of 2 "
-        "with ZeRO-0 or ZeRO-1 (each expert shard's states over its dp / ep copies), ZeRO 0-3 "
-        f"and ZeRO-Offload (only when nothing fits without it), micro-batch in powers of 2, "
+        "(each expert shard's states over its dp / ep copies), ZeRO 0-3 and ZeRO-Offload "
+        f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
         f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
-        f"FSDP-QLoRA, ep with ZeRO-2/3",
+        f"FSDP-QLoRA",
         *assumptions(g, gpus_per_node),
     ]
 

@@ -93,10 +93,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                 zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp > 1 else [])
                 zeros += [(z, True) for z in (1, 2, 3)] if offload else []
                 out += [Family("all", dp, z, off, tp, pp, 1) for z, off in zeros]
-                # expert parallelism inside dp, without ZeRO or with ZeRO-1 (each expert
-                # shard's states over its dp / ep copies: Megatron's distributed optimizer)
+                # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states over
+                # its dp / ep copies (Megatron's distributed optimizer, FSDP over experts)
                 if c.is_moe:
-                    out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1)
+                    out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
                             for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
     families = []
     for f in dict.fromkeys(out):
@@ -148,23 +148,23 @@ class _Counts:
 
 def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters,
-    ``experts`` of them routed experts (ZeRO-1 with ep shards their states over dp / ep)."""
+    ``experts`` of them routed experts (ZeRO shards their states over dp / ep)."""
     if f.trainable != "all":                # the frozen weights (NF4: at least half a byte)
         return per_rank(n // 2 if f.trainable == "qlora" else 2 * n, "params", f.zero_stage,
                         f.dp), 0, 0
+
+    def sharded(number: int, state: str) -> int:
+        rest = n - experts if f.ep > 1 else n
+        return (per_rank(rest * number, state, f.zero_stage, f.dp)
+                + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
+                   if f.ep > 1 else 0))
     b = state_bytes(FULL, "adamw")
-    params = 0 if f.offload and f.zero_stage == 3 else per_rank(n * b.weights, "params",
-                                                                f.zero_stage, f.dp)
+    params = 0 if f.offload and f.zero_stage == 3 else sharded(b.weights, "params")
     if f.offload:
         return params, 0, 0
-    grads = per_rank(n * b.grads, "grads", f.zero_stage, f.dp)
+    grads = sharded(b.grads, "grads")
     grads += n * b.grads if f.dp > 1 and f.zero_stage == 0 and f.ep == 1 else 0   # DDP buckets
-    if f.ep > 1:
-        return params, grads, (per_rank((n - experts) * b.optimizer, "optimizer", f.zero_stage,
-                                        f.dp)
-                               + per_rank(experts * b.optimizer, "optimizer", f.zero_stage,
-                                          f.dp // f.ep))
-    return params, grads, per_rank(n * b.optimizer, "optimizer", f.zero_stage, f.dp)
+    return params, grads, sharded(b.optimizer, "optimizer")
 
 
 def _states_bound(counts: _Counts, f: Family) -> int:
@@ -267,8 +267,8 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         if k.family not in leanest or key < leanest[k.family][0]:
             leanest[k.family] = (key, why)
 
-    for k in pool:
-        if top is not None and len(fits) >= top:
+    for k in pool:          # after ``top`` fits, only those tied with the last (same ms)
+        if top is not None and len(fits) >= top and _ms(k) > _ms(fits[-1]):
             break
         if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
             continue
@@ -289,6 +289,9 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             fits.append(k)
         else:
             fail(k, k.estimate.total, why)
+    # equal modelled times (to the millisecond): the larger micro-batch, then the leaner layout
+    fits.sort(key=lambda k: (_ms(k), -k.micro_batch, k.estimate.total))
+    fits = fits[:top]
     fitted = {k.family for k in fits}
     unexplored = []
     for f in families:
@@ -299,9 +302,12 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             rejected[f.label()] = leanest[f][1]
         else:
             unexplored.append(f.label())
-    # equal modelled times (to the millisecond): the larger micro-batch, then the leaner layout
-    fits.sort(key=lambda k: (round(k.time.total, 3), -k.micro_batch, k.estimate.total))
     return fits, rejected, unexplored, n_estimates
+
+
+def _ms(k: Candidate) -> float:
+    """A candidate's modelled step time to the millisecond: what the ranking tells apart."""
+    return round(k.time.total, 3)
 
 
 def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,

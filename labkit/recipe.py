@@ -216,11 +216,6 @@ class Layout:
             raise ValueError(f"ep={self.ep} splits the experts over ep of the dp={self.dp} data-"
                              f"parallel ranks: choose dp among the multiples of {self.ep} (e.g. "
                              f"Layout(dp={self.ep}, ep={self.ep}))")
-        if self.ep > 1 and self.zero_stage > 1:
-            raise ValueError(f"zero_stage={self.zero_stage} with ep={self.ep}: expert parallelism "
-                             "is estimated with ZeRO-1 (each expert shard's optimizer states "
-                             "over its dp / ep copies, as Megatron's distributed optimizer and "
-                             "DeepSeek-V3) or without ZeRO so far; use zero_stage 0 or 1")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
                              "parallel group: it needs tp > 1")

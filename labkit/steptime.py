@@ -61,6 +61,19 @@ def ring(n: int, nbytes: float, collective: str) -> float:
     return nbytes * (2 * share if collective == "all-reduce" else share)
 
 
+def _data_parallel_bytes(zero_stage: int, m: int, ranks: int, grads: int, frozen: int = 0) -> float:
+    """What one rank sends per step to average ``grads`` bytes over ``ranks``: DDP's all-reduce,
+    or ZeRO's reduce-scatter of the gradients and all-gather of the updated weights (stages 2-3
+    keep only a gradient shard: a reduce-scatter per micro-batch; stage 3 gathers the weights,
+    a ``frozen`` base too, before each forward and backward)."""
+    if zero_stage == 0:
+        return ring(ranks, grads, "all-reduce")
+    scatters = m if zero_stage >= 2 else 1
+    gathers = 2 * m if zero_stage == 3 else 1
+    return (scatters * ring(ranks, grads, "reduce-scatter")
+            + gathers * ring(ranks, grads + (frozen if zero_stage == 3 else 0), "all-gather"))
+
+
 def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden: int,
               top_k: int, seq: int, global_batch: int, micro: int, dp: int, tp: int, pp: int,
               ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
@@ -84,17 +97,9 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     # without ep the routed experts are replicated like every other weight: their gradients
     # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
     grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
-    if zero_stage == 0:
-        sent = ring(dp, grads, "all-reduce")
-    else:                 # reduce-scatter the gradients, all-gather the updated weights;
-        # stages 2-3 keep only a gradient shard: one reduce-scatter per micro-batch
-        scatters = m if zero_stage >= 2 else 1
-        gathers = 2 * m if zero_stage == 3 else 1       # stage 3: before each forward, backward
-        sent = (scatters * ring(dp, grads, "reduce-scatter")
-                + gathers * ring(dp, grads + (frozen_params * STREAM_BYTES if zero_stage == 3
-                                              else 0), "all-gather"))
-    if ep > 1:            # each expert shard is averaged over its dp / ep copies
-        sent += ring(dp // ep, rank_expert_params * STREAM_BYTES, "all-reduce")
+    sent = _data_parallel_bytes(zero_stage, m, dp, grads, frozen_params * STREAM_BYTES)
+    if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
+        sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
     dp_time = sent / dp_bw if dp > 1 else 0.0
     layer_rows = micro * seq * hidden * STREAM_BYTES    # one micro-batch's b s h activations
     forwards = 2 if recompute == "full" else 1

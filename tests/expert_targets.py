@@ -3,7 +3,9 @@ figures from one start-up of the cluster (``everything`` for test_expert.py, ``c
 test_compose.py)."""
 import torch
 
-from labkit.parallel.expert import ep_dp_step, ep_steps, forward_backward, shard_kept
+from labkit.parallel.expert import (build, ep_dp_step, ep_optimizer, ep_steps, forward_backward,
+                                    shard_kept)
+from labkit.parallel.steps import rank_tokens
 
 SEQ = 32          # one row of SEQ tokens per rank
 STEP_SEQ = 64     # training steps: long enough that the peak falls in the backward pass
@@ -28,6 +30,7 @@ def everything(ctx) -> dict:
 WORLD = 4
 LAYOUTS = ((2, 2), (4, 1), (1, 4))          # (ep, dp)
 BATCH, STEP_SEQ_4 = 2, 64
+ZERO_STAGES = (1, 2, 3)                     # with the experts' units over their dp group
 
 
 def composed(ctx) -> dict:
@@ -40,6 +43,21 @@ def composed(ctx) -> dict:
                     for ep, dp in LAYOUTS}
     # ZeRO-1: each expert shard's states over its dp copies, the rest over the 4 ranks
     out["fp64 zero-1"] = forward_backward(ctx, seq=SEQ, dtype=torch.float64, ep=2, zero_stage=1)
-    out["zero-1 steps"] = {(ep, dp): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4,
-                                                zero_stage=1) for ep, dp in LAYOUTS}
+    for stage in ZERO_STAGES:
+        out[f"zero-{stage} steps"] = {(ep, dp): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4,
+                                                           zero_stage=stage)
+                                      for ep, dp in LAYOUTS}
+        out[f"zero-{stage} params"] = zero_params(ctx, stage)
     return out
+
+
+def zero_params(ctx, stage: int, steps: int = 2) -> list:
+    """Every parameter, whole, after ``steps`` fp64 AdamW steps of ep 2 x dp 2 under ZeRO
+    ``stage`` (the experts' units over their dp copies)."""
+    model, groups = build(ctx, dtype=torch.float64, ep=2)
+    _, opt = ep_optimizer(model, groups, "fp64", stage)
+    for tokens in rank_tokens(ctx, model.cfg.vocab_size, 1, SEQ, steps, 0):   # (1, SEQ + 1)
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.full_parameters()

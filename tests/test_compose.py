@@ -11,7 +11,7 @@ from labkit.parallel.compose import (all_to_all_bytes, dp_degree, gradient_bytes
                                      group_ranks, permutation_bytes)
 from labkit.parallel.expert import build, fake_ep_peak, one_process, rank_params
 
-from expert_targets import BATCH, HOT, LAYOUTS, SEQ, STEP_SEQ_4, WORLD, composed
+from expert_targets import BATCH, HOT, LAYOUTS, SEQ, STEP_SEQ_4, WORLD, ZERO_STAGES, composed
 
 CFG = lk.preset("tiny-moe")
 PEAK_TOLERANCE = 0.03      # the estimate assumes balanced routing; these ranks are within 1.5%
@@ -87,16 +87,19 @@ def test_each_rank_peak_is_the_estimate_within_3_percent(ranks, ep, dp):
         assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (rank["steps"], est)
 
 
+@pytest.mark.parametrize("stage", ZERO_STAGES)
 @pytest.mark.parametrize("ep, dp", LAYOUTS)
-def test_zero1_with_ep_is_the_estimate(ranks, ep, dp):
-    """ZeRO-1 inside ep x dp (labkit's ZeroOptimizer with the experts' unit over their dp
-    group): weights and optimizer states exactly, each collective's bytes exactly, the peak
-    within 3%, and each state smaller than without ZeRO by the shares the groups give."""
-    est, plain = estimate(ep, dp, zero_stage=1), estimate(ep, dp)
+def test_zero_with_ep_is_the_estimate(ranks, ep, dp, stage):
+    """ZeRO inside ep x dp (labkit's ZeroOptimizer with the experts' units over their dp
+    group): weights (stage 3: their shards) and optimizer states exactly, each collective's
+    bytes exactly, the peak within 3% (measured: within 1.7%; the routing of these rows is not
+    quite balanced), and less optimizer state than without ZeRO."""
+    est, plain = estimate(ep, dp, zero_stage=stage), estimate(ep, dp)
     routed, replicated = rank_params(CFG, ep)
     for rank in ranks:
-        step = rank["zero-1 steps"][(ep, dp)]
-        assert step.peak_by_category["params"] == est.params == step.param_bytes
+        step = rank[f"zero-{stage} steps"][(ep, dp)]
+        assert step.peak_by_category["params"] == est.params
+        assert stage == 3 or est.params == step.param_bytes
         assert step.peak_by_category["optimizer"] == est.optimizer
         if ep > 1:     # ZeRO's collectives exactly (the all_to_alls' bytes follow the routing)
             zero = {k: v for k, v in est.details["bytes sent per step, by message"].items()
@@ -106,8 +109,17 @@ def test_zero1_with_ep_is_the_estimate(ranks, ep, dp):
             assert sum(step.sent.values()) == est.details["bytes sent per step"]
         assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (step, est)
     assert est.optimizer < plain.optimizer
-    if ep > 1:         # fp32 AdamW's two moments of each unit's share, and a step counter each
+    if ep > 1 and stage == 1:   # fp32 AdamW's two moments of each unit's share, a counter each
         assert est.optimizer == 8 * (-(-replicated // WORLD) + -(-routed // dp)) + 4 * 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_with_ep_train_as_zero1_does(ranks, stage):
+    """ep 2 x dp 2 in fp64: after two steps every parameter under ZeRO-2 and ZeRO-3 equals
+    ZeRO-1's (whose averaged gradients equal one process's, above), to fp64 round-off."""
+    for rank in ranks:
+        for got, want in zip(rank[f"zero-{stage} params"], rank["zero-1 params"]):
+            assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
 def test_ddp_buckets_stay_out_of_expert_parallel_layouts():

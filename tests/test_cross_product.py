@@ -13,11 +13,10 @@ CFG = lk.preset("tiny-moe")      # an MoE, so every axis applies: 4 heads, 3 lay
 SEQ = 64
 
 # what the estimate refuses, and the gist of its ValueError: two meaningless combinations, the
-# rest not modelled yet. Keep this list short; CONTRIBUTING.md lists it for users.
+# rest (LoRA's) not modelled yet. Keep this list short; CONTRIBUTING.md lists it for users.
 REFUSED = {
     "offload without ZeRO (meaningless: nothing is sharded)": r"offload=True keeps ZeRO's shards",
     "sp without tp (meaningless: sp splits over the tp group)": r"sequence parallelism \(sp=True\)",
-    "ep with ZeRO-2 or ZeRO-3 (not yet)": r"expert parallelism is estimated with ZeRO-1",
     "LoRA or QLoRA with tp, pp, ep, cp or offload (not yet)":
         r"trainable='lora' is estimated over data parallelism",
     "LoRA or QLoRA with ZeRO-1 or ZeRO-2 (ZeRO-0 is an upper bound)":
@@ -69,9 +68,9 @@ def test_every_combination_is_estimated_or_refused_for_a_listed_reason(results):
     assert not unlisted, list(unlisted.items())[:3]
     hit = {refusal(v) for v in results.values() if isinstance(v, ValueError)}
     assert hit == set(REFUSED)                       # no reason on the list that never applies
-    # full fine-tuning composes with everything but ep under ZeRO-2/3
+    # full fine-tuning composes with everything
     full = {refusal(v) for k, v in results.items() if k[0] == "full" and isinstance(v, ValueError)}
-    assert full == {name for name in REFUSED if "meaningless" in name or name.startswith("ep ")}
+    assert full == {name for name in REFUSED if "meaningless" in name}
 
 
 def test_every_estimate_adds_up(results):

@@ -117,7 +117,6 @@ def test_state_bytes_follow_the_table_of_precisions():
     (lambda: lk.estimate("llama-2-7b", layout=lk.Layout(dp=2, ep=2)), "ep=2 must divide the routed experts"),
     (lambda: lk.Layout(ep=2), r"choose dp among the multiples of 2 \(e.g. Layout\(dp=2, ep=2\)\)"),
     (lambda: lk.Layout(dp=6, ep=4), "choose dp among the multiples of 4"),
-    (lambda: lk.Layout(dp=8, ep=8, zero_stage=2), "use zero_stage 0 or 1"),
     (lambda: lk.estimate("llama-2-7b", zero_stage=1, layout=lk.Layout(dp=8)), "not both"),
     (lambda: lk.estimate("deepseek-v2-lite", layout=lk.Layout(dp=3, ep=3)), "ep=3 must divide"),
     (lambda: lk.estimate("llama-2-7b", seq=1000, layout=lk.Layout(cp=3)), "seq=1000 must be divisible"),

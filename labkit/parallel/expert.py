@@ -279,8 +279,8 @@ class EPStep(RankStep):
 
 def ep_optimizer(model: nn.Module, groups: EPGroups, precision: str, zero_stage: int = 0):
     """(what holds the optimizer state, what steps): for-loop AdamW behind ``average_gradients``,
-    or at ``zero_stage=1`` labkit's ZeRO-1 with each expert shard's states sharded over its dp
-    copies and the rest over every rank (Megatron's distributed optimizer, DeepSeek-V3's)."""
+    or labkit's ZeRO ``zero_stage`` with each expert shard's units sharded over its dp copies
+    and the rest over every rank (Megatron's distributed optimizer, DeepSeek-V3's ZeRO-1)."""
     if not zero_stage:
         return averaging_adamw(model, groups, precision)
     replicas = groups.replicas.group if groups.replicas is not None else None

@@ -191,9 +191,10 @@ class ZeroOptimizer:
     parameter must get a gradient in each backward. ``precision="bf16-master"`` takes a bf16
     model and keeps fp32 masters for the shards. ``offload`` keeps the masters, their AdamW
     state and gradient shards in host memory (ZeRO-Offload): AdamW steps on the host.
-    ``experts``: under expert parallelism, this rank's routed experts; stage 1 shards them over
-    ``expert_group`` (the data-parallel copies of its shard; None: no copy), the rest over
-    ``group``, as Megatron's distributed optimizer and DeepSeek-V3's ZeRO-1 do.
+    ``experts``: under expert parallelism, this rank's routed experts: units of their own
+    (stage 1: one; from stage 2: one per block), sharded over ``expert_group`` (the data-
+    parallel copies of its shard; None: no copy), the rest over ``group``, as Megatron's
+    distributed optimizer (DeepSeek-V3's ZeRO-1) and FSDP over experts (torchtitan) do.
     """
 
     def __init__(self, model: nn.Module, group, stage: int, precision: str = "fp32",
@@ -219,33 +220,18 @@ class ZeroOptimizer:
         if not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"group={group!r} is not a torch.distributed ProcessGroup: pass the "
                              "group explicitly (ctx.group under labkit.parallel.cluster.run)")
-        experts = {id(p) for p in experts}
-        if experts and stage != 1:
-            raise ValueError(f"stage={stage} with experts: expert parallelism is sharded at "
-                             "stage 1 so far (Megatron's distributed optimizer, DeepSeek-V3's "
-                             "ZeRO-1); use stage=1")
         self.stage, self.precision, self.group, self.params = stage, precision, group, params
         self.comm = CommCounter(group)
         self.world, self.rank = self.comm.world, dist.get_rank(group=group)
-        master_dtype = torch.float32 if precision == "bf16-master" else dtype
-        if stage == 1:                 # one unit: the whole model, its gradients kept whole
-            groups, modules = [[p for p in params if id(p) not in experts]], [model]
-        else:                          # a unit per block, and one for the rest (embed, norm, head)
-            in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
-            groups = [[p for p in params if id(p) not in in_blocks]]
-            groups += [[p for p in b.parameters() if p.requires_grad] for b in model.blocks]
-            modules = [model, *model.blocks]
-        self.units = [FlatShard(ps, self.comm, self.rank, master_dtype, stage, offload)
-                      for ps in groups]
-        # the experts' unit: over their own copies, averaged over every rank as the rest
+        # the experts' units: over their own copies, averaged over every rank as the rest
         self.expert_comm = OneRank() if expert_group is None else CommCounter(expert_group)
-        if experts:
-            self.units.append(FlatShard([p for p in params if id(p) in experts],
-                                        self.expert_comm, self.expert_comm.rank, master_dtype,
-                                        stage, offload, divisor=self.world))
-            modules.append(model)
-        for unit, module in zip(self.units, modules):
-            self._hook(unit, module)
+        master_dtype = torch.float32 if precision == "bf16-master" else dtype
+        self.units = []
+        for ps, expert, module in self._unit_params(model, {id(p) for p in experts}):
+            comm = self.expert_comm if expert else self.comm
+            self.units.append(FlatShard(ps, comm, comm.rank, master_dtype, stage, offload,
+                                        divisor=self.world))
+            self._hook(self.units[-1], module)
         self.numel = sum(u.numel for u in self.units)                      # Ψ
         self.shard_numel = sum(u.shard_numel for u in self.units)          # this rank's share
         self.inner = torch.optim.AdamW([u.master for u in self.units], lr=lr, betas=betas,
@@ -254,6 +240,20 @@ class ZeroOptimizer:
         self.offload = offload
         self.last_step = {}            # kind -> bytes this rank sent in the last step (fwd + bwd)
         self.last_moved = 0            # bytes copied between host and device in the last step
+
+    def _unit_params(self, model: nn.Module, experts: set) -> list[tuple]:
+        """(parameters, whether they are experts, the module whose forward uses them) of each
+        unit: stage 1 the whole model; from stage 2 the rest (embedding, norm, head), then each
+        block. With ``experts`` (ids), their parameters form units of their own in each."""
+        def split(ps, module):
+            ps = [p for p in ps if p.requires_grad]
+            return [(part, expert, module) for expert in (False, True)
+                    if (part := [p for p in ps if (id(p) in experts) == expert])]
+        if self.stage == 1:                # its gradients kept whole until the step
+            return split(model.parameters(), model)
+        in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+        out = split([p for p in model.parameters() if id(p) not in in_blocks], model)
+        return out + [u for b in model.blocks for u in split(b.parameters(), b)]
 
     # ---- gradients into buckets, reduce-scattered when done (2, 3); gathered around use (3) ---
     def _hook(self, unit: FlatShard, module: nn.Module):

@@ -117,8 +117,10 @@ class Moments:
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
-            this_block = ([self._bucket("this block", self.block_trained[i])] if self.zero >= 2
-                          else []) + ([self._gathered("this block", self.gathered_blocks[i])]
+            # a block's experts' bucket comes with their weight gradients, late in its backward
+            # when most of what it kept is freed (measured: tests/test_compose.py)
+            this_block = ([self._bucket("this block", self.block_units[i][:1])] if self.zero >= 2
+                          else []) + ([self._gathered("this block", self.gathered_units[i])]
                                       if self.zero == 3 else []) + self._prefetched(i)
             tensors = always + self._kept_up_to(saved, i) + grads + this_block + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
@@ -130,8 +132,8 @@ class Moments:
                 worst = (i, tensors)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
                 reduce = always + self._kept_up_to(saved, i - 1) + grads + this_block + [
-                    self._reduced_shard(self.block_trained[i]),
-                    self._staging(self.block_trained[i], self.bytes.grads),
+                    self._reduced_shard(self.block_units[i]),
+                    self._staging(self.block_units[i], self.bytes.grads),
                     Tensor("gradient of the residual stream", "other", self.wdt,
                            self.N * c.hidden * stream)]
                 if worst_reduce is None or _total(reduce) > _total(worst_reduce[1]):
@@ -343,7 +345,7 @@ class Moments:
         autocast its bf16 copy, for the MLP's bf16 output); under FSDP2 (ZeRO-3) this block
         gathered and the next one's all-gather prefetched."""
         stream, wide = self.bytes.weights, self.N * self.c.hidden
-        fsdp = ([self._gathered("this block", self.gathered_blocks[i]), *self._prefetched(i)]
+        fsdp = ([self._gathered("this block", self.gathered_units[i]), *self._prefetched(i)]
                 if self.fsdp2 else [])
         return always + self._kept_up_to(saved, i) + fsdp + [
             Tensor("gradients of the layers done", "grads", self.wdt,

@@ -96,20 +96,19 @@ class States:
         """The step on the gradient shards (fp32 under master weights); before it stage 1
         reduce-scatters its whole bucket, after it stages 1 and 2 all-gather each unit's
         updated shard (the units after it still hold their gradient shards)."""
-        units, ranks = self.units, self.unit_ranks
-        out = {"optimizer step": ("optimizer", always + [self._shards(units, ranks), temporaries])}
+        units = list(zip(self.units, self.unit_ranks))
+        out = {"optimizer step": ("optimizer", always + [self._shards(units), temporaries])}
         if self.zero == 1:             # each unit's bucket in turn (with ep: two)
             reduces = [always + self._buckets(k) + [
-                self._shards(units[:k], ranks[:k]), self._reduced_shard(n, r),
-                self._staging(n, self.bytes.grads, r)]
-                for k, (n, r) in enumerate(zip(units, ranks))]
+                self._shards(units[:k]), self._reduced_shard([unit]),
+                self._staging([unit], self.bytes.grads)] for k, unit in enumerate(units)]
             out["optimizer step: reduce-scatter"] = ("optimizer", max(reduces, key=_total))
         if self.zero <= 2:
-            gathers = [always + [self._shards(units[k + 1:], ranks[k + 1:]),
+            gathers = [always + [self._shards(units[k + 1:]),
                                  Tensor("this rank's updated shard, copied", "other", self.wdt,
-                                        zero.shard(n, r) * self.bytes.weights),
-                                 self._staging(n, self.bytes.weights, r)]
-                       for k, (n, r) in enumerate(zip(units, ranks))]
+                                        zero.shard(*unit) * self.bytes.weights),
+                                 self._staging([unit], self.bytes.weights)]
+                       for k, unit in enumerate(units)]
             out["optimizer step: all-gather"] = ("optimizer", max(gathers, key=_total))
         return out
 
@@ -119,8 +118,8 @@ class States:
         last = len(self.layers) - 1
         out = {f"forward: gather of layer {self.layers[last]}": ("forward", always + (
             self._kept_up_to(saved, last - 1)) + [
-            self._gathered("this block", self.gathered_blocks[last]),
-            *self._gather_transients(self.gathered_blocks[last]),
+            self._gathered("this block", self.gathered_units[last]),
+            *self._gather_transients(self.gathered_units[last]),
             *self._all_gather_outputs(last)])}
         if self.gathered_rest:
             out["backward: gather of the embedding, final norm and LM head"] = (
@@ -150,12 +149,13 @@ class States:
         return [Tensor("all-gather outputs of this block and the one before (FSDP2)", "other",
                        self.wdt, sum(flat))]
 
-    def _gather_transients(self, numel: int) -> list[Tensor]:
+    def _gather_transients(self, unit) -> list[Tensor]:
         """What an all-gather of a unit allocates besides its result: gloo's copy, and when
         offloaded the shard copied up from the host."""
-        up = zero.shard(numel, self.L.dp) * self.bytes.weights if self.offload else 0
-        return [self._staging(numel, self.bytes.weights),
-                Tensor("this rank's shard, copied from the host", "other", self.wdt, up)]
+        up = sum(zero.shard(n, r) for n, r in self._parts(unit)) if self.offload else 0
+        return [self._staging(unit, self.bytes.weights),
+                Tensor("this rank's shard, copied from the host", "other", self.wdt,
+                       up * self.bytes.weights)]
 
     def _grads_in_backward(self, blocks_done) -> list[Tensor]:
         """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
@@ -169,12 +169,18 @@ class States:
             done = self.L.micro_batch_count > 1 or any(self.moe[j] for j in blocks_done)
             return buckets if done else buckets[:1]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
-                self._shards([self.block_trained[j] for j in blocks_done])]
+                self._shards([u for j in blocks_done for u in self.block_units[j]])]
 
-    def _bucket(self, what: str, numel: int, ranks: int | None = None) -> Tensor:
+    def _parts(self, unit) -> list[tuple[int, int]]:
+        """[(elements, ranks)] of a unit given as its elements (sharded over dp) or its parts
+        (a block's replicated weights over dp, its experts over dp / ep)."""
+        return unit if isinstance(unit, list) else [(unit, self.L.dp)]
+
+    def _bucket(self, what: str, unit, ranks: int | None = None) -> Tensor:
         """A unit's full gradients, padded, while its backward runs."""
+        parts = [(unit, ranks)] if ranks else self._parts(unit)
         return Tensor(f"gradient bucket of {what}", "grads", self.wdt,
-                      zero.padded(numel, ranks or self.L.dp) * self.bytes.grads)
+                      sum(zero.padded(n, r) for n, r in parts) * self.bytes.grads)
 
     def _buckets(self, first: int) -> list[Tensor]:
         """Stage 1's buckets of units ``first`` on: the whole model's, or with ep the
@@ -184,37 +190,38 @@ class States:
         return [self._bucket(*unit) for unit in
                 list(zip(names, self.units, self.unit_ranks))[first:]]
 
-    def _shards(self, numels, ranks=None) -> Tensor:
-        """This rank's averaged gradient shards of these units (fp32 under master weights)."""
+    def _shards(self, units) -> Tensor:
+        """This rank's averaged gradient shards of these units (fp32 under master weights):
+        each its elements (over dp) or (elements, ranks)."""
         number = 4 if self.master else self.bytes.grads
-        ranks = ranks or [self.L.dp] * len(numels)
+        parts = [u if isinstance(u, tuple) else (u, self.L.dp) for u in units]
         return Tensor("gradient shards", HOST if self.offload else "grads",
                       "fp32" if self.master else self.wdt,
-                      sum(zero.shard(n, r) for n, r in zip(numels, ranks)) * number)
+                      sum(zero.shard(n, r) for n, r in parts) * number)
 
-    def _reduced_shard(self, numel: int, ranks: int | None = None) -> Tensor:
+    def _reduced_shard(self, unit) -> Tensor:
         """The shard a reduce-scatter writes, in the gradients' dtype."""
         return Tensor("gradient shard being reduced", "grads", self.wdt,
-                      zero.shard(numel, ranks or self.L.dp) * self.bytes.grads)
+                      sum(zero.shard(n, r) for n, r in self._parts(unit)) * self.bytes.grads)
 
-    def _gathered(self, what: str, numel: int) -> Tensor:
+    def _gathered(self, what: str, unit) -> Tensor:
         """Stage 3: a unit's full parameters, all-gathered around its forward or backward."""
         return Tensor(f"gathered parameters of {what}", "params", self.wdt,
-                      zero.padded(numel, self.L.dp) * self.bytes.weights)
+                      sum(zero.padded(n, r) for n, r in self._parts(unit)) * self.bytes.weights)
 
-    def _staging(self, numel: int, number: int, ranks: int | None = None) -> Tensor:
+    def _staging(self, unit, number: int) -> Tensor:
         """gloo's copy of a buffer it sends (the CPU backend; NCCL works in place; a group of
         one rank sends nothing)."""
-        ranks = ranks or self.L.dp
+        staged = sum(zero.padded(n, r) for n, r in self._parts(unit) if r > 1)
         return Tensor("gloo's copy of the buffer sent", "other", self.wdt,
-                      zero.padded(numel, ranks) * number if self.staged and ranks > 1 else 0)
+                      staged * number if self.staged else 0)
 
     def _expert_messages(self) -> dict[str, int]:
         """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls for
         each micro-batch (rows in the stream's dtype out, the experts' outputs back in the
         matmuls'; the forward's again for each MoE block recomputed: labkit's selective policy
         keeps no all_to_all), the replicated gradients all-reduced over every rank, its
-        experts' over their dp copies (or ZeRO-1's reduce-scatters and all-gathers), once."""
+        experts' over their dp copies (or ZeRO's reduce-scatters and all-gathers), once."""
         L, c, grads = self.L, self.c, self.bytes.grads
         routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
         units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
@@ -229,10 +236,14 @@ class States:
         if not self.zero:
             return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
                                                      routed * grads, L.ep, L.dp // L.ep)
-        for (n, r), group in zip(zip(self.units, self.unit_ranks), ("", " (experts, dp group)")):
-            if r > 1:   # ZeRO-1: each unit's gradients reduce-scattered, its weights all-gathered
-                out[f"reduce_scatter{group}"] = (r - 1) * zero.shard(n, r) * grads
-                out[f"all_gather{group}"] = (r - 1) * zero.shard(n, r) * self.bytes.weights
+        gathers = 2 if self.zero == 3 else 1    # stage 3: before the forward and the backward
+        for n, r in zip(self.units, self.unit_ranks):
+            group = "" if r == L.dp else " (experts, dp group)"
+            if r > 1:   # each unit's gradients reduce-scattered, its weights all-gathered
+                sent = (r - 1) * zero.shard(n, r)
+                out[f"reduce_scatter{group}"] = out.get(f"reduce_scatter{group}", 0) + sent * grads
+                out[f"all_gather{group}"] = (out.get(f"all_gather{group}", 0)
+                                             + gathers * sent * self.bytes.weights)
         return out
 
     def _offload_traffic(self) -> int:

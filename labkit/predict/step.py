@@ -104,18 +104,26 @@ class _Step(States, Moments):
         # what ZeRO steps and reduces is what trains: LoRA's adapters, each block's in its unit
         # (the root unit - embedding, final norm, LM head - is frozen); stage 3 (FSDP) gathers
         # every parameter of a unit, LoRA's frozen base too
-        self.units = zero.units(self.block_trained, 0 if self.lora else rest_params, self.zero)
-        self.unit_ranks = [layout.dp] * len(self.units)   # the ranks each unit is sharded over
-        # with ep, ZeRO-1 shards the replicated weights over every dp rank and this rank's
-        # experts over their dp / ep copies (``parallel.zero_step``'s experts, Megatron's
-        # distributed optimizer): two units
-        routed = sum(w.local(tp, ep) for w in self.trained if w.copies > 1) if ep > 1 else 0
-        if self.zero and routed:
-            self.units, self.unit_ranks = ([self.units[0] - routed, routed],
-                                           [layout.dp, layout.dp // ep])
+        # with ep, the experts' parameters form units of their own, sharded over their dp / ep
+        # copies (``parallel.zero_step``'s experts; Megatron's distributed optimizer, FSDP
+        # over experts): stage 1 one, from stage 2 one per MoE block. Units: (elements, ranks)
+        routed = [sum(w.local(tp, ep) for w in block_weights(c, m) if w.copies > 1)
+                  if ep > 1 and not self.lora else 0 for m in self.moe]
+        self.block_units = [[(n - e, layout.dp), (e, layout.dp // ep)] if e else [(n, layout.dp)]
+                            for n, e in zip(self.block_trained, routed)]
+        root = 0 if self.lora else rest_params
+        if self.zero >= 2:
+            parts = [(root, layout.dp)] * bool(root) + [u for b in self.block_units for u in b]
+        else:
+            whole = root + sum(self.block_trained)
+            parts = ([(whole - sum(routed), layout.dp), (sum(routed), layout.dp // ep)]
+                     if sum(routed) and self.zero else [(whole, layout.dp)])
+        self.units, self.unit_ranks = [n for n, _ in parts], [r for _, r in parts]
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
         self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
                                 if self.lora else self.block_params)
+        self.gathered_units = ([[(g, layout.dp)] for g in self.gathered_blocks] if self.lora
+                               else self.block_units)
         self.gathered_rest = rest_params if self.zero == 3 else 0
         self.fsdp2 = self.lora and self.zero == 3   # LoRA's ZeRO-3 is FSDP2's: its buffers count
 
@@ -243,10 +251,10 @@ class _Step(States, Moments):
                                         "grads": 0 if self.offload else self.grads(),
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
-            gathered = self.gathered_blocks + [self.gathered_rest] if self.zero == 3 else []
+            gathered = ([u for b in self.gathered_units for u in b]
+                        + [(self.gathered_rest, self.L.dp)] if self.zero == 3 else [])
             out.details["largest unit (elements)"] = max(
-                [zero.padded(u, r) for u, r in zip(self.units, self.unit_ranks)]
-                + [zero.padded(u, self.L.dp) for u in gathered])
+                zero.padded(n, r) for n, r in list(zip(self.units, self.unit_ranks)) + gathered)
         if self.L.ep > 1:
             out.details["bytes sent per step, by message"] = self._expert_messages()
             out.details["bytes sent per step"] = sum(
