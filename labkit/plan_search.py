@@ -127,6 +127,8 @@ class _Counts:
 
     def __init__(self, c: ModelConfig):
         self.c, self.memo = c, {}
+        # what the step time's compute counts: active parameters less the input embedding
+        self.active = count_params(c).active - c.vocab_size * c.hidden
 
     def stages(self, tp: int, pp: int, ep: int, v: int = 1) -> list[tuple[int, int, int, int]]:
         """Per stage: (parameters, routed-expert parameters, layers, MoE layers) on one rank."""
@@ -204,7 +206,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     lora = f.trainable != "all"
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
     schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
-    active = count_params(c).active - c.vocab_size * c.hidden   # the input embedding: a lookup
+    active = counts.active
     out = []
     for schedule, v in schedules:
         if f.pp * v > c.layers:
@@ -293,11 +295,14 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
     fits.sort(key=lambda k: (_ms(k), -k.micro_batch, k.estimate.total))
     fits = fits[:top]
     fitted = {k.family for k in fits}
+    members_of = {}
+    for k in pool:
+        members_of.setdefault(k.family, []).append(k)
     unexplored = []
     for f in families:
         if f in fitted or f.label() in rejected:
             continue
-        members = [k for k in pool if k.family == f]
+        members = members_of.get(f, [])
         if all(any(_keeps_no_less(k, bad) for bad in failed.get(f, ())) for k in members):
             rejected[f.label()] = leanest[f][1]
         else:
