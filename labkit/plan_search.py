@@ -18,6 +18,7 @@ from .units import CATEGORIES, fmt_bytes
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # gpipe: 1f1b's bubble, more memory
+TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
 
 
@@ -269,8 +270,8 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         if k.family not in leanest or key < leanest[k.family][0]:
             leanest[k.family] = (key, why)
 
-    for k in pool:          # after ``top`` fits, only those tied with the last (same ms)
-        if top is not None and len(fits) >= top and _ms(k) > _ms(fits[-1]):
+    for k in pool:          # after ``top`` fits, only those tied with the last
+        if top is not None and len(fits) >= top and k.time.total > fits[-1].time.total * (1 + TIE):
             break
         if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
             continue
@@ -291,10 +292,13 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             fits.append(k)
         else:
             fail(k, k.estimate.total, why)
-    # equal modelled times (to the millisecond): the larger micro-batch, then the leaner layout
-    fits.sort(key=lambda k: (_ms(k), -k.micro_batch, k.estimate.total))
-    fits = fits[:top]
+    # equal modelled times (within TIE of the fastest): the larger micro-batch, then the
+    # leaner layout; a tie cut at ``top`` fitted, so it is not "unexplored"
+    fastest = min((k.time.total for k in fits), default=1.0) or 1.0
+    fits.sort(key=lambda k: (round(k.time.total / fastest / TIE), -k.micro_batch,
+                             k.estimate.total))
     fitted = {k.family for k in fits}
+    fits = fits[:top]
     members_of = {}
     for k in pool:
         members_of.setdefault(k.family, []).append(k)
@@ -308,11 +312,6 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         else:
             unexplored.append(f.label())
     return fits, rejected, unexplored, n_estimates
-
-
-def _ms(k: Candidate) -> float:
-    """A candidate's modelled step time to the millisecond: what the ranking tells apart."""
-    return round(k.time.total, 3)
 
 
 def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,

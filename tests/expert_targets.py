@@ -3,6 +3,8 @@ figures from one start-up of the cluster (``everything`` for test_expert.py, ``c
 test_compose.py)."""
 import torch
 
+from labkit.config import preset
+
 from labkit.parallel.expert import (build, ep_dp_step, ep_optimizer, ep_steps, forward_backward,
                                     shard_kept)
 from labkit.parallel.steps import rank_tokens
@@ -31,6 +33,8 @@ WORLD = 4
 LAYOUTS = ((2, 2), (4, 1), (1, 4))          # (ep, dp)
 BATCH, STEP_SEQ_4 = 2, 64
 ZERO_STAGES = (1, 2, 3)                     # with the experts' units over their dp group
+# experts large beside the rest: their bucket, made early in a block's backward, sets the peak
+BIG_EXPERTS = dict(moe_ffn=512, routed_experts=16)
 
 
 def composed(ctx) -> dict:
@@ -48,6 +52,9 @@ def composed(ctx) -> dict:
                                                            zero_stage=stage)
                                       for ep, dp in LAYOUTS}
         out[f"zero-{stage} params"] = zero_params(ctx, stage)
+        out[f"zero-{stage} big experts"] = ep_dp_step(ctx, 2, preset("tiny-moe", **BIG_EXPERTS),
+                                                      batch=BATCH, seq=STEP_SEQ_4,
+                                                      zero_stage=stage)
     return out
 
 

@@ -227,13 +227,15 @@ class AveragingOptimizer:
 
 
 # ---- one rank's steps ----------------------------------------------------------------------
-def seeded_model(model_name: str = "tiny-moe", ep: int = 1, hot: float | None = None,
-                 seed: int = 0, dtype: torch.dtype = torch.float32, device=None):
-    """The seed's one-process model. ``hot`` (a float) adds a router bias of ``hot`` to the
-    selection scores of shard 0's experts (the first E/ep): DeepSeek-V3's balancing bias, used
-    here to unbalance. 0.0 routes as no bias does; 1.0 sends every token to shard 0's experts
-    (when top_k <= E/ep)."""
-    cfg = preset(model_name) if hot is None else preset(model_name, router_bias=True)
+def seeded_model(model_name: str | ModelConfig = "tiny-moe", ep: int = 1,
+                 hot: float | None = None, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device=None):
+    """The seed's one-process model (a preset's name or a config). ``hot`` (a float) adds a
+    router bias of ``hot`` to the selection scores of shard 0's experts (the first E/ep):
+    DeepSeek-V3's balancing bias, used here to unbalance. 0.0 routes as no bias does; 1.0
+    sends every token to shard 0's experts (when top_k <= E/ep)."""
+    cfg = model_name if isinstance(model_name, ModelConfig) else preset(model_name)
+    cfg = cfg if hot is None else cfg.replace(router_bias=True)
     per_rank = experts_per_rank(cfg, ep)
     torch.manual_seed(seed)
     model = build_model(cfg, dtype, device)

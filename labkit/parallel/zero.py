@@ -34,14 +34,25 @@ def units(block_numels: list[int], rest_numel: int, stage: int) -> list[int]:
     return ([rest_numel] if rest_numel else []) + list(block_numels)
 
 
-def bytes_sent(numels: list[int], stage: int, dp: int, grad_bytes: int, weight_bytes: int) -> int:
+def bytes_sent(numels: list[int], stage: int, dp: int, grad_bytes: int, weight_bytes: int,
+               micro_batches: int = 1) -> int:
     """Bytes one rank sends per step over a ring, for units of ``numels`` elements: DDP's
     all-reduce (stage 0) sends 2 (N - 1) / N of the gradients; ZeRO reduce-scatters the
     gradients and all-gathers the weights, (N - 1) / N of each padded unit, the weights twice
-    at stage 3 (before the forward and again before the backward): the paper's 2Ψ / 3Ψ."""
+    at stage 3 (before the forward and again before the backward): the paper's 2Ψ / 3Ψ. With
+    ``micro_batches`` accumulated, stages 2 and 3 reduce-scatter after each, stage 3 gathers
+    twice for each; DDP and stage 1 reduce once."""
     if dp == 1:
         return 0
     if stage == 0:
         return sum(2 * (dp - 1) * n * grad_bytes // dp for n in numels)
-    gathers = 2 if stage == 3 else 1
-    return sum((dp - 1) * shard(n, dp) * (grad_bytes + gathers * weight_bytes) for n in numels)
+    scatters, gathers = zero_messages(stage, micro_batches)
+    return sum((dp - 1) * shard(n, dp) * (scatters * grad_bytes + gathers * weight_bytes)
+               for n in numels)
+
+
+def zero_messages(stage: int, micro_batches: int = 1) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) of each unit per step under ZeRO ``stage`` (1-3)."""
+    scatters = micro_batches if stage >= 2 else 1
+    gathers = 2 * micro_batches if stage == 3 else 1
+    return scatters, gathers

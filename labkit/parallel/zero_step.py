@@ -322,13 +322,14 @@ class ZeroOptimizer:
         """Copies of every parameter, whole, in the model's order (stage 3 gathers each unit
         for it and frees it again; these gathers are not counted)."""
         sent, moved, whole = self.comm.sent.copy(), [u.moved for u in self.units], {}
+        expert_sent = self.expert_comm.sent.copy()
         for unit in self.units:
             if self.stage == 3:
                 unit.gather()
             whole.update({id(p): p.detach().clone() for p in unit.params})
             if self.stage == 3:
                 unit.free()
-        self.comm.sent = sent
+        self.comm.sent, self.expert_comm.sent = sent, expert_sent
         for unit, m in zip(self.units, moved):
             unit.moved = m
         return [whole[id(p)] for p in self.params]

@@ -117,21 +117,24 @@ class Moments:
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
-            # a block's experts' bucket comes with their weight gradients, late in its backward
-            # when most of what it kept is freed (measured: tests/test_compose.py)
             this_block = ([self._bucket("this block", self.block_units[i][:1])] if self.zero >= 2
                           else []) + ([self._gathered("this block", self.gathered_units[i])]
                                       if self.zero == 3 else []) + self._prefetched(i)
-            tensors = always + self._kept_up_to(saved, i) + grads + this_block + [
+            kept = always + self._kept_up_to(saved, i) + grads + this_block + [
+                self._recomputed(i, saved, full, unit_start)]
+            tensors = kept + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
-                       self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream),
-                self._recomputed(i, saved, full, unit_start)]
-            if worst is None or _total(tensors) > _total(worst[1]):
-                worst = (i, tensors)
+                       self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream)]
+            # with ep, a block's experts' bucket (stage 1: the stage's) is made by their weight
+            # gradients, first in its backward after the shared experts: all it kept still there
+            experts = self._experts_bucket(i, range(i + 1, len(self.layers)))
+            for candidate in [tensors] + ([kept + experts] if experts else []):
+                if worst is None or _total(candidate) > _total(worst[1]):
+                    worst = (i, candidate)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
-                reduce = always + self._kept_up_to(saved, i - 1) + grads + this_block + [
+                reduce = always + self._kept_up_to(saved, i - 1) + grads + this_block + experts + [
                     self._reduced_shard(self.block_units[i]),
                     self._staging(self.block_units[i], self.bytes.grads),
                     Tensor("gradient of the residual stream", "other", self.wdt,
@@ -143,6 +146,16 @@ class Moments:
             out[f"backward: reduce-scatter of layer {self.layers[worst_reduce[0]]}"] = (
                 "backward", worst_reduce[1])
         return out
+
+    def _experts_bucket(self, i: int, blocks_done) -> list[Tensor]:
+        """The bucket block i's routed experts fill in its backward under ZeRO with ep: from
+        stage 2 the block's own; at stage 1 the stage's, made in the first MoE block reached."""
+        if not self.moe[i] or self.L.ep == 1 or not self.zero:
+            return []
+        if self.zero >= 2:
+            return [self._bucket("this block's experts", self.block_units[i][1:])]
+        first = self.L.micro_batch_count == 1 and not any(self.moe[j] for j in blocks_done)
+        return self._buckets(1) if first else []
 
     def _recomputed(self, i: int, saved, full, unit_start) -> Tensor:
         """What recomputation has rebuilt by layer i's backward: the layers of its unit from the

@@ -82,7 +82,8 @@ class States:
         return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
 
     def grads(self) -> int:
-        return self._done(self.n_train * self.bytes.grads)
+        """A rank's finished gradients: all, or from stage 2 its shard of each unit."""
+        return 0 if self.in_buckets else self._per_rank(self.bytes.grads, "grads")
 
     def _done(self, grad_bytes: int) -> int:
         """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
@@ -159,15 +160,17 @@ class States:
 
     def _grads_in_backward(self, blocks_done) -> list[Tensor]:
         """The gradients a rank holds in the backward pass once the LM head's are made: stage 1
-        the whole model's bucket (with ep, the experts' once an MoE block's backward is done: it
-        is made by the block's last matmuls, when most of what the block kept is freed; with
-        more micro-batches, from the second on); from
-        stage 2 the root unit's bucket (embedding, final norm, head: reduced last) and the
-        shards of the blocks done."""
+        the whole model's bucket (with ep, the experts' once an MoE block's backward is done:
+        ``moments._experts_bucket``); from stage 2 the root unit's bucket (embedding, final
+        norm, head: reduced last) and the shards of the blocks done. From the second
+        micro-batch on, every bucket (stage 1) or shard (from stage 2) is there."""
         if self.zero == 1:   # after the first micro-batch every bucket is there until the step
             buckets = self._buckets(0)
             done = self.L.micro_batch_count > 1 or any(self.moe[j] for j in blocks_done)
             return buckets if done else buckets[:1]
+        if self.L.micro_batch_count > 1:     # from the second on, every unit's shard is there
+            return [self._bucket("the embedding, final norm and LM head", self.rest),
+                    self._shards(list(zip(self.units, self.unit_ranks)))]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
                 self._shards([u for j in blocks_done for u in self.block_units[j]])]
 
@@ -236,12 +239,13 @@ class States:
         if not self.zero:
             return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
                                                      routed * grads, L.ep, L.dp // L.ep)
-        gathers = 2 if self.zero == 3 else 1    # stage 3: before the forward and the backward
+        scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)
         for n, r in zip(self.units, self.unit_ranks):
             group = "" if r == L.dp else " (experts, dp group)"
             if r > 1:   # each unit's gradients reduce-scattered, its weights all-gathered
                 sent = (r - 1) * zero.shard(n, r)
-                out[f"reduce_scatter{group}"] = out.get(f"reduce_scatter{group}", 0) + sent * grads
+                out[f"reduce_scatter{group}"] = (out.get(f"reduce_scatter{group}", 0)
+                                                 + scatters * sent * grads)
                 out[f"all_gather{group}"] = (out.get(f"all_gather{group}", 0)
                                              + gathers * sent * self.bytes.weights)
         return out

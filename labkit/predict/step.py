@@ -266,12 +266,14 @@ class _Step(States, Moments):
                 f"(labkit.parallel.expert.routing_imbalance measures it)"]
         elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
             out.details["bytes sent per step"] = (
-                zero.bytes_sent(self.units, 2, self.L.dp, self.bytes.grads, 0)
+                zero.bytes_sent(self.units, 2, self.L.dp, self.bytes.grads, 0,
+                                self.L.micro_batch_count)
                 + zero.bytes_sent(self.gathered_blocks + [self.gathered_rest], 3, self.L.dp, 0,
-                                  self.bytes.weights))
+                                  self.bytes.weights, self.L.micro_batch_count))
         elif self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
-                self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights)
+                self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights,
+                self.L.micro_batch_count)
         if self.offload:
             out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
                                              for _, v in moments.values())
