@@ -144,7 +144,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "data parallel: the gradients (the routed experts' too, unless ep splits them) "
         "all-reduced once per step (DDP, ZeRO-0), or reduce-scattered - once per step with "
         "ZeRO-1, once per micro-batch with ZeRO-2/3, which keep only a shard - and the weights "
-        "all-gathered once (ZeRO-1/2) or before each micro-batch's forward and backward (ZeRO-3)",
+        "all-gathered once (ZeRO-1/2) or before each micro-batch's forward and backward (ZeRO-3); "
+        "with ep, each expert shard's by the same rule over its dp / ep copies",
         "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
         "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
         "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "
