@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .papers import pipeline_bubble
+from .parallel.zero import zero_messages
 
 MFU = 0.4            # model FLOPs utilisation assumed for the matmuls
 # extra work of each recompute policy, in units of 2 N D (one forward pass)
@@ -68,8 +69,7 @@ def _data_parallel_bytes(zero_stage: int, m: int, ranks: int, grads: int, frozen
     a ``frozen`` base too, before each forward and backward)."""
     if zero_stage == 0:
         return ring(ranks, grads, "all-reduce")
-    scatters = m if zero_stage >= 2 else 1
-    gathers = 2 * m if zero_stage == 3 else 1
+    scatters, gathers = zero_messages(zero_stage, m)
     return (scatters * ring(ranks, grads, "reduce-scatter")
             + gathers * ring(ranks, grads + (frozen if zero_stage == 3 else 0), "all-gather"))
 

@@ -315,10 +315,7 @@ def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: 
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed)
     step = measure_rank(ctx, model, forward, optimizer, batches, precision, states=states,
                         sent=sent)
-    by_group = groups.sent_by_group()
-    if zero_stage:
-        by_group |= {"world": sum(n for k, n in optimizer.last_step.items() if "experts" not in k),
-                     "dp": sum(n for k, n in optimizer.last_step.items() if "experts" in k)}
+    by_group = groups.sent_by_group() | (optimizer.last_step_by_group if zero_stage else {})
     return EPStep(**vars(step), received=list(groups.experts.received),
                   dispatched=model.cfg.top_k * batch * seq,
                   expert_bytes=sum(p.nbytes for p in expert_parameters(model)),
@@ -371,8 +368,9 @@ def forward_backward(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int
     logits, loss, every gradient by name (averaged: ``average_gradients``, or ZeRO-1's
     reduce-scatters gathered back), the bytes sent."""
     model, groups = build(ctx, model_name, hot, seed, dtype, ep)
-    precision = "fp64" if dtype == torch.float64 else "fp32"
-    _, zero = ep_optimizer(model, groups, precision, zero_stage)
+    if zero_stage:                 # its hooks fill the buckets during the backward pass
+        _, zero = ep_optimizer(model, groups, "fp64" if dtype == torch.float64 else "fp32",
+                               zero_stage)
     logits, loss = _forward_backward(model, ctx, batch, seq, seed)
     if zero_stage:
         grads = zero.averaged_gradients()

@@ -239,6 +239,7 @@ class ZeroOptimizer:
         self.param_groups = self.inner.param_groups
         self.offload = offload
         self.last_step = {}            # kind -> bytes this rank sent in the last step (fwd + bwd)
+        self.last_step_by_group = {}   # "world" (the group), "dp" (the experts' group) -> bytes
         self.last_moved = 0            # bytes copied between host and device in the last step
 
     def _unit_params(self, model: nn.Module, experts: set) -> list[tuple]:
@@ -371,6 +372,7 @@ class ZeroOptimizer:
             unit.stepped(gather=self.stage < 3)    # stage 3 gathers at the next forward
         self.last_step = dict(self.comm.sent) | {f"{kind} (experts, dp group)": n
                                                  for kind, n in self.expert_comm.sent.items()}
+        self.last_step_by_group = {"world": self.comm.total, "dp": self.expert_comm.total}
         self.last_moved = self.moved_bytes()
         self.comm.reset()
         self.expert_comm.reset()

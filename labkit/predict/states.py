@@ -53,11 +53,11 @@ class States:
     def _per_rank(self, number: int, state: str) -> int:
         """Bytes one rank holds of a ``state`` of ``number`` bytes per trained parameter: all of
         them, or from the stage that shards it the rank's share of each unit."""
-        if len(set(self.unit_ranks)) == 1:
+        if len({r for _, r in self.units}) == 1:
             return zero.per_rank(self.n_train * number, state, self.L.zero_stage, self.L.dp)
         if self.L.zero_stage < zero.SHARDED_FROM_STAGE[state]:
             return self.n_train * number
-        return sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)) * number
+        return sum(zero.shard(n, r) for n, r in self.units) * number
 
     def _frozen_weights(self) -> list[Tensor]:
         """LoRA's frozen model: the targeted linears in ``weight_format`` (NF4: packed codes and
@@ -97,7 +97,7 @@ class States:
         """The step on the gradient shards (fp32 under master weights); before it stage 1
         reduce-scatters its whole bucket, after it stages 1 and 2 all-gather each unit's
         updated shard (the units after it still hold their gradient shards)."""
-        units = list(zip(self.units, self.unit_ranks))
+        units = self.units
         out = {"optimizer step": ("optimizer", always + [self._shards(units), temporaries])}
         if self.zero == 1:             # each unit's bucket in turn (with ep: two)
             reduces = [always + self._buckets(k) + [
@@ -170,7 +170,7 @@ class States:
             return buckets if done else buckets[:1]
         if self.L.micro_batch_count > 1:     # from the second on, every unit's shard is there
             return [self._bucket("the embedding, final norm and LM head", self.rest),
-                    self._shards(list(zip(self.units, self.unit_ranks)))]
+                    self._shards(self.units)]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
                 self._shards([u for j in blocks_done for u in self.block_units[j]])]
 
@@ -179,28 +179,25 @@ class States:
         (a block's replicated weights over dp, its experts over dp / ep)."""
         return unit if isinstance(unit, list) else [(unit, self.L.dp)]
 
-    def _bucket(self, what: str, unit, ranks: int | None = None) -> Tensor:
+    def _bucket(self, what: str, unit) -> Tensor:
         """A unit's full gradients, padded, while its backward runs."""
-        parts = [(unit, ranks)] if ranks else self._parts(unit)
         return Tensor(f"gradient bucket of {what}", "grads", self.wdt,
-                      sum(zero.padded(n, r) for n, r in parts) * self.bytes.grads)
+                      sum(zero.padded(n, r) for n, r in self._parts(unit)) * self.bytes.grads)
 
     def _buckets(self, first: int) -> list[Tensor]:
         """Stage 1's buckets of units ``first`` on: the whole model's, or with ep the
         replicated weights' and the experts'."""
         names = ["the whole model"] if len(self.units) == 1 else ["the replicated weights",
                                                                   "this rank's experts"]
-        return [self._bucket(*unit) for unit in
-                list(zip(names, self.units, self.unit_ranks))[first:]]
+        return [self._bucket(name, [unit]) for name, unit in list(zip(names, self.units))[first:]]
 
     def _shards(self, units) -> Tensor:
-        """This rank's averaged gradient shards of these units (fp32 under master weights):
-        each its elements (over dp) or (elements, ranks)."""
+        """This rank's averaged gradient shards of these units, each (elements, ranks) (fp32
+        under master weights)."""
         number = 4 if self.master else self.bytes.grads
-        parts = [u if isinstance(u, tuple) else (u, self.L.dp) for u in units]
         return Tensor("gradient shards", HOST if self.offload else "grads",
                       "fp32" if self.master else self.wdt,
-                      sum(zero.shard(n, r) for n, r in parts) * number)
+                      sum(zero.shard(n, r) for n, r in units) * number)
 
     def _reduced_shard(self, unit) -> Tensor:
         """The shard a reduce-scatter writes, in the gradients' dtype."""
@@ -240,7 +237,7 @@ class States:
             return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
                                                      routed * grads, L.ep, L.dp // L.ep)
         scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)
-        for n, r in zip(self.units, self.unit_ranks):
+        for n, r in self.units:
             group = "" if r == L.dp else " (experts, dp group)"
             if r > 1:   # each unit's gradients reduce-scattered, its weights all-gathered
                 sent = (r - 1) * zero.shard(n, r)
@@ -253,7 +250,7 @@ class States:
     def _offload_traffic(self) -> int:
         """Bytes copied each step under offload: every gradient shard down to the host, and
         the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two)."""
-        shards = sum(zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks))
+        shards = sum(zero.shard(n, r) for n, r in self.units)
         return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1))
 
     def _optimizer_temporaries(self) -> int:
@@ -276,5 +273,5 @@ class States:
 
     def _stepped_sizes(self) -> list[int]:
         """Numbers of each tensor the optimizer steps on this rank, in the model's order."""
-        return ([zero.shard(n, r) for n, r in zip(self.units, self.unit_ranks)] if self.zero else
+        return ([zero.shard(n, r) for n, r in self.units] if self.zero else
                 [w.local(self.L.tp, self.L.ep) for w in self.trained])

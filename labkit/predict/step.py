@@ -118,7 +118,7 @@ class _Step(States, Moments):
             whole = root + sum(self.block_trained)
             parts = ([(whole - sum(routed), layout.dp), (sum(routed), layout.dp // ep)]
                      if sum(routed) and self.zero else [(whole, layout.dp)])
-        self.units, self.unit_ranks = [n for n, _ in parts], [r for _, r in parts]
+        self.units = parts                 # (elements, the ranks they are sharded over)
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
         self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
                                 if self.lora else self.block_params)
@@ -254,7 +254,7 @@ class _Step(States, Moments):
             gathered = ([u for b in self.gathered_units for u in b]
                         + [(self.gathered_rest, self.L.dp)] if self.zero == 3 else [])
             out.details["largest unit (elements)"] = max(
-                zero.padded(n, r) for n, r in list(zip(self.units, self.unit_ranks)) + gathered)
+                zero.padded(n, r) for n, r in self.units + gathered)
         if self.L.ep > 1:
             out.details["bytes sent per step, by message"] = self._expert_messages()
             out.details["bytes sent per step"] = sum(
@@ -266,13 +266,14 @@ class _Step(States, Moments):
                 f"(labkit.parallel.expert.routing_imbalance measures it)"]
         elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
             out.details["bytes sent per step"] = (
-                zero.bytes_sent(self.units, 2, self.L.dp, self.bytes.grads, 0,
+                zero.bytes_sent([n for n, _ in self.units], 2, self.L.dp, self.bytes.grads, 0,
                                 self.L.micro_batch_count)
                 + zero.bytes_sent(self.gathered_blocks + [self.gathered_rest], 3, self.L.dp, 0,
                                   self.bytes.weights, self.L.micro_batch_count))
         elif self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
-                self.units, self.zero, self.L.dp, self.bytes.grads, self.bytes.weights,
+                [n for n, _ in self.units], self.zero, self.L.dp, self.bytes.grads,
+                self.bytes.weights,
                 self.L.micro_batch_count)
         if self.offload:
             out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
