@@ -17,10 +17,8 @@ SEQ = 64
 REFUSED = {
     "offload without ZeRO (meaningless: nothing is sharded)": r"offload=True keeps ZeRO's shards",
     "sp without tp (meaningless: sp splits over the tp group)": r"sequence parallelism \(sp=True\)",
-    "LoRA or QLoRA with tp, pp, ep, cp or offload (not yet)":
+    "LoRA or QLoRA with tp, ep or cp (not yet)":
         r"trainable='lora' is estimated over data parallelism",
-    "LoRA or QLoRA with ZeRO-1 or ZeRO-2 (ZeRO-0 is an upper bound)":
-        r"trainable='lora' with zero_stage=[12] is not estimated",
     "QLoRA under ZeRO-3, FSDP-QLoRA (not yet)": r"QLoRA under ZeRO-3 \(FSDP-QLoRA\)",
 }
 TRAINABLE = {"full": {}, "lora": dict(trainable="lora"),

@@ -65,15 +65,20 @@ class PipelineChunk(nn.Module):
         return logits if targets is None else mean_loss(logits, targets)
 
 
-def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0):
+def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0,
+                 lora_rank: int = 0):
     """Stage ``stage``'s v chunks of the model that one process would build from ``seed``,
-    and {parameter: its name in that model} (to compare gradients with one process)."""
+    and {parameter: its name in that model} (to compare gradients with one process).
+    ``lora_rank`` > 0: the model frozen under rank-r LoRA adapters (``labkit.lora``)."""
+    from ..lora import apply_lora
     from ..model import build_model
     if cfg.tie_embeddings and p > 1:
         raise ValueError("tied embeddings put one weight on the first and the last stage; "
                          "use a config with tie_embeddings=False for pipeline parallelism")
     torch.manual_seed(seed)
     model = build_model(cfg)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2 * lora_rank)
     names = {param: name for name, param in model.named_parameters()}
     chunks = [PipelineChunk(model, layers, first=stage == 0 and c == 0,
                             last=stage == p - 1 and c == v - 1)
@@ -104,12 +109,12 @@ class StageRun:
 
 def _note_module_outputs(chunk: PipelineChunk, noted: list) -> list:
     """Forward hooks noting (module, gradient edge of its output) for each module that owns
-    parameters: where a split backward's W starts. An edge, not the tensor: noting it keeps
+    parameters that train: where a split backward's W starts. An edge, not the tensor: noting it keeps
     no memory alive that autograd would have freed."""
     def note(module, args, out):
         noted.append((module, get_gradient_edge(out)))
     return [m.register_forward_hook(note) for m in chunk.modules()
-            if next(m.parameters(recurse=False), None) is not None]
+            if any(q.requires_grad for q in m.parameters(recurse=False))]
 
 
 class _Executor:
@@ -216,7 +221,7 @@ class _Executor:
         """W: each module's weight gradients, from the gradient of its output that B kept."""
         from ..track import tag_live
         for module, edge, g in self.for_w.pop((op.micro_batch, op.chunk)):
-            params = list(module.parameters(recurse=False))
+            params = [q for q in module.parameters(recurse=False) if q.requires_grad]
             # allow_unused: a router bias only picks experts, and gets no gradient
             for param, pg in zip(params, torch.autograd.grad(edge, params, g, retain_graph=True,
                                                              allow_unused=True)):
@@ -246,10 +251,11 @@ class _Executor:
 
 
 def run_schedules(ctx, cfg, cases: list, micro_batch: int = 1, seq: int = 16, track: bool = True,
-                  seed: int = 0) -> list[StageRun]:
+                  seed: int = 0, lora_rank: int = 0) -> list[StageRun]:
     """On each rank of a cluster of p: run every (schedule, m, v) of ``cases`` for the model
     ``cfg`` (a ModelConfig or a preset name), one after the other; this rank's ``StageRun``
-    of each. ``track``: measure memory (the tracker slows every op: time without it)."""
+    of each. ``track``: measure memory (the tracker slows every op: time without it).
+    ``lora_rank`` > 0: LoRA's adapters train, the model is frozen."""
     from ..track import MemoryTracker
     torch.set_num_threads(1)            # tiny matmuls; the cores are shared by the ranks
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
@@ -259,7 +265,7 @@ def run_schedules(ctx, cfg, cases: list, micro_batch: int = 1, seq: int = 16, tr
         if v > 1 and ctx.world_size == 1:
             raise ValueError("interleaving sends between chunks of different ranks: run v > 1 "
                              "on 2 or more ranks")
-        chunks, names = build_chunks(cfg, ctx.rank, schedule.p, v, seed)
+        chunks, names = build_chunks(cfg, ctx.rank, schedule.p, v, seed, lora_rank)
         batches = micro_batches(cfg, m, micro_batch, seq, seed)
         stage = nn.ModuleList(chunks)
         dist.barrier(group=ctx.group)                     # every stage starts together
@@ -300,11 +306,13 @@ class ScheduleRun:
 
 
 def measure_schedules(cfg, p: int, cases: list, micro_batch: int = 1, seq: int = 16,
-                      track: bool = True, seed: int = 0, timeout_s: float = 300) -> list:
+                      track: bool = True, seed: int = 0, timeout_s: float = 300,
+                      lora_rank: int = 0) -> list:
     """Run each (schedule, m, v) of ``cases`` on p new processes (``run_schedules``); one
     ``ScheduleRun`` per case, its timeline on a clock shared by the ranks."""
     from .cluster import run
-    ranks = run(run_schedules, p, cfg, cases, micro_batch, seq, track, seed, timeout_s=timeout_s)
+    ranks = run(run_schedules, p, cfg, cases, micro_batch, seq, track, seed, lora_rank,
+                timeout_s=timeout_s)
     return _assemble(ranks, cases, p)
 
 

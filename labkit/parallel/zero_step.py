@@ -214,6 +214,10 @@ class ZeroOptimizer:
         if stage >= 2 and not hasattr(model, "blocks"):
             raise ValueError(f"stage {stage} works one block at a time: the model needs .blocks "
                              "(a labkit Transformer)")
+        if stage == 3 and any(not p.requires_grad for p in model.parameters()):
+            raise ValueError("stage 3 here shards only what trains: a frozen base (LoRA's) "
+                             "would stay whole on every rank; shard it with FSDP2 "
+                             "(labkit.parallel.fsdp.shard_blocks), or use stage 1 or 2")
         if stage == 3 and any(getattr(model, "recompute", ())):
             raise ValueError("stage 3 frees each block after its forward, so a recomputed block "
                              "would find no weights: set model.recompute to all False")
@@ -386,23 +390,28 @@ class ZeroOptimizer:
 
 def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
               steps: int = 3, precision: str = "fp32", offload: bool = False,
-              lr: float = 1e-2) -> RankStep:
+              lr: float = 1e-2, lora_rank: int = 0) -> RankStep:
     """Train ``steps`` steps of the course model under ZeRO ``stage`` on this rank's rows
     (``batch`` x ``seq`` per rank); the tracker's figures for the last step, and the bytes sent
-    (and, offloaded, copied between host and device) in it."""
-    return train_zero(ctx, stage, model_name, batch, seq, steps, precision, offload, lr)[0]
+    (and, offloaded, copied between host and device) in it. ``lora_rank`` > 0: rank-r LoRA
+    adapters on the frozen model, the only parameters ZeRO shards (the base stays whole)."""
+    return train_zero(ctx, stage, model_name, batch, seq, steps, precision, offload, lr,
+                      lora_rank)[0]
 
 
 def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
                steps: int = 3, precision: str = "fp32", offload: bool = False,
-               lr: float = 1e-2) -> tuple:
+               lr: float = 1e-2, lora_rank: int = 0) -> tuple:
     """``zero_step``'s run, with the model and the ``ZeroOptimizer`` it trained: (step, model,
     optimizer), for callers that read what the rank holds afterwards."""
     from ..config import preset
+    from ..lora import apply_lora
     from ..model import build_model
 
     torch.manual_seed(0)                                 # every rank starts from one model
     model = build_model(preset(model_name), dtype=PRECISIONS[precision]).to(ctx.device)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2 * lora_rank)
     opt = ZeroOptimizer(model, ctx.group, stage, precision, lr=lr, offload=offload)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
 
@@ -414,14 +423,17 @@ def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: i
 
 
 def zero_steps(ctx, cases) -> list:
-    """``zero_step`` for each case ``(stage, model, batch, seq[, precision[, offload]])`` on
-    this rank, in one process group (one start-up for all); stage 0 is DDP (``ddp.ddp_step``)."""
+    """``zero_step`` for each case ``(stage, model, batch, seq[, precision[, offload[,
+    lora_rank]]])`` on this rank, in one process group (one start-up for all); stage 0 is DDP
+    (``ddp.ddp_step``)."""
     from .ddp import ddp_step
 
     out = []
     for stage, model, batch, seq, *more in cases:
-        precision = more[0] if more else "fp32"
-        offload = more[1] if len(more) > 1 else False
-        out.append(ddp_step(ctx, model, batch, seq, precision=precision) if stage == 0 else
-                   zero_step(ctx, stage, model, batch, seq, 3, precision, offload))
+        precision, offload, lora_rank = more + ["fp32", False, 0][len(more):]
+        out.append(ddp_step(ctx, model, batch, seq, precision=precision,
+                            trainable="lora" if lora_rank else "all", lora_rank=lora_rank or 16)
+                   if stage == 0 else
+                   zero_step(ctx, stage, model, batch, seq, 3, precision, offload,
+                             lora_rank=lora_rank))
     return out

@@ -237,13 +237,15 @@ class Moments:
                 saved_head = [replace(t, nbytes=int(t.nbytes * (heads - 1) / heads))
                               if t.name.startswith("log-softmax") else t for t in head]
                 alive = always + kept + saved_head
+                new = 0 if self.lora else self.c.vocab_size * self.c.hidden * self.bytes.weights
                 out["backward: LM head, a later micro-batch"] = ("backward", alive + [
                     grads, Tensor("logits gradient", "other", "fp32", 4 * logits),
                     Tensor("the LM head's new gradient, before it is added", "other", self.wdt,
-                           self.c.vocab_size * self.c.hidden * self.bytes.weights),
+                           new),
                     Tensor("gradient of the LM head's input", "other", self.cdt,
                            wide * compute_bytes(self.recipe.precision))])
-        if self.first:       # the embedding's backward forms a whole new (V, h) gradient
+        # the embedding's backward forms a whole new (V, h) gradient (LoRA: frozen, none)
+        if self.first and not self.lora:
             others = later - Fraction(1, self.L.virtual_stages)     # this one's chunk 0 is done
             out["backward: embedding, a later micro-batch"] = ("backward", always + (
                 self.tensors_of(saved, others, "other micro-batches in flight")
@@ -265,29 +267,36 @@ class Moments:
         out[f"backward: layer {self.layers[worst[0]]}, a later micro-batch"] = ("backward",
                                                                                 worst[1])
         if self.L.schedule == "zb-h1":
-            # the deferred W's micro-batches are among those in flight: all of them at a W
+            # stage s runs s W's late: their output gradients are alive at each B ...
+            for _, tensors in out.values():
+                tensors.append(self._kept_for_w(min(self.stage, m)))
+            # ... and at a W, beside the micro-batches in flight, whole
             out.update(self._weight_gradient_moment(always, saved, label, grads, flight))
         return out
 
-    def _weight_gradient_moment(self, always, saved, label: str, grads: Tensor, flight) -> dict:
-        """ZB-H1's W of a later micro-batch: a split backward (B) leaves the gradient of each
-        weight's output until W forms the weights' gradients from it, and keeps the micro-batch's
-        saved tensors (the graph) until then. Stage s defers s W's: s + 1 micro-batches' output
-        gradients alive at a W, beside the ``flight`` micro-batches in flight, whole."""
-        c, tp = self.c, self.L.tp
+    def _kept_for_w(self, pending: int) -> Tensor:
+        """ZB-H1's split backward (B) leaves the gradient of each weight's output until W forms
+        the weights' gradients from it: ``pending`` micro-batches' of them (LoRA: only the
+        adapted linears' outputs, the rest is frozen)."""
         width = {True: 0, False: 0}                 # per token: matmul outputs, other outputs
-        for w in self.weights:
-            width[w.matmul] += w.out_width(tp)
+        for w in ([w for m in self.moe for w in lora_targets(self.c, m)] if self.lora
+                  else self.weights):
+            width[w.matmul] += w.out_width(self.L.tp)
         per_micro_batch = self.N * (width[True] * compute_bytes(self.recipe.precision)
                                     + width[False] * self.bytes.weights)
+        return Tensor(f"output gradients kept for W ({pending} micro-batches)", "other",
+                      self.cdt, pending * per_micro_batch)
+
+    def _weight_gradient_moment(self, always, saved, label: str, grads: Tensor, flight) -> dict:
+        """ZB-H1's W of a later micro-batch: it keeps the micro-batch's saved tensors (the graph)
+        until then. Stage s defers s W's: s + 1 micro-batches' output gradients alive at a W,
+        beside the ``flight`` micro-batches in flight, whole."""
         pending = min(self.stage + 1, self.L.micro_batch_count)
-        largest = max(w.local(tp, self.L.ep) for w in self.weights) * self.bytes.grads
+        largest = max(w.local(self.L.tp, self.L.ep) for w in self.trained) * self.bytes.grads
         kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
         name = "backward: weight gradients (W), a later micro-batch"
         return {name: ("backward", always + kept + [
-            grads,
-            Tensor(f"output gradients kept for W ({pending} micro-batches)", "other", self.cdt,
-                   pending * per_micro_batch),
+            grads, self._kept_for_w(pending),
             Tensor("a weight's new gradient, before it is added", "other", self.wdt, largest)])}
 
     # ---- LoRA and QLoRA: the forward run again inside the backward, NF4's dequantisation --------

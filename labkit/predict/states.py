@@ -69,10 +69,9 @@ class States:
         targets = [w for m in self.moe for w in lora_targets(self.c, m)]
         numel = sum(w.numel for w in targets)
         rest = (self.n_local - numel) * self.bytes.weights
-        if self.zero == 3:         # FSDP shards the frozen base too (QLoRA's is refused above)
-            return [Tensor("frozen weights' shard", "params", self.wdt,
-                           zero.per_rank(numel * self.bytes.weights + rest, "params", 3,
-                                         self.L.dp))]
+        if self.zero == 3:         # FSDP2 shards the frozen base too; offloaded, on the host
+            return [Tensor("frozen weights' shard", HOST if self.offload else "params",
+                           self.wdt, self._frozen_shard())]
         if self.recipe.weight_format == "nf4":
             stored = sum(round(w.numel * nf4_bits_per_param() / 8) + 4 for w in targets)
             return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
@@ -80,6 +79,11 @@ class States:
                     Tensor("frozen embedding, norms, LM head (not quantised)", "params",
                            self.wdt, rest)]
         return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
+
+    def _frozen_shard(self) -> int:
+        """Bytes of LoRA's frozen base one rank keeps under FSDP2 (ZeRO-3)."""
+        return zero.per_rank(self.n_local * self.bytes.weights, "params", 3,
+                             self.L.dp)
 
     def grads(self) -> int:
         """A rank's finished gradients: all, or from stage 2 its shard of each unit."""
@@ -249,9 +253,12 @@ class States:
 
     def _offload_traffic(self) -> int:
         """Bytes copied each step under offload: every gradient shard down to the host, and
-        the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two)."""
+        the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two;
+        under LoRA FSDP2 copies the frozen base's shards up at each gather too)."""
         shards = sum(zero.shard(n, r) for n, r in self.units)
-        return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1))
+        frozen = 2 * self._frozen_shard() if self.fsdp2 else 0
+        return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1)) \
+            + frozen
 
     def _optimizer_temporaries(self) -> int:
         """Bytes the optimizer step allocates and frees: AdamW's sqrt(v) and bias correction.

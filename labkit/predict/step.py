@@ -19,20 +19,15 @@ HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "back
 
 
 def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
-    """LoRA and QLoRA are estimated over data parallelism: replicas (DDP over the adapters,
-    zero_stage=0), or LoRA's frozen base sharded by FSDP2 (zero_stage=3)."""
-    others = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp}
+    """LoRA and QLoRA are estimated over data parallelism: replicas (DDP over the adapters),
+    ZeRO-1/2 over the adapters (the frozen base whole on every rank), or ZeRO-3 as FSDP2's,
+    which shards the frozen base too; any of them offloaded."""
+    others = {"tp": layout.tp, "ep": layout.ep, "cp": layout.cp}
     split = {k: v for k, v in others.items() if v > 1}
-    if split or layout.offload:
-        given = ", ".join(f"{k}={v}" for k, v in split.items()) or "offload=True"
-        raise ValueError(f"trainable='lora' is estimated over data parallelism (dp with ZeRO-0 "
-                         f"or ZeRO-3) so far, not with {given}: use Layout(dp=..., zero_stage=0 "
-                         f"or 3)")
-    if layout.zero_stage in (1, 2) and layout.dp > 1:
-        raise ValueError(f"trainable='lora' with zero_stage={layout.zero_stage} is not estimated: "
-                         f"ZeRO-1/2 keep the frozen base whole on every rank, as replicas do; "
-                         f"use zero_stage=0, an upper bound by the adapters' gradients and "
-                         f"optimizer states (1-3% of a LoRA step)")
+    if split:
+        given = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ValueError(f"trainable='lora' is estimated over data parallelism so far, not "
+                         f"with {given}: use Layout(dp=..., zero_stage=...)")
     if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
         raise ValueError("QLoRA under ZeRO-3 (FSDP-QLoRA) is not estimated yet: FSDP2 shards an "
                          "NF4 base through torchao's NF4Tensor or bitsandbytes' quant_storage, "
