@@ -111,9 +111,13 @@ def lora_targets(c: ModelConfig, moe: bool) -> list[Weight]:
 
 
 def lora_weights(c: ModelConfig, moe: bool, r: int) -> list[Weight]:
-    """A block's trainable LoRA tensors, in model order: A (in -> r) and B (r -> out) per target."""
+    """A block's trainable LoRA tensors, in model order: A (in -> r) and B (r -> out) per target.
+    Under tp, as Megatron's and PEFT's parallel LoRA: a column-parallel target's B splits its
+    outputs (A whole), a row-parallel one's A splits its inputs (B whole)."""
     return [ab for w in lora_targets(c, moe) for ab in
-            (Weight(w.name + ".lora_A", w.fan_in, r), Weight(w.name + ".lora_B", r, w.fan_out))]
+            (Weight(w.name + ".lora_A", w.fan_in, r, "row" if w.split == "row" else "replicated"),
+             Weight(w.name + ".lora_B", r, w.fan_out,
+                    "column" if w.split == "column" else "replicated"))]
 
 
 def embedding_weights(c: ModelConfig) -> list[Weight]:
@@ -335,19 +339,20 @@ READ_THE_BLOCK_INPUT = ("attn.wq", "attn.wk", "attn.wv", "attn.wq_a", "attn.wkv_
 
 
 def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
-                       weight_format: str | None = None) -> int:
+                       weight_format: str | None = None, tp: int = 1, ep: int = 1) -> int:
     """Bytes of the bf16 weight copies a LoRA block keeps under autocast. None is cached
     (autocast caches only leaf weights that train; the adapters reach their matmuls as views,
     A^T), but a matmul whose input needs a gradient keeps its weight's copy for it: every frozen
     matmul weight but an NF4 one (``quant.QuantLinear`` dequantises it again in backward), and
     each adapter's A and B. In the model's first block the linears reading the first norm keep
-    neither their weight's copy nor A's."""
+    neither their weight's copy nor A's. One tp (and ep) rank's share."""
     skip = READ_THE_BLOCK_INPUT if first else ()
     targets = lora_targets(c, moe)
-    frozen = sum(w.numel for w in block_weights(c, moe) if w.matmul and w not in targets)
+    frozen = sum(w.local(tp, ep) for w in block_weights(c, moe) if w.matmul and w not in targets)
     if weight_format is None:
-        frozen += sum(w.numel for w in targets if w.name not in skip)
-    adapters = sum(r * (w.fan_out + (0 if w.name in skip else w.fan_in)) for w in targets)
+        frozen += sum(w.local(tp) for w in targets if w.name not in skip)
+    adapters = sum(w.local(tp) for w in lora_weights(c, moe, r)
+                   if not (w.name.endswith(".lora_A") and w.name[:-7] in skip))
     return 2 * (frozen + adapters)
 
 
@@ -369,8 +374,6 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     ``attention``: the core (``labkit.attention``); "naive" keeps its (T, T) probabilities.
     """
     d, split = Dtypes.of(precision), (tp if sp else 1)
-    if lora_rank and (tp > 1 or ep > 1):
-        raise ValueError("LoRA's saved tensors are modelled on one device (tp=ep=1)")
     block_input = Saved([Term("block input (residual stream)", d.stream_name,
                               c.hidden * d.stream / split)])
     if recompute == "full":
@@ -378,7 +381,7 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     if recompute == "selective":
         return Saved(block_input + _matmul_outputs(c, d, moe, tp, lora_rank))
     copies = 0 if not d.mixed else (
-        lora_weight_copies(c, moe, lora_rank, first, weight_format) if lora_rank else
+        lora_weight_copies(c, moe, lora_rank, first, weight_format, tp, ep) if lora_rank else
         weight_copies(c, moe, tp, ep))
     # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
     # (its input, the frozen embedding's output, needs no gradient)

@@ -35,6 +35,7 @@ BATCH, STEP_SEQ_4 = 2, 64
 ZERO_STAGES = (1, 2, 3)                     # with the experts' units over their dp group
 # experts large beside the rest: their bucket, made early in a block's backward, sets the peak
 BIG_EXPERTS = dict(moe_ffn=512, routed_experts=16)
+LORA_RANK = 8
 
 
 def composed(ctx) -> dict:
@@ -55,6 +56,10 @@ def composed(ctx) -> dict:
         out[f"zero-{stage} big experts"] = ep_dp_step(ctx, 2, preset("tiny-moe", **BIG_EXPERTS),
                                                       batch=BATCH, seq=STEP_SEQ_4,
                                                       zero_stage=stage)
+    # LoRA: adapters train on the frozen model, the routed experts' shards frozen too
+    out["lora steps"] = {(ep, dp, stage): ep_dp_step(ctx, ep, batch=BATCH, seq=STEP_SEQ_4,
+                                                     zero_stage=stage, lora_rank=LORA_RANK)
+                         for ep, dp in LAYOUTS for stage in (0, 1, 2)}
     return out
 
 

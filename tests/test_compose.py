@@ -11,8 +11,8 @@ from labkit.parallel.compose import (all_to_all_bytes, dp_degree, gradient_bytes
                                      group_ranks, permutation_bytes)
 from labkit.parallel.expert import build, fake_ep_peak, one_process, rank_params
 
-from expert_targets import (BATCH, BIG_EXPERTS, HOT, LAYOUTS, SEQ, STEP_SEQ_4, WORLD, ZERO_STAGES,
-                            composed)
+from expert_targets import (BATCH, BIG_EXPERTS, HOT, LAYOUTS, LORA_RANK, SEQ, STEP_SEQ_4, WORLD,
+                            ZERO_STAGES, composed)
 
 CFG = lk.preset("tiny-moe")
 PEAK_TOLERANCE = 0.03      # the estimate assumes balanced routing; these ranks are within 1.5%
@@ -86,6 +86,23 @@ def test_each_rank_peak_is_the_estimate_within_3_percent(ranks, ep, dp):
         assert step.peak_by_category["optimizer"] == est.optimizer
         assert step.peak_phase == est.peak_phase == "backward"
         assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (rank["steps"], est)
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+@pytest.mark.parametrize("ep, dp", LAYOUTS)
+def test_lora_with_ep_is_the_estimate(ranks, ep, dp, stage):
+    """LoRA over ep x dp (the experts' shards frozen, the adapters averaged over every rank,
+    ZeRO-1/2 sharding their states): weights and optimizer states exactly, the peak within 3%
+    (measured: -2.0% to +0.9%, the routing of these rows not quite balanced)."""
+    est = estimate(ep, dp, zero_stage=stage, trainable="lora", lora_rank=LORA_RANK)
+    for rank in ranks:
+        step = rank["lora steps"][(ep, dp, stage)]
+        assert step.peak_by_category["params"] == est.params == step.param_bytes
+        assert step.peak_by_category["optimizer"] == est.optimizer
+        assert step.peak_phase == est.peak_phase == "backward"
+        assert abs(step.peak - est.total) <= PEAK_TOLERANCE * est.total, (step, est)
+    if stage:
+        assert est.optimizer < estimate(ep, dp, trainable="lora", lora_rank=LORA_RANK).optimizer
 
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)

@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..config import ModelConfig, preset
+from ..lora import apply_lora
 from ..model import MoE, RoutedExperts, build_model
 from ..recipe import Layout, state_bytes
 from ..track import MemoryTracker, activations_per_module
@@ -259,8 +260,8 @@ def build(ctx: RankContext, model_name: str = "tiny-moe", hot: float | None = No
 
 def averaging_adamw(model: nn.Module, groups: EPGroups, precision: str):
     """(for-loop AdamW, the same behind ``average_gradients``): what the steps train with."""
-    inner = make_optimizer(model.parameters(), "adamw", impl="for-loop",
-                           master_weights=precision == "bf16-master")
+    inner = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
+                           impl="for-loop", master_weights=precision == "bf16-master")
     return inner, AveragingOptimizer(inner, model, groups)
 
 
@@ -293,16 +294,18 @@ def ep_optimizer(model: nn.Module, groups: EPGroups, precision: str, zero_stage:
 
 def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: int = 1,
                seq: int = 32, steps: int = 2, precision: str = "fp32", hot: float | None = None,
-               seed: int = 0, zero_stage: int = 0) -> EPStep:
+               seed: int = 0, zero_stage: int = 0, lora_rank: int = 0) -> EPStep:
     """Train under ``ep`` (None: every rank) x dp = world / ep on this rank's rows (``batch`` of
     them, for-loop AdamW; ``ep_optimizer`` for ``zero_stage``); the tracker measures the last
-    (steady) step. ``hot``: see ``seeded_model``."""
+    (steady) step. ``hot``: see ``seeded_model``. ``lora_rank`` > 0: LoRA (rank r) on it."""
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         check_positive(name, value)
     if steps < 2:
         raise ValueError(f"steps={steps}: use steps >= 2; the first step creates the optimizer "
                          "state, the second is the first steady one")
     model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2 * lora_rank)
     states, optimizer = ep_optimizer(model, groups, precision, zero_stage)
 
     def forward(tokens, targets):                              # (batch, seq) each
@@ -434,8 +437,7 @@ def loads(hots, per_rank: list[list[EPStep]]) -> list[Load]:
 def routing_imbalance(ep: int, hots=(0.0, 0.02, 0.05, 1.0), model_name: str = "tiny-moe",
                       batch: int = 1, seq: int = 64, timeout_s: float = 300) -> list[Load]:
     """Each rank's tokens and peak under a router biased towards rank 0's experts by each of
-    ``hots`` (0.0: no bias; the initial router is only roughly balanced), on ``ep`` local
-    processes, one start-up."""
+    ``hots`` (0.0: no bias; the initial router is only roughly balanced), on ``ep`` processes."""
     experts_per_rank(preset(model_name), ep)
     settings = [dict(model_name=model_name, batch=batch, seq=seq, hot=float(h)) for h in hots]
     return loads(hots, run(ep_steps, ep, settings, timeout_s=timeout_s))

@@ -338,7 +338,7 @@ class Moments:
             return {}
         c, last, worst = self.c, len(self.layers) - 1, {}
         for i in reversed(range(len(self.layers))):
-            largest = max(w.numel for w in lora_targets(c, self.moe[i]))
+            largest = max(w.local(self.L.tp) for w in lora_targets(c, self.moe[i]))
             dequantised = Tensor("dequantised NF4 weight (codes, int64 indices, fp32 values, "
                                  "scales)", "other", "fp32",
                                  13 * largest + 4 * (largest // 64) + 64)

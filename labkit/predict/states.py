@@ -66,14 +66,14 @@ class States:
         precision's dtype. No gradients, no optimizer state."""
         if not self.lora:
             return []
-        targets = [w for m in self.moe for w in lora_targets(self.c, m)]
-        numel = sum(w.numel for w in targets)
+        tp, targets = self.L.tp, [w for m in self.moe for w in lora_targets(self.c, m)]
+        numel = sum(w.local(tp) for w in targets)
         rest = (self.n_local - numel) * self.bytes.weights
         if self.zero == 3:         # FSDP2 shards the frozen base too; offloaded, on the host
             return [Tensor("frozen weights' shard", HOST if self.offload else "params",
                            self.wdt, self._frozen_shard())]
         if self.recipe.weight_format == "nf4":
-            stored = sum(round(w.numel * nf4_bits_per_param() / 8) + 4 for w in targets)
+            stored = sum(round(w.local(tp) * nf4_bits_per_param() / 8) + 4 for w in targets)
             return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
                            "nf4", stored),
                     Tensor("frozen embedding, norms, LM head (not quantised)", "params",

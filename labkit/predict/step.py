@@ -19,15 +19,14 @@ HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "back
 
 
 def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
-    """LoRA and QLoRA are estimated over data parallelism: replicas (DDP over the adapters),
-    ZeRO-1/2 over the adapters (the frozen base whole on every rank), or ZeRO-3 as FSDP2's,
-    which shards the frozen base too; any of them offloaded."""
-    others = {"tp": layout.tp, "ep": layout.ep, "cp": layout.cp}
-    split = {k: v for k, v in others.items() if v > 1}
-    if split:
-        given = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ValueError(f"trainable='lora' is estimated over data parallelism so far, not "
-                         f"with {given}: use Layout(dp=..., zero_stage=...)")
+    """LoRA and QLoRA compose with every layout but tensor parallelism and FSDP-QLoRA: replicas
+    (DDP over the adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base
+    sharded too), any of them offloaded; pp, ep (the routed experts are frozen) and cp."""
+    if layout.tp > 1:
+        raise ValueError(f"trainable='lora' with tp={layout.tp} is not estimated yet: Megatron's "
+                         "parallel LoRA splits a column-parallel target's B and a row-parallel "
+                         "one's A, and its updates and x A^T follow sp's splits, none of it "
+                         "measured here; use tp=1 with ZeRO-3 (FSDP2 shards the frozen base)")
     if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
         raise ValueError("QLoRA under ZeRO-3 (FSDP-QLoRA) is not estimated yet: FSDP2 shards an "
                          "NF4 base through torchao's NF4Tensor or bitsandbytes' quant_storage, "
@@ -84,7 +83,7 @@ class _Step(States, Moments):
         self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
                         if self.lora else self.weights)
         self.n_train = sum(w.local(tp, ep) for w in self.trained)
-        self.block_trained = ([sum(w.local() for w in lora_weights(c, m, self.lora_rank))
+        self.block_trained = ([sum(w.local(tp) for w in lora_weights(c, m, self.lora_rank))
                                for m in self.moe] if self.lora else self.block_params)
 
     def _zero_units(self):
