@@ -208,10 +208,11 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
         f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (DDP over the "
-        f"adapters), or LoRA's frozen base sharded by FSDP2 (its backward prefetch and held "
-        f"all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, one unit gathered "
-        f"at a time, which FSDP2 exceeds by up to ~4%); QLoRA under FSDP (torchao's NF4Tensor, "
-        f"bitsandbytes' quant_storage) is not estimated",
+        f"adapters), or the frozen base sharded by FSDP2 (QLoRA's NF4 codes and scales as "
+        f"bytes, as bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward "
+        f"prefetch and held all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, "
+        f"one unit gathered at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing "
+        f"fits without",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step is not timed",
@@ -221,7 +222,7 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
         f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
-        f"FSDP-QLoRA",
+        f"LoRA with tp, pp or ep",
         *assumptions(g, gpus_per_node),
     ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig
+from .formats import nf4_bits_per_param
 from .gpus import GPU
 from .layers import block_weights, count_params, embedding_weights, head_weights, layer_saved
 from .parallel.schedules import chunk_layers, in_flight
@@ -37,7 +38,8 @@ class Family:
     def label(self) -> str:
         what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
         if self.trainable != "all" and self.zero_stage == 3:
-            return f"{what}, frozen base sharded (FSDP2), dp {self.dp}"
+            where = "offloaded to the host" if self.offload else "sharded"
+            return f"{what}, frozen base {where} (FSDP2), dp {self.dp}"
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
@@ -81,10 +83,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
     """Every family to consider, and the reasons of those that cannot exist."""
     out, impossible = [], {}
     for what in trainable:
-        if what != "all":        # replicas (one GPU's step each); LoRA's base sharded by FSDP
-            out.append(Family(what, gpus, 0, False, 1, 1, 1))
-            if what == "lora" and gpus > 1:     # QLoRA's NF4 base: see predict's exclusions
-                out.append(Family(what, gpus, 3, False, 1, 1, 1))
+        if what != "all":        # replicas (one GPU's step each), or the frozen base (QLoRA's
+            out.append(Family(what, gpus, 0, False, 1, 1, 1))       # NF4) sharded by FSDP2
+            if gpus > 1:
+                out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]]
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
             for pp in _powers_of_two(min(gpus // tp, c.layers)):
@@ -152,9 +154,9 @@ class _Counts:
 def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters,
     ``experts`` of them routed experts (ZeRO shards their states over dp / ep)."""
-    if f.trainable != "all":                # the frozen weights (NF4: at least half a byte)
-        return per_rank(n // 2 if f.trainable == "qlora" else 2 * n, "params", f.zero_stage,
-                        f.dp), 0, 0
+    if f.trainable != "all":   # the frozen weights (NF4: at least half a byte; offloaded: host)
+        frozen = 0 if f.offload else (n // 2 if f.trainable == "qlora" else 2 * n)
+        return per_rank(frozen, "params", f.zero_stage, f.dp), 0, 0
 
     def sharded(number: int, state: str) -> int:
         rest = n - experts if f.ep > 1 else n
@@ -224,7 +226,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
             m = per_rank_batch // micro
             if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
                 continue
-            layout = (Layout(dp=f.dp, zero_stage=f.zero_stage) if lora else
+            layout = (Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload) if lora else
                       Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                              sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
                              schedule=schedule, virtual_stages=v, ep=f.ep))
@@ -235,7 +237,9 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               zero_stage=f.zero_stage, offload=f.offload, schedule=schedule,
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,
-                              stage_moe_layers=moe, frozen_params=frozen)
+                              stage_moe_layers=moe, frozen_params=frozen,
+                              frozen_bytes=nf4_bits_per_param() / 8 if f.trainable == "qlora"
+                              else 2)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out
 

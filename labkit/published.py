@@ -79,6 +79,17 @@ RUNS = (
         Recipe("bf16", recompute="full", trainable="lora", lora_rank=16),
         Layout(dp=8, zero_stage=3),
         note="its sequences (Alpaca) are under 2048 tokens; 80 GB GPUs assumed"),
+    PublishedRun(
+        "ms-swift: LLaMA-2-70B QLoRA with FSDP and CPU offload on 2 x 24 GB",
+        "ms-swift, examples/pytorch/llm/scripts/llama2_70b_chat/qlora_fsdp/sft.sh (3429fc5): "
+        "'2 GPU * 24G', NF4 stored as bf16 so that FSDP shards it (Answer.AI's FSDP-QLoRA, "
+        "2024), rank-8 LoRA, bf16, gradient checkpointing, batch 1 of at most 2048 tokens, "
+        "accelerate's fsdp_offload config",
+        "llama-2-70b", "rtx-4090-24gb", 2, 1, 2048,
+        Recipe("bf16", recompute="full", trainable="lora", lora_rank=8, weight_format="nf4"),
+        Layout(dp=2, zero_stage=3, offload=True),
+        note="its DEFAULT targets are the attention projections: checked with every linear "
+             "adapted, more than it needs"),
 )
 
 # DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2: 2,048 H800s, pp 16 (DualPipe,

@@ -149,7 +149,7 @@ def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
     if codes.numel() % 2:
         raise ValueError(f"pack_4bit needs an even number of codes, got {codes.numel()}; "
                          "pad with one zero code and remember the true length")
-    has_values = not isinstance(codes, FakeTensor)       # fake tensors: shapes, no values
+    has_values = not (isinstance(codes, FakeTensor) or codes.is_meta)   # shapes, no values
     if has_values and codes.numel() and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("4-bit codes must lie in 0..15; quantise to 16 levels before packing")
     pairs = codes.to(torch.uint8).reshape(-1, 2)                            # (N/2, 2)
@@ -302,7 +302,8 @@ class QuantLinear(nn.Module):
             self.dq_block = q.scales.block
             self.scale_codes = frozen(q.scales.codes)                       # int8 (G,)
             self.scale_scales = frozen(q.scales.scales)                     # fp32 (G/dq_block,)
-            self.scales_mean = frozen(q.scales_mean)                        # fp32 ()
+            self.scales_mean = frozen(q.scales_mean.reshape(1))             # fp32 (1,): FSDP2
+                                                                            # shards no scalar
         else:
             self.scales = frozen(q.scales)                                  # fp32 (G,)
         self.bias = None if linear.bias is None else frozen(linear.bias.detach().clone())
@@ -315,8 +316,8 @@ class QuantLinear(nn.Module):
                              self.block)
         scales = Quantized(self.scale_codes, self.scale_scales, None, None,
                            tuple(self.scale_codes.shape), "absmax", "block", self.dq_block)
-        return Quantized(self.codes, scales, None, self.scales_mean, shape, "nf4", "block",
-                         self.block)
+        return Quantized(self.codes, scales, None, self.scales_mean.reshape(()), shape, "nf4",
+                         "block", self.block)
 
     @property
     def nbytes(self) -> int:

@@ -79,10 +79,11 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
               recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
               stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
-              frozen_params: int = 0) -> StepTime:
+              frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
     busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
-    ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base)."""
+    ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
+    ``frozen_bytes`` each (QLoRA's NF4: about half a byte)."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
@@ -97,7 +98,7 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     # without ep the routed experts are replicated like every other weight: their gradients
     # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
     grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
-    sent = _data_parallel_bytes(zero_stage, m, dp, grads, frozen_params * STREAM_BYTES)
+    sent = _data_parallel_bytes(zero_stage, m, dp, grads, frozen_params * frozen_bytes)
     if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
         sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
     dp_time = sent / dp_bw if dp > 1 else 0.0
@@ -116,10 +117,12 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         rows = layer_rows * top_k * (ep - 1) / ep
         ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
     offload_time = 0.0
-    if offload:           # gradient shards down, updated weight shards up (stage 3: per gather)
-        shard = (rank_params + rank_expert_params) / dp
+    if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
+        shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
         up = 2 * m if zero_stage == 3 else 1
-        offload_time = shard * STREAM_BYTES * (1 + up) / (gpu.pcie_gbps * 1e9)
+        frozen = frozen_params / dp if zero_stage == 3 else 0
+        offload_time = ((shard * (1 + up) * STREAM_BYTES + frozen * up * frozen_bytes)
+                        / (gpu.pcie_gbps * 1e9))
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time)
 
 

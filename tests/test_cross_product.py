@@ -18,7 +18,6 @@ REFUSED = {
     "offload without ZeRO (meaningless: nothing is sharded)": r"offload=True keeps ZeRO's shards",
     "sp without tp (meaningless: sp splits over the tp group)": r"sequence parallelism \(sp=True\)",
     "LoRA or QLoRA with tp (not yet)": r"trainable='lora' with tp=2 is not estimated yet",
-    "QLoRA under ZeRO-3, FSDP-QLoRA (not yet)": r"QLoRA under ZeRO-3 \(FSDP-QLoRA\)",
 }
 TRAINABLE = {"full": {}, "lora": dict(trainable="lora"),
              "qlora": dict(trainable="lora", weight_format="nf4")}

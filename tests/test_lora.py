@@ -108,8 +108,6 @@ def test_finetune_trains_modules_to_save_beside_the_adapters():
     (lambda: lk.Recipe("fp32", trainable="lora", weight_format="int3"), "unknown weight_format"),
     (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
                          layout=lk.Layout(dp=2, tp=2)), r"with tp=2 is not estimated yet"),
-    (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora", weight_format="nf4"),
-                         layout=lk.Layout(dp=2, zero_stage=3)), r"use zero_stage=0 \(replicas\)"),
 ])
 def test_bad_lora_recipes_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):
@@ -217,12 +215,13 @@ WIDE = lk.preset("small").replace(hidden=1024, ffn=2816, heads=8, kv_heads=8, he
                                   vocab_size=256, layers=6)
 
 
-def _fsdp2_and_estimate(cfg, dp, batch, seq, recompute):
+def _fsdp2_and_estimate(cfg, dp, batch, seq, recompute, weight_format=None):
     from labkit.parallel.fsdp import fake_fsdp2_peak
     measured = fake_fsdp2_peak(cfg, dp, batch, seq, precision="bf16", recompute=recompute,
-                               trainable="lora")
+                               trainable="lora", weight_format=weight_format)
     return measured, lk.estimate(cfg, batch, seq, precision="bf16", recompute=recompute,
-                                 trainable="lora", layout=lk.Layout(dp=dp, zero_stage=3))
+                                 trainable="lora", weight_format=weight_format,
+                                 layout=lk.Layout(dp=dp, zero_stage=3))
 
 
 @pytest.mark.parametrize("dp, batch, seq, recompute, moment", [
@@ -238,6 +237,19 @@ def test_lora_under_fsdp2_matches_the_estimate(dp, batch, seq, recompute, moment
     replica = lk.estimate(WIDE, batch, seq, precision="bf16", recompute=recompute,
                           trainable="lora")
     assert est.total < replica.total            # the frozen base is sharded
+
+
+@pytest.mark.parametrize("dp, batch, seq, recompute", [
+    (2, 1, 256, "full"), (8, 4, 512, "full"), (4, 2, 256, "none"), (4, 1, 256, "selective")])
+def test_qlora_under_fsdp2_matches_the_estimate(dp, batch, seq, recompute):
+    """FSDP-QLoRA: FSDP2 shards the NF4 codes and scales (frozen parameters of three dtypes,
+    gathered as bytes) with the rest of each block. Measured: +0.00%, +0.01%, -0.44%, -0.73%;
+    the shards to within FSDP2's padding of each parameter."""
+    measured, est = _fsdp2_and_estimate(WIDE, dp, batch, seq, recompute, "nf4")
+    assert est.total == pytest.approx(measured["peak"], rel=0.01), est.details["peak moment"]
+    assert est.params == pytest.approx(measured["by_category"]["params"], abs=64 * dp)
+    lora = _fsdp2_and_estimate(WIDE, dp, batch, seq, recompute)[1]
+    assert est.params < 0.4 * lora.params           # NF4 shards beside bf16 ones
 
 
 @pytest.mark.slow

@@ -403,3 +403,14 @@ def test_the_plan_says_whether_its_first_layout_stays_first_with_overlap():
     kept = plan("llama-2-70b", "h100-80gb", 64, seq=4096, advice=False)
     assert "#1 stays first" in kept.overlap
     assert all(k.time.overlapped >= 0.99 * kept.fits[0].time.overlapped for k in kept.fits)
+
+
+def test_qlora_of_a_70b_on_two_24_gb_cards_offloads_its_fsdp_sharded_base():
+    """FSDP-QLoRA, as Answer.AI and ms-swift run it: sharded over 2 cards the NF4 base still
+    leaves no room for the step; with the shards in host memory it fits."""
+    p = plan("llama-2-70b", "rtx-4090-24gb", 2, seq=2048, trainable=("qlora",),
+             host_ram=128 * GiB)
+    best = p.fits[0]
+    assert best.layout == lk.Layout(dp=2, zero_stage=3, offload=True)
+    assert best.recipe.weight_format == "nf4" and best.recipe.recompute == "full"
+    assert "GiB usable" in p.rejected["QLoRA, frozen base sharded (FSDP2), dp 2"]

@@ -1,5 +1,7 @@
 """Runs their authors published as fitting their GPUs fit in the estimate, with the techniques
 they used; DeepSeek-V3's own layout (FP8, not modelled) fits in bf16 only with full recompute."""
+from dataclasses import replace
+
 import pytest
 
 import labkit as lk
@@ -37,3 +39,13 @@ def test_deepseek_v3s_own_layout_fits_in_bf16_only_with_full_recompute():
     assert [rows[k]["fits"] for k in ("none", "selective", "full")] == [False, False, True]
     assert 8 * GIB < rows["selective"]["states"] < 12 * GIB
     assert rows["selective"]["activations"] > 0.8 * rows["selective"]["per_gpu"]
+
+
+def test_fsdp_qlora_of_a_70b_on_two_24_gb_cards_needs_its_cpu_offload():
+    """FSDP shards the 70B's NF4 codes and scales over 2 GPUs: about 19 GiB each, and the
+    step's working set on top crosses a 24 GB card; offloaded, the shards live in host memory."""
+    run = next(r for r in RUNS if r.name.startswith("ms-swift"))
+    kept = replace(run, layout=replace(run.layout, offload=False)).check()
+    assert run.check()["fits"] and not kept["fits"]
+    est = lk.estimate(run.model, run.batch, run.seq, recipe=run.recipe, layout=run.layout)
+    assert 17 * GIB < est.details["host memory"] < 22 * GIB

@@ -223,7 +223,7 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
                     precision: str = "bf16-master", reshard_after_forward: bool = True,
                     recompute: str = "none", placement: str = "dim0", rank: int = 0,
                     cross_check: bool = False, trainable: str = "all",
-                    lora_rank: int = 16) -> dict:
+                    lora_rank: int = 16, weight_format: str | None = None) -> dict:
     """One rank's bytes in one steady-state FSDP2 training step of ``cfg_name`` over
     ``world_size`` ranks, on fake tensors with CUDA's defaults (AdamW foreach).
 
@@ -251,7 +251,7 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
         # FSDP2's way for big models: build and shard on the meta device (no memory, no fake
         # tensor for each of the N chunks of every parameter), then make this rank's shards
         model = _build(_Setup(cfg, None, "cuda", torch.device("meta")), precision, recompute,
-                       trainable=trainable, lora_rank=lora_rank)
+                       trainable=trainable, lora_rank=lora_rank, weight_format=weight_format)
         tracked_modules = shard_blocks(model, mesh, reshard_after_forward, placement)
         with FakeTensorMode(allow_non_fake_inputs=True):    # to_empty reads the meta tensors
             model.to_empty(device="cpu")                    # CPU fake tensors, CUDA's defaults

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
                        step_temporary_bytes)
-from ..layers import lora_targets
+from ..layers import block_weights, lora_targets
 from ..parallel import compose, zero
 from ..recipe import STATE_NUMBERS, compute_bytes
 from ..recompute import plan
@@ -66,23 +66,37 @@ class States:
         precision's dtype. No gradients, no optimizer state."""
         if not self.lora:
             return []
-        tp, targets = self.L.tp, [w for m in self.moe for w in lora_targets(self.c, m)]
-        numel = sum(w.local(tp) for w in targets)
-        rest = (self.n_local - numel) * self.bytes.weights
         if self.zero == 3:         # FSDP2 shards the frozen base too; offloaded, on the host
             return [Tensor("frozen weights' shard", HOST if self.offload else "params",
-                           self.wdt, self._frozen_shard())]
+                           "nf4" if self.recipe.weight_format else self.wdt, self._frozen_shard())]
+        targets = [w for m in self.moe for w in lora_targets(self.c, m)]
+        numel = sum(w.local(self.L.tp) for w in targets)
+        rest = (self.n_local - numel) * self.bytes.weights
         if self.recipe.weight_format == "nf4":
-            stored = sum(round(w.local(tp) * nf4_bits_per_param() / 8) + 4 for w in targets)
             return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
-                           "nf4", stored),
+                           "nf4", self._nf4_bytes(targets)),
                     Tensor("frozen embedding, norms, LM head (not quantised)", "params",
                            self.wdt, rest)]
         return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
 
+    def _nf4_bytes(self, targets) -> int:
+        return sum(round(w.local(self.L.tp) * nf4_bits_per_param() / 8) + 4 for w in targets)
+
+    def _block_stored(self, moe: bool) -> int:
+        """Bytes of a LoRA block's frozen weights as stored (NF4: its targets' codes and
+        scales), what FSDP2 shards and all-gathers (QLoRA's as bytes: FSDP-QLoRA)."""
+        tp, ep, targets = self.L.tp, self.L.ep, lora_targets(self.c, moe)
+        block = sum(w.local(tp, ep) for w in block_weights(self.c, moe))
+        if self.recipe.weight_format != "nf4":
+            return block * self.bytes.weights
+        return (self._nf4_bytes(targets)
+                + (block - sum(w.local(tp) for w in targets)) * self.bytes.weights)
+
     def _frozen_shard(self) -> int:
         """Bytes of LoRA's frozen base one rank keeps under FSDP2 (ZeRO-3)."""
-        return zero.per_rank(self.n_local * self.bytes.weights, "params", 3,
+        blocks = sum(self.block_params)
+        stored = sum(self._block_stored(m) for m in self.moe)
+        return zero.per_rank(stored + (self.n_local - blocks) * self.bytes.weights, "params", 3,
                              self.L.dp)
 
     def grads(self) -> int:

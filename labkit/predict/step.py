@@ -19,19 +19,15 @@ HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "back
 
 
 def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
-    """LoRA and QLoRA compose with every layout but tensor parallelism and FSDP-QLoRA: replicas
-    (DDP over the adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base
-    sharded too), any of them offloaded; pp, ep (the routed experts are frozen) and cp."""
+    """LoRA and QLoRA compose with every layout but tensor parallelism: replicas (DDP over the
+    adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base sharded too,
+    QLoRA's NF4 codes and scales as bytes: FSDP-QLoRA), any of them offloaded; pp, ep (the
+    routed experts are frozen) and cp."""
     if layout.tp > 1:
         raise ValueError(f"trainable='lora' with tp={layout.tp} is not estimated yet: Megatron's "
                          "parallel LoRA splits a column-parallel target's B and a row-parallel "
                          "one's A, and its updates and x A^T follow sp's splits, none of it "
                          "measured here; use tp=1 with ZeRO-3 (FSDP2 shards the frozen base)")
-    if recipe.weight_format == "nf4" and layout.zero_stage == 3 and layout.dp > 1:
-        raise ValueError("QLoRA under ZeRO-3 (FSDP-QLoRA) is not estimated yet: FSDP2 shards an "
-                         "NF4 base through torchao's NF4Tensor or bitsandbytes' quant_storage, "
-                         "neither modelled here; use zero_stage=0 (replicas), or LoRA "
-                         "(weight_format=None) with ZeRO-3")
 
 
 class _Step(States, Moments):
@@ -114,7 +110,9 @@ class _Step(States, Moments):
                      if sum(routed) and self.zero else [(whole, layout.dp)])
         self.units = parts                 # (elements, the ranks they are sharded over)
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
-        self.gathered_blocks = ([p + t for p, t in zip(self.block_params, self.block_trained)]
+        # LoRA's blocks as FSDP2 gathers them, in weight-sized elements (NF4's are fewer bytes)
+        self.gathered_blocks = ([-(-self._block_stored(m) // self.bytes.weights) + t
+                                 for m, t in zip(self.moe, self.block_trained)]
                                 if self.lora else self.block_params)
         self.gathered_units = ([[(g, layout.dp)] for g in self.gathered_blocks] if self.lora
                                else self.block_units)
