@@ -352,7 +352,7 @@ def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
     if weight_format is None:
         frozen += sum(w.local(tp) for w in targets if w.name not in skip)
     adapters = sum(w.local(tp) for w in lora_weights(c, moe, r)
-                   if not (w.name.endswith(".lora_A") and w.name[:-7] in skip))
+                   if w.name.removesuffix(".lora_A") not in skip)
     return 2 * (frozen + adapters)
 
 

@@ -89,7 +89,11 @@ RUNS = (
         Recipe("bf16", recompute="full", trainable="lora", lora_rank=8, weight_format="nf4"),
         Layout(dp=2, zero_stage=3, offload=True),
         note="its DEFAULT targets are the attention projections: checked with every linear "
-             "adapted, more than it needs"),
+             "adapted, more than it needs. labkit's NF4 (not bitsandbytes') decides the margin: "
+             "FSDP shards its scales too (bitsandbytes keeps absmax whole on every GPU) and it "
+             "dequantises through fp32 (13 bytes per weight at the peak, bitsandbytes' kernel "
+             "about 2): kept on the GPUs it needs 25.2 GiB of 21.6, 2.4 GiB less with "
+             "bitsandbytes' kernel, still over"),
 )
 
 # DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2: 2,048 H800s, pp 16 (DualPipe,

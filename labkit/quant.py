@@ -377,12 +377,16 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)                                                  # (..., out)
+        update = self.update(x)                                             # (..., out)
+        return out + (self.scaling * update).to(out.dtype)      # the base's dtype, as PEFT's
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """dropout(x) A^T B^T, not yet scaled by alpha / r: (..., in) -> (..., out)."""
         x = self.dropout(x)
         # under autocast the matmul casts x itself: a copy in A's dtype would only be cast back
         if not torch.is_autocast_enabled(x.device.type):
             x = x.to(self.A.dtype)
-        update = x @ self.A.T @ self.B.T                                    # (..., out)
-        return out + (self.scaling * update).to(out.dtype)      # the base's dtype, as PEFT's
+        return x @ self.A.T @ self.B.T
 
     def merge(self) -> nn.Linear:
         """A plain nn.Linear with W + (alpha / r) B A: the adapter folded in for inference."""

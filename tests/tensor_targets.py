@@ -11,7 +11,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from labkit.config import preset
+from labkit.lora import apply_lora
 from labkit.model import Block, GroupedQueryAttention, Rotary, SwiGLU, build_model
+from labkit.quant import LoRALinear
 from labkit.parallel.comm import CommCounter, gather_from_sequence, my_tokens
 from labkit.parallel.tensor import (STYLES, ParallelAttention, ParallelSwiGLU, parallelize,
                                     parallelize_block, tensor_parallel_step,
@@ -26,6 +28,7 @@ MEMORY_SEQ = 256                    # one block's saved activations, measured in
 STEPS = 3                           # AdamW steps of the whole model, fp32
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 SMALL_SEQ = 256                     # ``small``'s step whose per-rank peak the estimate predicts
+LORA_RANK = 8
 IGNORED = 3                         # targets of the first row set to ignore_index (-100)
 PARTS = ("mlp", "attention", "block")
 
@@ -112,8 +115,11 @@ def style(name: str) -> str:
 
 
 def shard_of(name: str, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """The slice of a one-process parameter (or gradient) that rank ``rank`` holds."""
+    """The slice of a one-process parameter (or gradient) that rank ``rank`` holds; a LoRA
+    column target's B splits its outputs (A whole), a row target's A its inputs (B whole)."""
     dim = {"column": 0, "vocab": 0, "row": 1}.get(style(name))
+    if name.endswith((".A", ".B")):
+        dim = {("column", "B"): 0, ("row", "A"): 1}.get((style(name), name[-1]))
     return full if dim is None else full.chunk(world, dim=dim)[rank]
 
 
@@ -235,3 +241,25 @@ def dtensor_blocks(ctx, dtype) -> dict:
             y = block(x, rope())
         outs[sp] = y                    # RowwiseParallel leaves a plain tensor
     return outs
+
+
+def lora_model(dtype, r: int = 4):
+    """``fresh_model`` under rank-r LoRA, its B's random (from zero, A's gradient would be 0)."""
+    model = fresh_model(dtype)
+    apply_lora(model, r, 2 * r)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.B.normal_(std=0.1)
+    return model
+
+
+def lora(ctx) -> dict:
+    """LoRA split with the model (tp, no sp): one step's loss and adapter gradients in fp64,
+    and ``small``'s tracked training step."""
+    torch.set_num_threads(1)
+    model = lora_model(torch.float64)
+    parallelize(model, ctx)
+    return dict(model=run_model(model), small=tensor_parallel_step(
+        ctx, "small", 1, SMALL_SEQ, False, "fp32", STEPS, lora_rank=LORA_RANK))

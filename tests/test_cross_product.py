@@ -12,12 +12,12 @@ from labkit.units import HOST
 CFG = lk.preset("tiny-moe")      # an MoE, so every axis applies: 4 heads, 3 layers, 8 experts
 SEQ = 64
 
-# what the estimate refuses, and the gist of its ValueError: two meaningless combinations, the
-# rest (LoRA's) not modelled yet. Keep this list short; CONTRIBUTING.md lists it for users.
+# what the estimate refuses, and the gist of its ValueError: two meaningless combinations, and
+# one (LoRA's) not modelled yet. Keep this list short; CONTRIBUTING.md lists it for users.
 REFUSED = {
     "offload without ZeRO (meaningless: nothing is sharded)": r"offload=True keeps ZeRO's shards",
     "sp without tp (meaningless: sp splits over the tp group)": r"sequence parallelism \(sp=True\)",
-    "LoRA or QLoRA with tp (not yet)": r"trainable='lora' with tp=2 is not estimated yet",
+    "LoRA or QLoRA with sp (not yet)": r"trainable='lora' with sp=True is not estimated yet",
 }
 TRAINABLE = {"full": {}, "lora": dict(trainable="lora"),
              "qlora": dict(trainable="lora", weight_format="nf4")}
@@ -109,10 +109,15 @@ def test_each_zero_stage_holds_no_more_model_states_than_the_one_before(results,
 
 @pytest.mark.parametrize("lower, higher", [("none", "selective"), ("selective", "full")])
 def test_more_recomputation_saves_no_more_activations(results, lower, higher):
+    """Except labkit's selective policy under LoRA: it keeps every matmul's output, which a
+    frozen linear's backward never needs, so it can keep more than no recompute does (LLaMA-2-7B
+    at 2048 tokens: 11.67 GiB against 10.70; here under tp, whose row-parallel outputs are
+    whole)."""
     pairs = list(_pairs(results, "recompute", lower, higher))
     assert pairs
     for key, a, b in pairs:
-        assert b.saved_activations <= a.saved_activations, key
+        if key[0] == "full" or higher == "full":
+            assert b.saved_activations <= a.saved_activations, key
 
 
 @pytest.mark.parametrize("axis", ["tp_sp", "pp", "ep"])

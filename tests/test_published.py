@@ -42,8 +42,9 @@ def test_deepseek_v3s_own_layout_fits_in_bf16_only_with_full_recompute():
 
 
 def test_fsdp_qlora_of_a_70b_on_two_24_gb_cards_needs_its_cpu_offload():
-    """FSDP shards the 70B's NF4 codes and scales over 2 GPUs: about 19 GiB each, and the
-    step's working set on top crosses a 24 GB card; offloaded, the shards live in host memory."""
+    """FSDP shards the 70B's NF4 codes and scales over 2 GPUs, about 17 GiB each (labkit's
+    NF4), and the step's working set on top crosses a 24 GB card; offloaded, the shards live in
+    host memory."""
     run = next(r for r in RUNS if r.name.startswith("ms-swift"))
     kept = replace(run, layout=replace(run.layout, offload=False)).check()
     assert run.check()["fits"] and not kept["fits"]

@@ -217,15 +217,18 @@ def test_lora_under_zero_1_and_2_is_the_estimate_and_trains_as_zero_1():
                           trainable="lora", lora_rank=r,
                           layout=lk.Layout(dp=2, zero_stage=stage, offload=offload))
         zero1 = LORA.index((1, model, batch, seq, precision, False, r))
+        # as above: a rank's peak may hold a finished bucket gloo let go of late
+        peaks = [steps[i].peak for steps in ranks]
+        assert min(peaks) == pytest.approx(est.total, rel=1e-3), LORA[i]
+        assert max(peaks) <= 1.001 * est.total + _largest_bucket(est), LORA[i]
         for steps in ranks:
             got = steps[i]
-            assert got.peak == pytest.approx(est.total, rel=0.03), LORA[i]
             sent = {k: v for k, v in got.sent.items() if k != "host <-> device"}
             assert sum(sent.values()) == est.details["bytes sent per step"], LORA[i]
             if offload:
                 assert got.host_peak == est.details["host memory"]
                 assert got.sent["host <-> device"] == est.details["host <-> device bytes per step"]
-            if stage:
+            if stage and i != zero1:
                 assert got.losses == pytest.approx(steps[zero1].losses, rel=1e-6), LORA[i]
 
 

@@ -52,8 +52,10 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig, preset
+from ..lora import apply_lora
 from ..model import (Block, GroupedQueryAttention, SwiGLU, Transformer, attention_core,
                      build_model)
+from ..quant import LoRALinear
 from ..step import make_optimizer, param_dtype, train_step
 from .comm import (CommCounter, all_gather_tokens, copy_to_parallel, reduce_from_parallel,
                    reduce_scatter_to_sequence, reduce_scatter_tokens, sum_grad_over_ranks)
@@ -99,9 +101,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rank: int, world: int):
         super().__init__()
-        self.weight = nn.Parameter(_mine(linear.weight, 0, rank, world))      # (out/N, in)
-        self.bias = None if linear.bias is None else nn.Parameter(
-            _mine(linear.bias, 0, rank, world))                               # (out/N,)
+        self.weight = _mine(linear.weight, 0, rank, world)                    # (out/N, in)
+        self.bias = None if linear.bias is None else _mine(linear.bias, 0, rank, world)
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)                            # (..., out/N)
@@ -119,7 +120,7 @@ class RowParallelLinear(nn.Module):
         if linear.bias is not None:
             raise ValueError("a row-parallel projection adds its bias once, after the sum: "
                              "labkit's wo and w_down have none; build the linear with bias=False")
-        self.weight = nn.Parameter(_mine(linear.weight, 1, comm.rank, comm.world))  # (out, in/N)
+        self.weight = _mine(linear.weight, 1, comm.rank, comm.world)          # (out, in/N)
         self.comm, self.sp = comm, sp
 
     def forward(self, x):                                                     # (B, T, in/N)
@@ -129,9 +130,74 @@ class RowParallelLinear(nn.Module):
         return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
 
 
-def _mine(weight: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's 1/N slice of a one-process weight along ``dim``, a copy of its own."""
-    return weight.detach().chunk(world, dim=dim)[rank].clone()
+def _mine(weight: nn.Parameter, dim: int, rank: int, world: int) -> nn.Parameter:
+    """This rank's 1/N slice of a one-process weight along ``dim``, a copy of its own; frozen
+    if the weight is (LoRA's base)."""
+    mine = weight.detach().chunk(world, dim=dim)[rank].clone()
+    return nn.Parameter(mine, requires_grad=weight.requires_grad)
+
+
+# ---- LoRA's adapters on the split linears ---------------------------------------------------
+class _SplitLoRA(LoRALinear):
+    """An adapter over a split linear: ``lora``'s rank, alpha, scaling and dropout; the
+    subclass splits its base, A and B."""
+
+    def __init__(self, lora: LoRALinear, sp: bool):
+        nn.Module.__init__(self)
+        if sp:
+            raise ValueError("LoRA under sequence parallelism is not supported: its A would "
+                             "need the all-gathered tokens kept for its gradient; use sp=False")
+        if not isinstance(lora.base, nn.Linear):
+            raise ValueError("an NF4 (QLoRA) base cannot be split after quantisation: quantise "
+                             "each rank's slice instead; here use weight_format=None with tp")
+        self.r, self.alpha, self.scaling, self.dropout = (lora.r, lora.alpha, lora.scaling,
+                                                          lora.dropout)
+
+
+class ColumnParallelLoRA(_SplitLoRA):
+    """A column-parallel target and its adapter, split as Megatron's and PEFT's parallel LoRA
+    split them: B (out/N x r) like the weight's outputs, A (r x in) whole on every rank. A's
+    gradient on a rank is a partial sum over its outputs, all-reduced (Megatron all-reduces the
+    gradient of x A^T instead: the same sum)."""
+
+    def __init__(self, lora: LoRALinear, comm: CommCounter, sp: bool = False):
+        super().__init__(lora, sp)
+        self.base = ColumnParallelLinear(lora.base, comm.rank, comm.world)
+        self.A = nn.Parameter(lora.A.detach().clone())                        # (r, in)
+        self.B = _mine(lora.B, 0, comm.rank, comm.world)                      # (out/N, r)
+        sum_grad_over_ranks(self.A, comm)
+
+
+class RowParallelLoRA(_SplitLoRA):
+    """A row-parallel target and its adapter: A (r x in/N) split like the weight's inputs, B
+    (out x r) whole. x_i A_i^T B^T is a partial sum over the ranks as x_i W_i^T is: both go into
+    one all-reduce. B's gradient, from the partial x_i A_i^T, is all-reduced (Megatron
+    all-reduces x A^T in the forward pass instead)."""
+
+    def __init__(self, lora: LoRALinear, comm: CommCounter, sp: bool = False):
+        super().__init__(lora, sp)
+        self.base = RowParallelLinear(lora.base, comm)
+        self.A = _mine(lora.A, 1, comm.rank, comm.world)                      # (r, in/N)
+        self.B = nn.Parameter(lora.B.detach().clone())                        # (out, r)
+        self.comm = comm
+        sum_grad_over_ranks(self.B, comm)
+
+    def forward(self, x):                                                     # (B, T, in/N)
+        partial = F.linear(x, self.base.weight)                               # (B, T, out)
+        update = self.update(x)                                               # (B, T, out)
+        partial = partial + (self.scaling * update).to(partial.dtype)         # as LoRALinear's
+        return reduce_from_parallel(partial, self.comm)
+
+
+def _column(linear, comm: CommCounter, sp: bool):
+    if isinstance(linear, LoRALinear):
+        return ColumnParallelLoRA(linear, comm, sp)
+    return ColumnParallelLinear(linear, comm.rank, comm.world)
+
+
+def _row(linear, comm: CommCounter, sp: bool):
+    return RowParallelLoRA(linear, comm, sp) if isinstance(linear, LoRALinear) else (
+        RowParallelLinear(linear, comm, sp))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -141,7 +207,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embed: nn.Embedding, comm: CommCounter, sp: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(_mine(embed.weight, 0, comm.rank, comm.world))   # (V/N, h)
+        self.weight = _mine(embed.weight, 0, comm.rank, comm.world)           # (V/N, h)
         self.first = comm.rank * self.weight.shape[0]           # the first token this rank holds
         self.comm, self.sp = comm, sp
 
@@ -210,12 +276,11 @@ class ParallelAttention(nn.Module):
 
     def __init__(self, attn: GroupedQueryAttention, comm: CommCounter, sp: bool = False):
         super().__init__()
-        rank, world = comm.rank, comm.world
+        world = comm.world
         self.heads, self.kv_heads = attn.heads // world, attn.kv_heads // world
         self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
-        self.wq, self.wk, self.wv = (ColumnParallelLinear(w, rank, world)
-                                     for w in (attn.wq, attn.wk, attn.wv))
-        self.wo = RowParallelLinear(attn.wo, comm, sp)
+        self.wq, self.wk, self.wv = (_column(w, comm, sp) for w in (attn.wq, attn.wk, attn.wv))
+        self.wo = _row(attn.wo, comm, sp)
 
     def forward(self, x, rope, mask=None):                      # x (B, T, h), (B, T/N, h) if sp
         q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.comm, self.sp)
@@ -233,9 +298,8 @@ class ParallelSwiGLU(nn.Module):
 
     def __init__(self, mlp: SwiGLU, comm: CommCounter, sp: bool = False):
         super().__init__()
-        self.w_gate = ColumnParallelLinear(mlp.w_gate, comm.rank, comm.world)
-        self.w_up = ColumnParallelLinear(mlp.w_up, comm.rank, comm.world)
-        self.w_down = RowParallelLinear(mlp.w_down, comm, sp)
+        self.w_gate, self.w_up = (_column(w, comm, sp) for w in (mlp.w_gate, mlp.w_up))
+        self.w_down = _row(mlp.w_down, comm, sp)
         self.comm, self.sp = comm, sp
 
     def forward(self, x):                                       # x (B, T, h), (B, T/N, h) if sp
@@ -379,17 +443,20 @@ class TensorParallelStep(RankStep):
 
 def tensor_parallel_step(ctx, cfg: ModelConfig | str = "small", batch: int = 1, seq: int = 256,
                          sp: bool = False, precision: str = "fp32", steps: int = 3,
-                         timed: int = 0) -> TensorParallelStep:
+                         timed: int = 0, lora_rank: int = 0) -> TensorParallelStep:
     """Train ``cfg`` (a preset's name or a config) split over the ranks, AdamW; the tracker
     measures the last of ``steps`` (and the bytes it sent), then ``timed`` more steps run
-    untracked, timed. One thread per rank: each rank stands for one device."""
+    untracked, timed. One thread per rank: each rank stands for one device. ``lora_rank`` > 0:
+    rank-r LoRA adapters train on the frozen model, split with it."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     model = build_model(cfg, dtype=param_dtype(precision), device=ctx.device)
+    if lora_rank:
+        apply_lora(model, lora_rank, 2 * lora_rank)
     comm = parallelize(model, ctx, sp)
-    optimizer = make_optimizer(model.parameters(), "adamw", impl="for-loop",
-                               master_weights=precision == "bf16-master")
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
+                               impl="for-loop", master_weights=precision == "bf16-master")
 
     def forward(tokens, targets):
         comm.reset()                    # then ``comm.sent`` holds the last step's bytes

@@ -45,8 +45,9 @@ class Moments:
         fp32 (N, V/tp) logits become the softmax it saves (``head_saved``), then the logits'
         gradient. 16-bit logits are copied to fp32 first and stay alive until the loss is
         taken; the gradient is cast back to 16 bits, which frees the fp32 one. Then the LM
-        head's backward forms its weight's gradient and its input's; under sp it all-gathers
-        its input again and reduce-scatters the input's gradient to this rank's tokens."""
+        head's backward forms its weight's gradient (LoRA: frozen, none) and its input's;
+        under sp it all-gathers its input again and reduce-scatters the input's gradient to
+        this rank's tokens."""
         c, tp, sp, cb = self.c, self.L.tp, self.L.sp, (4 if self.cdt == "fp32" else 2)
         wide = self.N * c.hidden * cb                                          # (N, hidden)
         logits = self.N * c.vocab_size // tp                                   # (N, V/tp)
@@ -56,8 +57,8 @@ class Moments:
         softmax_freed = [replace(t, nbytes=t.nbytes - logits * 4)
                          if cb == 2 and t.name == SOFTMAX else t for t in alive]
         head = [sixteen,
-                Tensor("LM head gradient being formed", "other", self.cdt,
-                       c.vocab_size // tp * c.hidden * cb),
+                Tensor("LM head gradient being formed", "other", self.cdt,   # LoRA: frozen
+                       0 if self.lora else c.vocab_size // tp * c.hidden * cb),
                 Tensor("gradient of the LM head's input", "other", self.cdt, wide),
                 Tensor("LM head's input, all-gathered again (sp)", "other", self.cdt,
                        wide if sp else 0),
@@ -219,8 +220,11 @@ class Moments:
         m, flight = self.L.micro_batch_count, self.in_flight
         # interleaved with every forward first (m <= its warm-up): a chunk's gradients are all
         # formed only once the stage's last chunk has run its backward, by then mostly freed
-        if m == 1 or self.zero or (self.L.virtual_stages > 1 and flight == m):
+        if m == 1 or (self.L.virtual_stages > 1 and flight == m):
             return {}
+        if self.zero:        # ZeRO's buckets or shards stand in the ordinary moments already
+            return self._weight_gradient_moment(always, saved, label, self._grads_in_backward(
+                range(len(self.layers))), flight) if self.L.schedule == "zb-h1" else {}
         later = flight if flight < m else flight - 1
         grads = Tensor("gradients of every layer of the stage (earlier micro-batches)", "grads",
                        self.wdt, self.grads())
@@ -267,11 +271,11 @@ class Moments:
         out[f"backward: layer {self.layers[worst[0]]}, a later micro-batch"] = ("backward",
                                                                                 worst[1])
         if self.L.schedule == "zb-h1":
-            # stage s runs s W's late: their output gradients are alive at each B ...
+            # stage s runs s W's late: their output gradients are alive at every later moment
             for _, tensors in out.values():
                 tensors.append(self._kept_for_w(min(self.stage, m)))
             # ... and at a W, beside the micro-batches in flight, whole
-            out.update(self._weight_gradient_moment(always, saved, label, grads, flight))
+            out.update(self._weight_gradient_moment(always, saved, label, [grads], flight))
         return out
 
     def _kept_for_w(self, pending: int) -> Tensor:
@@ -279,15 +283,15 @@ class Moments:
         the weights' gradients from it: ``pending`` micro-batches' of them (LoRA: only the
         adapted linears' outputs, the rest is frozen)."""
         width = {True: 0, False: 0}                 # per token: matmul outputs, other outputs
-        for w in ([w for m in self.moe for w in lora_targets(self.c, m)] if self.lora
-                  else self.weights):
+        for w in self.targets if self.lora else self.weights:
             width[w.matmul] += w.out_width(self.L.tp)
         per_micro_batch = self.N * (width[True] * compute_bytes(self.recipe.precision)
                                     + width[False] * self.bytes.weights)
         return Tensor(f"output gradients kept for W ({pending} micro-batches)", "other",
                       self.cdt, pending * per_micro_batch)
 
-    def _weight_gradient_moment(self, always, saved, label: str, grads: Tensor, flight) -> dict:
+    def _weight_gradient_moment(self, always, saved, label: str, grads: list[Tensor],
+                                flight) -> dict:
         """ZB-H1's W of a later micro-batch: it keeps the micro-batch's saved tensors (the graph)
         until then. Stage s defers s W's: s + 1 micro-batches' output gradients alive at a W,
         beside the ``flight`` micro-batches in flight, whole."""
@@ -295,8 +299,8 @@ class Moments:
         largest = max(w.local(self.L.tp, self.L.ep) for w in self.trained) * self.bytes.grads
         kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
         name = "backward: weight gradients (W), a later micro-batch"
-        return {name: ("backward", always + kept + [
-            grads, self._kept_for_w(pending),
+        return {name: ("backward", always + kept + grads + [
+            self._kept_for_w(pending),
             Tensor("a weight's new gradient, before it is added", "other", self.wdt, largest)])}
 
     # ---- LoRA and QLoRA: the forward run again inside the backward, NF4's dequantisation --------

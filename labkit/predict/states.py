@@ -68,13 +68,13 @@ class States:
             return []
         if self.zero == 3:         # FSDP2 shards the frozen base too; offloaded, on the host
             return [Tensor("frozen weights' shard", HOST if self.offload else "params",
-                           "nf4" if self.recipe.weight_format else self.wdt, self._frozen_shard())]
-        targets = [w for m in self.moe for w in lora_targets(self.c, m)]
-        numel = sum(w.local(self.L.tp) for w in targets)
+                           f"nf4 + {self.wdt}" if self.recipe.weight_format else self.wdt,
+                           self._frozen_shard())]
+        numel = sum(w.local(self.L.tp) for w in self.targets)
         rest = (self.n_local - numel) * self.bytes.weights
         if self.recipe.weight_format == "nf4":
             return [Tensor("frozen linears of the blocks (NF4 codes and scales)", "params",
-                           "nf4", self._nf4_bytes(targets)),
+                           "nf4", self._nf4_bytes(self.targets)),
                     Tensor("frozen embedding, norms, LM head (not quantised)", "params",
                            self.wdt, rest)]
         return [Tensor("frozen weights", "params", self.wdt, numel * self.bytes.weights + rest)]
@@ -93,11 +93,12 @@ class States:
                 + (block - sum(w.local(tp) for w in targets)) * self.bytes.weights)
 
     def _frozen_shard(self) -> int:
-        """Bytes of LoRA's frozen base one rank keeps under FSDP2 (ZeRO-3)."""
-        blocks = sum(self.block_params)
-        stored = sum(self._block_stored(m) for m in self.moe)
-        return zero.per_rank(stored + (self.n_local - blocks) * self.bytes.weights, "params", 3,
-                             self.L.dp)
+        """Bytes of LoRA's frozen base one rank keeps under FSDP2 (ZeRO-3): each block's units
+        (less the adapters, in its first), and the embedding, final norm and LM head."""
+        rest = (self.n_local - sum(self.block_params)) * self.bytes.weights
+        blocks = sum(zero.shard(n - (k == 0) * t, r) for units, t in
+                     zip(self.gathered_units, self.block_trained) for k, (n, r) in enumerate(units))
+        return zero.per_rank(rest, "params", 3, self.L.dp) + blocks * self.bytes.weights
 
     def grads(self) -> int:
         """A rank's finished gradients: all, or from stage 2 its shard of each unit."""
@@ -153,8 +154,7 @@ class States:
         if not (self.fsdp2 and i > 0):
             return []
         return [Tensor("next block's all-gather output (FSDP2's backward prefetch)", "other",
-                       self.wdt, zero.padded(self.gathered_blocks[i - 1], self.L.dp)
-                       * self.bytes.weights)]
+                       self.wdt, self._gathered_bytes(i - 1))]
 
     def _all_gather_outputs(self, i: int) -> list[Tensor]:
         """LoRA under ZeRO-3 (FSDP2): as it copies block i's parameters out of its all-gather's
@@ -163,10 +163,13 @@ class States:
         its prev_all_gather_state in wait_for_unshard)."""
         if not self.fsdp2:
             return []
-        flat = [zero.padded(self.gathered_blocks[j], self.L.dp) * self.bytes.weights
-                for j in (i, i - 1) if j >= 0]
+        flat = [self._gathered_bytes(j) for j in (i, i - 1) if j >= 0]
         return [Tensor("all-gather outputs of this block and the one before (FSDP2)", "other",
                        self.wdt, sum(flat))]
+
+    def _gathered_bytes(self, j: int) -> int:
+        """Bytes of block j's all-gather output (FSDP2: every parameter, padded per group)."""
+        return sum(zero.padded(n, r) for n, r in self.gathered_units[j]) * self.bytes.weights
 
     def _gather_transients(self, unit) -> list[Tensor]:
         """What an all-gather of a unit allocates besides its result: gloo's copy, and when
@@ -251,26 +254,32 @@ class States:
         once, recomputed = all_to_all(sum(self.moe)), all_to_all(again)
         out = {k: L.micro_batch_count * (v + (recomputed[k] if "backward" not in k else 0))
                for k, v in once.items()}
+        if self.lora:                      # the adapters train; the experts are frozen
+            routed = 0
         if not self.zero:
-            return out | compose.gradient_bytes_sent((self.n_local - routed) * grads,
-                                                     routed * grads, L.ep, L.dp // L.ep)
+            replicated = self.n_train if self.lora else self.n_local - routed
+            return out | compose.gradient_bytes_sent(replicated * grads, routed * grads, L.ep,
+                                                     L.dp // L.ep)
         scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)
-        for n, r in self.units:
-            group = "" if r == L.dp else " (experts, dp group)"
-            if r > 1:   # each unit's gradients reduce-scattered, its weights all-gathered
-                sent = (r - 1) * zero.shard(n, r)
-                out[f"reduce_scatter{group}"] = (out.get(f"reduce_scatter{group}", 0)
-                                                 + scatters * sent * grads)
-                out[f"all_gather{group}"] = (out.get(f"all_gather{group}", 0)
-                                             + gathers * sent * self.bytes.weights)
+        # each unit's gradients reduce-scattered, its weights all-gathered (LoRA under FSDP2:
+        # every block's frozen weights too, and the root's)
+        gathered = ([u for b in self.gathered_units for u in b] + [(self.gathered_rest, L.dp)]
+                    if self.fsdp2 else self.units)
+        for kind, units, times, number in (("reduce_scatter", self.units, scatters, grads),
+                                           ("all_gather", gathered, gathers, self.bytes.weights)):
+            for n, r in units:
+                if r > 1:
+                    key = kind + ("" if r == L.dp else " (experts, dp group)")
+                    out[key] = out.get(key, 0) + times * (r - 1) * zero.shard(n, r) * number
         return out
 
     def _offload_traffic(self) -> int:
         """Bytes copied each step under offload: every gradient shard down to the host, and
         the updated parameter shards up, once (stages 1, 2) or at each gather (stage 3: two;
-        under LoRA FSDP2 copies the frozen base's shards up at each gather too)."""
+        under LoRA FSDP2 copies the frozen base's shards up at each gather too, two per
+        micro-batch; not measured here: fake FSDP2 runs without CPUOffloadPolicy)."""
         shards = sum(zero.shard(n, r) for n, r in self.units)
-        frozen = 2 * self._frozen_shard() if self.fsdp2 else 0
+        frozen = 2 * self.L.micro_batch_count * self._frozen_shard() if self.fsdp2 else 0
         return shards * (self.bytes.grads + self.bytes.weights * (2 if self.zero == 3 else 1)) \
             + frozen
 

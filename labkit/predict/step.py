@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..layers import (Saved, Term, Weight, block_weights, embedding_weights, head_saved,
-                      head_weights, layer_saved, lora_weights)
+                      head_weights, layer_saved, lora_targets, lora_weights)
 from ..parallel import compose, schedules, zero
 from ..recipe import Layout, Recipe, state_bytes
 from ..recompute import parse_policy, plan
@@ -19,15 +19,21 @@ HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "back
 
 
 def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
-    """LoRA and QLoRA compose with every layout but tensor parallelism: replicas (DDP over the
-    adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base sharded too,
-    QLoRA's NF4 codes and scales as bytes: FSDP-QLoRA), any of them offloaded; pp, ep (the
-    routed experts are frozen) and cp."""
-    if layout.tp > 1:
-        raise ValueError(f"trainable='lora' with tp={layout.tp} is not estimated yet: Megatron's "
-                         "parallel LoRA splits a column-parallel target's B and a row-parallel "
-                         "one's A, and its updates and x A^T follow sp's splits, none of it "
-                         "measured here; use tp=1 with ZeRO-3 (FSDP2 shards the frozen base)")
+    """LoRA and QLoRA compose with every layout but sequence parallelism: replicas (DDP over
+    the adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base sharded too,
+    QLoRA's NF4 codes and scales as bytes: FSDP-QLoRA), any of them offloaded; tp as Megatron's
+    parallel LoRA splits the adapters (``parallel.tensor``); pp, ep (the routed experts are
+    frozen) and cp."""
+    if layout.sp:
+        raise ValueError("trainable='lora' with sp=True is not estimated yet: Megatron's LoRA "
+                         "all-gathers the tokens for a column-parallel target's A and keeps "
+                         "them, not measured here; use sp=False")
+
+
+def _split_units(n: int, experts: int, dp: int, ep: int) -> list[tuple[int, int]]:
+    """A block's ZeRO units, (elements, ranks): its experts' shard over their dp / ep copies,
+    the rest over every dp rank."""
+    return [(n - experts, dp), (experts, dp // ep)] if experts else [(n, dp)]
 
 
 class _Step(States, Moments):
@@ -76,6 +82,7 @@ class _Step(States, Moments):
         if self.lora:
             _check_lora_layout(recipe, layout)
         self.lora_rank = recipe.lora_rank if self.lora else 0
+        self.targets = [w for m in self.moe for w in lora_targets(c, m)] if self.lora else []
         self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
                         if self.lora else self.weights)
         self.n_train = sum(w.local(tp, ep) for w in self.trained)
@@ -97,9 +104,10 @@ class _Step(States, Moments):
         # with ep, the experts' parameters form units of their own, sharded over their dp / ep
         # copies (``parallel.zero_step``'s experts; Megatron's distributed optimizer, FSDP
         # over experts): stage 1 one, from stage 2 one per MoE block. Units: (elements, ranks)
-        routed = [sum(w.local(tp, ep) for w in block_weights(c, m) if w.copies > 1)
-                  if ep > 1 and not self.lora else 0 for m in self.moe]
-        self.block_units = [[(n - e, layout.dp), (e, layout.dp // ep)] if e else [(n, layout.dp)]
+        experts = [sum(w.local(tp, ep) for w in block_weights(c, m) if w.copies > 1)
+                   if ep > 1 else 0 for m in self.moe]
+        routed = [0] * len(experts) if self.lora else experts        # LoRA: experts frozen
+        self.block_units = [_split_units(n, e, layout.dp, ep)
                             for n, e in zip(self.block_trained, routed)]
         root = 0 if self.lora else rest_params
         if self.zero >= 2:
@@ -110,12 +118,12 @@ class _Step(States, Moments):
                      if sum(routed) and self.zero else [(whole, layout.dp)])
         self.units = parts                 # (elements, the ranks they are sharded over)
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
-        # LoRA's blocks as FSDP2 gathers them, in weight-sized elements (NF4's are fewer bytes)
-        self.gathered_blocks = ([-(-self._block_stored(m) // self.bytes.weights) + t
-                                 for m, t in zip(self.moe, self.block_trained)]
-                                if self.lora else self.block_params)
-        self.gathered_units = ([[(g, layout.dp)] for g in self.gathered_blocks] if self.lora
-                               else self.block_units)
+        # LoRA's blocks as FSDP2 gathers them, in weight-sized elements (NF4's are fewer bytes),
+        # each expert shard's frozen weights over its dp / ep copies
+        self.gathered_units = ([_split_units(-(-self._block_stored(m) // self.bytes.weights) + t,
+                                             e, layout.dp, ep)
+                                for m, t, e in zip(self.moe, self.block_trained, experts)]
+                               if self.lora else self.block_units)
         self.gathered_rest = rest_params if self.zero == 3 else 0
         self.fsdp2 = self.lora and self.zero == 3   # LoRA's ZeRO-3 is FSDP2's: its buffers count
 
@@ -211,11 +219,17 @@ class _Step(States, Moments):
                    **(self._final_norm_moment(always + kept) if self.last else {}),
                    **self._worst_layer_moment(always, saved, full, unit_start),
                    **self._naive_attention_moment(always, saved, full, unit_start),
-                   **self._later_micro_batch_moments(always, saved, label),
                    **(self._embedding_moment(always) if self.first else {}),
                    **self._optimizer_moment(always),
                    **self._lora_recompute_moment(always, saved, full, unit_start),
                    **self._dequantise_moment(always, saved, full, unit_start)}
+        if self.zero and self.L.schedule == "zb-h1" and self.L.micro_batch_count > 1:
+            # ZeRO's moments stand for a later micro-batch: stage s's s late W's are pending
+            pending = self._kept_for_w(min(self.stage, self.L.micro_batch_count))
+            for phase, tensors in moments.values():
+                if phase != "optimizer":
+                    tensors.append(pending)
+        moments.update(self._later_micro_batch_moments(always, saved, label))
         if self.zero == 3:
             moments.update(self._gather_moments(always, saved, kept + head))
             for name, (phase, tensors) in moments.items():   # the root stays gathered throughout
@@ -260,8 +274,9 @@ class _Step(States, Moments):
             out.details["bytes sent per step"] = (
                 zero.bytes_sent([n for n, _ in self.units], 2, self.L.dp, self.bytes.grads, 0,
                                 self.L.micro_batch_count)
-                + zero.bytes_sent(self.gathered_blocks + [self.gathered_rest], 3, self.L.dp, 0,
-                                  self.bytes.weights, self.L.micro_batch_count))
+                + zero.bytes_sent([n for b in self.gathered_units for n, _ in b]
+                                  + [self.gathered_rest], 3, self.L.dp, 0, self.bytes.weights,
+                                  self.L.micro_batch_count))
         elif self.L.dp > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
                 [n for n, _ in self.units], self.zero, self.L.dp, self.bytes.grads,
