@@ -37,6 +37,7 @@ class Weight:
     matmul: bool = True
     copies: int = 1
     used: int = 1
+    trains: bool = True        # False: no gradient (DeepSeek-V3's router bias)
 
     @property
     def numel(self) -> int:
@@ -89,8 +90,8 @@ def mlp_weights(c: ModelConfig, moe: bool) -> list[Weight]:
     if not moe:
         return _swiglu("mlp", c.hidden, c.ffn)
     ws = [Weight("mlp.router", c.hidden, c.routed_experts, "replicated")]
-    if c.router_bias:
-        ws.append(_vector("mlp.router_bias", c.routed_experts))
+    if c.router_bias:      # moved by the balancing rule, not trained (``model.MoE``)
+        ws.append(replace(_vector("mlp.router_bias", c.routed_experts), trains=False))
     ws += _swiglu("mlp.experts", c.hidden, c.moe_ffn, copies=c.routed_experts, used=c.top_k)
     if c.shared_experts:
         ws += _swiglu("mlp.shared", c.hidden, c.shared_experts * c.moe_ffn)

@@ -296,7 +296,10 @@ class MoE(nn.Module):
         E, h, f = cfg.routed_experts, cfg.hidden, cfg.moe_ffn
         self.routed_experts, self.top_k = E, cfg.top_k
         self.router = nn.Linear(h, E, bias=False)
-        self.router_bias = nn.Parameter(torch.zeros(E)) if cfg.router_bias else None
+        # DeepSeek-V3's balancing rule moves the bias by the experts' load, not by a gradient
+        # (top-k has none): frozen, as Hugging Face's buffer e_score_correction_bias
+        self.router_bias = (nn.Parameter(torch.zeros(E), requires_grad=False)
+                            if cfg.router_bias else None)
         self.experts = RoutedExperts(E, h, f)
         self.shared = SwiGLU(h, cfg.shared_experts * f) if cfg.shared_experts else None
 

@@ -66,13 +66,13 @@ class MasterWeights:
 
     Each step turns the bf16 gradients into fp32 ones (freeing each bf16 gradient as it goes),
     steps the fp32 masters, and copies them back into the bf16 weights, so small updates are
-    not rounded away. The masters count as optimizer state: 4 bytes per parameter. A sharded
+    not rounded away. The masters count as optimizer state: 4 bytes per trained parameter. A sharded
     weight (FSDP2's DTensor) gets a plain master of its local shard, as Megatron's distributed
     optimizer keeps one: the same bytes and kernels, without DTensor's per-op dispatch.
     """
 
     def __init__(self, params, make_inner):
-        self.params = list(params)
+        self.params = [p for p in params if p.requires_grad]     # a frozen weight needs none
         self.masters = [_local(p.detach()).float().requires_grad_(True) for p in self.params]
         self.inner = make_inner(self.masters)
         self.param_groups = self.inner.param_groups

@@ -240,3 +240,20 @@ def test_full_recompute_gives_identical_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_deepseek_v3s_router_bias_is_moved_by_its_rule_not_trained():
+    """Top-k selection has no gradient: the bias is frozen (Hugging Face: a buffer), so no
+    optimizer decays it or keeps state for it, and the estimate counts its bytes but no
+    gradient or state."""
+    cfg = lk.preset("tiny-moe").replace(router_bias=True)
+    model = lk.build_model(cfg)
+    rows = torch.randint(0, cfg.vocab_size, (2, 17))
+    model(rows[:, :-1], rows[:, 1:]).backward()
+    biases = [m.router_bias for m in model.modules() if getattr(m, "router_bias", None) is not None]
+    assert biases and all(not b.requires_grad and b.grad is None for b in biases)
+    with_bias, without = (lk.estimate(c, 1, 16, precision="bf16-master", device="cpu")
+                          for c in (cfg, cfg.replace(router_bias=False)))
+    frozen = sum(b.numel() for b in biases) * 2                          # bf16
+    states, plain = with_bias.details["model states"], without.details["model states"]
+    assert states == plain | {"params": plain["params"] + frozen}

@@ -214,7 +214,7 @@ class ZeroOptimizer:
         if stage >= 2 and not hasattr(model, "blocks"):
             raise ValueError(f"stage {stage} works one block at a time: the model needs .blocks "
                              "(a labkit Transformer)")
-        if stage == 3 and any(not p.requires_grad for p in model.parameters()):
+        if stage == 3 and any(not p.requires_grad and p.dim() > 1 for p in model.parameters()):
             raise ValueError("stage 3 here shards only what trains: a frozen base (LoRA's) "
                              "would stay whole on every rank; shard it with FSDP2 "
                              "(labkit.parallel.fsdp.shard_blocks), or use stage 1 or 2")

@@ -63,9 +63,12 @@ class States:
         """LoRA's frozen model: the targeted linears in ``weight_format`` (NF4: packed codes and
         double-quantised scales, ``quant.nf4_bits_per_param``, plus one fp32 mean of the scales
         per tensor), everything else (embedding, norms, router, routed experts, LM head) in the
-        precision's dtype. No gradients, no optimizer state."""
+        precision's dtype. No gradients, no optimizer state. Full fine-tuning: the weights
+        that take no gradient (DeepSeek-V3's router biases), whole on every rank."""
         if not self.lora:
-            return []
+            frozen = (self.n_local - self.n_train) * self.bytes.weights
+            return [Tensor("router biases (moved by the balancing rule, not trained)", "params",
+                           self.wdt, frozen)] if frozen else []
         if self.zero == 3:         # FSDP2 shards the frozen base too; offloaded, on the host
             return [Tensor("frozen weights' shard", HOST if self.offload else "params",
                            f"nf4 + {self.wdt}" if self.recipe.weight_format else self.wdt,

@@ -84,10 +84,12 @@ class _Step(States, Moments):
         self.lora_rank = recipe.lora_rank if self.lora else 0
         self.targets = [w for m in self.moe for w in lora_targets(c, m)] if self.lora else []
         self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
-                        if self.lora else self.weights)
+                        if self.lora else [w for w in self.weights if w.trains])
         self.n_train = sum(w.local(tp, ep) for w in self.trained)
         self.block_trained = ([sum(w.local(tp) for w in lora_weights(c, m, self.lora_rank))
-                               for m in self.moe] if self.lora else self.block_params)
+                               for m in self.moe] if self.lora else
+                              [sum(w.local(tp, ep) for w in block_weights(c, m) if w.trains)
+                               for m in self.moe])
 
     def _zero_units(self):
         """ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of
