@@ -256,10 +256,14 @@ def lora_model(dtype, r: int = 4):
 
 
 def lora(ctx) -> dict:
-    """LoRA split with the model (tp, no sp): one step's loss and adapter gradients in fp64,
-    and ``small``'s tracked training step."""
+    """LoRA split with the model, without and with sp: one step's loss and adapter gradients in
+    fp64, and ``small``'s tracked training step."""
     torch.set_num_threads(1)
-    model = lora_model(torch.float64)
-    parallelize(model, ctx)
-    return dict(model=run_model(model), small=tensor_parallel_step(
-        ctx, "small", 1, SMALL_SEQ, False, "fp32", STEPS, lora_rank=LORA_RANK))
+    out = {}
+    for sp in (False, True):
+        model = lora_model(torch.float64)
+        parallelize(model, ctx, sp)
+        out["model", sp] = run_model(model)
+        out["small", sp] = tensor_parallel_step(ctx, "small", 1, SMALL_SEQ, sp, "fp32", STEPS,
+                                                lora_rank=LORA_RANK)
+    return out

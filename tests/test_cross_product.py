@@ -12,12 +12,11 @@ from labkit.units import HOST
 CFG = lk.preset("tiny-moe")      # an MoE, so every axis applies: 4 heads, 3 layers, 8 experts
 SEQ = 64
 
-# what the estimate refuses, and the gist of its ValueError: two meaningless combinations, and
-# one (LoRA's) not modelled yet. Keep this list short; CONTRIBUTING.md lists it for users.
+# what the estimate refuses, and the gist of its ValueError: two meaningless combinations.
+# Keep this list short; CONTRIBUTING.md lists it for users.
 REFUSED = {
     "offload without ZeRO (meaningless: nothing is sharded)": r"offload=True keeps ZeRO's shards",
     "sp without tp (meaningless: sp splits over the tp group)": r"sequence parallelism \(sp=True\)",
-    "LoRA or QLoRA with sp (not yet)": r"trainable='lora' with sp=True is not estimated yet",
 }
 TRAINABLE = {"full": {}, "lora": dict(trainable="lora"),
              "qlora": dict(trainable="lora", weight_format="nf4")}

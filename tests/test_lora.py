@@ -106,8 +106,6 @@ def test_finetune_trains_modules_to_save_beside_the_adapters():
 @pytest.mark.parametrize("make, message", [
     (lambda: lk.Recipe("fp32", weight_format="nf4"), "pass trainable='lora'"),
     (lambda: lk.Recipe("fp32", trainable="lora", weight_format="int3"), "unknown weight_format"),
-    (lambda: lk.estimate("small", recipe=lk.Recipe("fp32", trainable="lora"),
-                         layout=lk.Layout(dp=2, tp=2, sp=True)), r"with sp=True is not estimated"),
 ])
 def test_bad_lora_recipes_name_the_fix(make, message):
     with pytest.raises(ValueError, match=message):

@@ -197,5 +197,8 @@ def reduce_scatter_to_sequence(x, comm: CommCounter):
 
 def sum_grad_over_ranks(param: torch.nn.Parameter, comm: CommCounter):
     """A replicated weight that each rank applies to its own tokens (a norm under sequence
-    parallelism) gets a partial gradient: all-reduce each fresh one before it is accumulated."""
+    parallelism) gets a partial gradient: all-reduce each fresh one before it is accumulated.
+    A frozen weight (LoRA's norms) gets none: nothing to do."""
+    if not param.requires_grad:
+        return None
     return param.register_hook(lambda grad: comm.all_reduce(grad.clone()))

@@ -140,13 +140,15 @@ def _mine(weight: nn.Parameter, dim: int, rank: int, world: int) -> nn.Parameter
 # ---- LoRA's adapters on the split linears ---------------------------------------------------
 class _SplitLoRA(LoRALinear):
     """An adapter over a split linear: ``lora``'s rank, alpha, scaling and dropout; the
-    subclass splits its base, A and B."""
+    subclass splits its base, A and B. Under sp (``column_parallel``) a column target's A reads
+    the all-gathered tokens, keeping only this rank's, and a row target's sum is
+    reduce-scattered."""
 
-    def __init__(self, lora: LoRALinear, sp: bool):
+    def __init__(self, lora: LoRALinear):
         nn.Module.__init__(self)
-        if sp:
-            raise ValueError("LoRA under sequence parallelism is not supported: its A would "
-                             "need the all-gathered tokens kept for its gradient; use sp=False")
+        if lora.dropout.p:
+            raise ValueError("LoRA dropout would draw another mask on each rank of a split "
+                             "adapter; use dropout=0 with tp")
         if not isinstance(lora.base, nn.Linear):
             raise ValueError("an NF4 (QLoRA) base cannot be split after quantisation: quantise "
                              "each rank's slice instead; here use weight_format=None with tp")
@@ -160,8 +162,8 @@ class ColumnParallelLoRA(_SplitLoRA):
     gradient on a rank is a partial sum over its outputs, all-reduced (Megatron all-reduces the
     gradient of x A^T instead: the same sum)."""
 
-    def __init__(self, lora: LoRALinear, comm: CommCounter, sp: bool = False):
-        super().__init__(lora, sp)
+    def __init__(self, lora: LoRALinear, comm: CommCounter):
+        super().__init__(lora)
         self.base = ColumnParallelLinear(lora.base, comm.rank, comm.world)
         self.A = nn.Parameter(lora.A.detach().clone())                        # (r, in)
         self.B = _mine(lora.B, 0, comm.rank, comm.world)                      # (out/N, r)
@@ -175,8 +177,8 @@ class RowParallelLoRA(_SplitLoRA):
     all-reduces x A^T in the forward pass instead)."""
 
     def __init__(self, lora: LoRALinear, comm: CommCounter, sp: bool = False):
-        super().__init__(lora, sp)
-        self.base = RowParallelLinear(lora.base, comm)
+        super().__init__(lora)
+        self.base = RowParallelLinear(lora.base, comm, sp)
         self.A = _mine(lora.A, 1, comm.rank, comm.world)                      # (r, in/N)
         self.B = nn.Parameter(lora.B.detach().clone())                        # (out, r)
         self.comm = comm
@@ -186,12 +188,14 @@ class RowParallelLoRA(_SplitLoRA):
         partial = F.linear(x, self.base.weight)                               # (B, T, out)
         update = self.update(x)                                               # (B, T, out)
         partial = partial + (self.scaling * update).to(partial.dtype)         # as LoRALinear's
-        return reduce_from_parallel(partial, self.comm)
+        if self.base.sp:
+            return reduce_scatter_to_sequence(partial, self.comm)             # (B, T/N, out)
+        return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
 
 
-def _column(linear, comm: CommCounter, sp: bool):
+def _column(linear, comm: CommCounter):
     if isinstance(linear, LoRALinear):
-        return ColumnParallelLoRA(linear, comm, sp)
+        return ColumnParallelLoRA(linear, comm)
     return ColumnParallelLinear(linear, comm.rank, comm.world)
 
 
@@ -244,10 +248,12 @@ class GatheredLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):                                                # (B, T, out/N) each
         x, *weights = ctx.saved_tensors
+        trains = ctx.needs_input_grad[2:2 + len(weights)]     # LoRA: A's, not the frozen base's
         with torch.autocast(x.device.type, **ctx.autocast):   # the forward's precision
             full = all_gather_tokens(x, ctx.comm).flatten(0, 1)               # (B*T, in) again
             grad_x = sum(g @ w for g, w in zip(grads, weights))               # (B, T, in)
-            grad_w = [g.flatten(0, 1).T @ full for g in grads]                # (out/N, in) each
+            grad_w = [g.flatten(0, 1).T @ full if needed else None            # (out/N, in) each
+                      for g, needed in zip(grads, trains)]
         grad_b = [g.flatten(0, 1).sum(0) if biased else None
                   for g, biased in zip(grads, ctx.biased)]
         return reduce_scatter_tokens(grad_x, ctx.comm), None, *grad_w, *grad_b
@@ -260,12 +266,23 @@ def _autocast_state(device_type: str) -> dict:
 
 def column_parallel(x, linears, comm: CommCounter, sp: bool = False) -> list:
     """Enter the parallel region once, then every column-parallel projection that reads x:
-    f (identity; all-reduce backward), or under sp the all-gather of the tokens."""
-    if sp:
-        weights_and_biases = [lin.weight for lin in linears] + [lin.bias for lin in linears]
-        return list(GatheredLinears.apply(x, comm, *weights_and_biases))
-    x = copy_to_parallel(x, comm)                                             # (B, T, in)
-    return [linear(x) for linear in linears]
+    f (identity; all-reduce backward), or under sp the all-gather of the tokens. Under sp a
+    LoRA adapter's A reads the gathered tokens beside the weights (``GatheredLinears``: only
+    this rank's kept), then its B makes the update from x A^T."""
+    if not sp:
+        x = copy_to_parallel(x, comm)                                         # (B, T, in)
+        return [linear(x) for linear in linears]
+    bases = [getattr(lin, "base", lin) for lin in linears]
+    adapters = [lin for lin in linears if isinstance(lin, ColumnParallelLoRA)]
+    weights = [b.weight for b in bases] + [a.A for a in adapters]
+    biases = [b.bias for b in bases] + [None] * len(adapters)
+    outs = list(GatheredLinears.apply(x, comm, *weights, *biases))          # (B, T, out/N) each
+    x_a = dict(zip(map(id, adapters), outs[len(bases):]))                   # (B, T, r) each
+    for i, lin in enumerate(linears):
+        if id(lin) in x_a:              # as LoRALinear's forward: the update, then the sum
+            update = x_a[id(lin)] @ lin.B.T                                   # (B, T, out/N)
+            outs[i] = outs[i] + (lin.scaling * update).to(outs[i].dtype)
+    return outs[:len(bases)]
 
 
 # ---- the sub-layers ---------------------------------------------------------------------------
@@ -279,7 +296,7 @@ class ParallelAttention(nn.Module):
         world = comm.world
         self.heads, self.kv_heads = attn.heads // world, attn.kv_heads // world
         self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
-        self.wq, self.wk, self.wv = (_column(w, comm, sp) for w in (attn.wq, attn.wk, attn.wv))
+        self.wq, self.wk, self.wv = (_column(w, comm) for w in (attn.wq, attn.wk, attn.wv))
         self.wo = _row(attn.wo, comm, sp)
 
     def forward(self, x, rope, mask=None):                      # x (B, T, h), (B, T/N, h) if sp
@@ -298,7 +315,7 @@ class ParallelSwiGLU(nn.Module):
 
     def __init__(self, mlp: SwiGLU, comm: CommCounter, sp: bool = False):
         super().__init__()
-        self.w_gate, self.w_up = (_column(w, comm, sp) for w in (mlp.w_gate, mlp.w_up))
+        self.w_gate, self.w_up = (_column(w, comm) for w in (mlp.w_gate, mlp.w_up))
         self.w_down = _row(mlp.w_down, comm, sp)
         self.comm, self.sp = comm, sp
 

@@ -18,18 +18,6 @@ from .terms import Estimate, Tensor, _by_category, _total
 HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "backward: final norm")
 
 
-def _check_lora_layout(recipe: Recipe, layout: Layout) -> None:
-    """LoRA and QLoRA compose with every layout but sequence parallelism: replicas (DDP over
-    the adapters), ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base sharded too,
-    QLoRA's NF4 codes and scales as bytes: FSDP-QLoRA), any of them offloaded; tp as Megatron's
-    parallel LoRA splits the adapters (``parallel.tensor``); pp, ep (the routed experts are
-    frozen) and cp."""
-    if layout.sp:
-        raise ValueError("trainable='lora' with sp=True is not estimated yet: Megatron's LoRA "
-                         "all-gathers the tokens for a column-parallel target's A and keeps "
-                         "them, not measured here; use sp=False")
-
-
 def _split_units(n: int, experts: int, dp: int, ep: int) -> list[tuple[int, int]]:
     """A block's ZeRO units, (elements, ranks): its experts' shard over their dp / ep copies,
     the rest over every dp rank."""
@@ -77,10 +65,11 @@ class _Step(States, Moments):
                                       + [w for m in self.moe for w in block_weights(c, m)]
                                       + (head_weights(c) if self.last else []))
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
-        # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``)
+        # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``),
+        # with every layout: ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base
+        # sharded too, QLoRA's NF4 as bytes: FSDP-QLoRA), tp and sp as Megatron's parallel LoRA
+        # splits the adapters (``parallel.tensor``), pp, ep (the experts frozen), cp, offload
         self.lora = recipe.trainable == "lora"
-        if self.lora:
-            _check_lora_layout(recipe, layout)
         self.lora_rank = recipe.lora_rank if self.lora else 0
         self.targets = [w for m in self.moe for w in lora_targets(c, m)] if self.lora else []
         self.trained = ([w for m in self.moe for w in lora_weights(c, m, self.lora_rank)]
