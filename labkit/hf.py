@@ -191,7 +191,8 @@ def _deepseek_fields(c: dict, model_type: str) -> dict:
             moe_ffn=c["moe_intermediate_size"],
             dense_layers=first_dense,     # MoE blocks from layer first_k_dense_replace on
             # V3's "noaux_tc" routing adds a per-expert bias to the scores that choose the
-            # experts (transformers: e_score_correction_bias, a buffer; labkit: a parameter)
+            # experts (transformers: e_score_correction_bias, a buffer; labkit: a frozen
+            # parameter, counted by count_params)
             router_bias=model_type == "deepseek_v3",
         )
     return fields

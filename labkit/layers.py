@@ -321,7 +321,7 @@ def _matmul_outputs(c: ModelConfig, d: Dtypes, moe: bool, tp: int, lora_rank: in
     H = c.heads // tp
     matmuls = sum(w.out_width(tp) for w in attention_weights(c) + mlp_weights(c, moe) if w.matmul)
     attention_out = H * c.qk_head_dim
-    adapters = sum(lora_rank + w.fan_out for w in lora_targets(c, moe)) if lora_rank else 0
+    adapters = sum(lora_rank + w.out_width(tp) for w in lora_targets(c, moe)) if lora_rank else 0
     return Saved([Term("matmul and attention outputs", d.name,
                        (matmuls + attention_out) * d.compute),
                   Term("attention log-sum-exp", "fp32", 4 * H),
@@ -340,18 +340,22 @@ READ_THE_BLOCK_INPUT = ("attn.wq", "attn.wk", "attn.wv", "attn.wq_a", "attn.wkv_
 
 
 def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
-                       weight_format: str | None = None, tp: int = 1, ep: int = 1) -> int:
+                       weight_format: str | None = None, tp: int = 1, ep: int = 1,
+                       sp: bool = False) -> int:
     """Bytes of the bf16 weight copies a LoRA block keeps under autocast. None is cached
     (autocast caches only leaf weights that train; the adapters reach their matmuls as views,
     A^T), but a matmul whose input needs a gradient keeps its weight's copy for it: every frozen
     matmul weight but an NF4 one (``quant.QuantLinear`` dequantises it again in backward), and
     each adapter's A and B. In the model's first block the linears reading the first norm keep
-    neither their weight's copy nor A's. One tp (and ep) rank's share."""
-    skip = READ_THE_BLOCK_INPUT if first else ()
+    neither their weight's copy nor A's. One tp (and ep) rank's share. Under sp a column
+    target's frozen weight is cast again in its backward (``parallel.tensor.GatheredLinears``)
+    and its A, a leaf there, is cached by autocast in every block."""
     targets = lora_targets(c, moe)
+    gathered = {w.name for w in targets if w.split == "column"} if sp and tp > 1 else set()
+    skip = set(READ_THE_BLOCK_INPUT) if first and not gathered else set()
     frozen = sum(w.local(tp, ep) for w in block_weights(c, moe) if w.matmul and w not in targets)
     if weight_format is None:
-        frozen += sum(w.local(tp) for w in targets if w.name not in skip)
+        frozen += sum(w.local(tp) for w in targets if w.name not in skip | gathered)
     adapters = sum(w.local(tp) for w in lora_weights(c, moe, r)
                    if w.name.removesuffix(".lora_A") not in skip)
     return 2 * (frozen + adapters)
@@ -382,7 +386,7 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     if recompute == "selective":
         return Saved(block_input + _matmul_outputs(c, d, moe, tp, lora_rank))
     copies = 0 if not d.mixed else (
-        lora_weight_copies(c, moe, lora_rank, first, weight_format, tp, ep) if lora_rank else
+        lora_weight_copies(c, moe, lora_rank, first, weight_format, tp, ep, sp) if lora_rank else
         weight_copies(c, moe, tp, ep))
     # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
     # (its input, the frozen embedding's output, needs no gradient)
@@ -451,7 +455,8 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | No
                   _rmsnorm(c.hidden, d.stream, frozen) / split),
              Term("input of the LM head", d.name,
                   0 if frozen else d.linear_inputs(1, c.hidden) / split), loss]
-    if d.mixed:
+    # a frozen head under sp is cast again in its backward (``parallel.tensor.GatheredLinears``)
+    if d.mixed and not (frozen and sp and tp > 1):
         terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",
                           per_layer=2 * c.vocab_size * c.hidden // tp, category="weight_cache"))
     return Saved(terms)

@@ -217,7 +217,9 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step is not timed",
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
-        "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1, ep in powers of 2 "
+        "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1 (as labkit's "
+        "executor runs it: a deferred W keeps its micro-batch's whole graph; one that keeps "
+        "only each linear's input and output gradient needs less), ep in powers of 2 "
         "(each expert shard's states over its dp / ep copies), ZeRO 0-3 and ZeRO-Offload "
         f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "

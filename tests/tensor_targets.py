@@ -264,6 +264,7 @@ def lora(ctx) -> dict:
         model = lora_model(torch.float64)
         parallelize(model, ctx, sp)
         out["model", sp] = run_model(model)
-        out["small", sp] = tensor_parallel_step(ctx, "small", 1, SMALL_SEQ, sp, "fp32", STEPS,
-                                                lora_rank=LORA_RANK)
+        for precision in ("fp32", "bf16-mixed"):
+            out["small", sp, precision] = tensor_parallel_step(
+                ctx, "small", 1, SMALL_SEQ, sp, precision, STEPS, lora_rank=LORA_RANK)
     return out

@@ -345,19 +345,22 @@ def test_lora_split_with_the_model_gives_one_processs_loss_and_adapter_gradients
                                        msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("sp, tolerance", [(False, 0.001), (True, 0.02)], ids=["tp", "tp+sp"])
-def test_lora_ranks_peak_is_the_estimates(lora_ranks, sp, tolerance):
-    """``small`` under rank-8 LoRA at tp 2 (fp32): weights and AdamW state exactly, the peak in
-    the frozen LM head's backward; measured +0.02% without sp, +1.07% with it (a block keeps
-    about 4 r values per token more than the estimate counts, not found yet)."""
-    est = lk.estimate("small", 1, SMALL_SEQ, precision="fp32", device="cpu", trainable="lora",
-                      lora_rank=LORA_RANK, layout=lk.Layout(tp=2, sp=sp))
-    assert est.details["peak moment"] == "backward: LM head"
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_lora_ranks_peak_is_the_estimates(lora_ranks, sp, precision):
+    """``small`` under rank-8 LoRA at tp 2: weights and AdamW state exactly, the peak (fp32: in
+    the frozen LM head's backward; under autocast: at the loss) within 0.1% - measured +0.02% to
+    +0.05%. Under sp the frozen head keeps no input, and its weight and a column target's are
+    cast again in backward rather than kept in bf16; a column target's A, a leaf there, is
+    cached by autocast."""
+    est = lk.estimate("small", 1, SMALL_SEQ, precision=precision, device="cpu",
+                      trainable="lora", lora_rank=LORA_RANK, layout=lk.Layout(tp=2, sp=sp))
     for result in lora_ranks:
-        step = result["small", sp]
+        step = result["small", sp, precision]
         assert step.peak_by_category["params"] == est.params
         assert step.peak_by_category["optimizer"] == est.optimizer
-        assert step.peak == pytest.approx(est.total, rel=tolerance)
+        assert step.peak_by_category["weight_cache"] == est.weight_cache
+        assert step.peak == pytest.approx(est.total, rel=0.001)
 
 
 def test_split_lora_on_an_nf4_base_or_with_dropout_is_refused_with_the_fix():

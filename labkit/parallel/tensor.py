@@ -155,6 +155,10 @@ class _SplitLoRA(LoRALinear):
         self.r, self.alpha, self.scaling, self.dropout = (lora.r, lora.alpha, lora.scaling,
                                                           lora.dropout)
 
+    def merge(self):
+        raise ValueError("merge() folds B A into a whole weight: merge the LoRALinear before "
+                         "parallelize, or gather this rank's slices first")
+
 
 class ColumnParallelLoRA(_SplitLoRA):
     """A column-parallel target and its adapter, split as Megatron's and PEFT's parallel LoRA
@@ -241,22 +245,25 @@ class GatheredLinears(torch.autograd.Function):
         if ctx.autocast["enabled"]:
             x = x.to(ctx.autocast["dtype"])
         full = all_gather_tokens(x, comm)                                     # (B, T, in)
-        ctx.save_for_backward(x, *weights)
-        ctx.comm, ctx.biased = comm, [b is not None for b in biases]
+        # X only for the weights' gradients: none kept when every weight is frozen (LoRA's head)
+        ctx.keep = any(ctx.needs_input_grad[2:2 + n])
+        ctx.save_for_backward(x if ctx.keep else None, *weights)
+        ctx.comm, ctx.n, ctx.device = comm, n, x.device.type
         return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))   # (B, T, out/N) each
 
     @staticmethod
     def backward(ctx, *grads):                                                # (B, T, out/N) each
         x, *weights = ctx.saved_tensors
-        trains = ctx.needs_input_grad[2:2 + len(weights)]     # LoRA: A's, not the frozen base's
-        with torch.autocast(x.device.type, **ctx.autocast):   # the forward's precision
-            full = all_gather_tokens(x, ctx.comm).flatten(0, 1)               # (B*T, in) again
-            grad_x = sum(g @ w for g, w in zip(grads, weights))               # (B, T, in)
-            grad_w = [g.flatten(0, 1).T @ full if needed else None            # (out/N, in) each
-                      for g, needed in zip(grads, trains)]
-        grad_b = [g.flatten(0, 1).sum(0) if biased else None
-                  for g, biased in zip(grads, ctx.biased)]
-        return reduce_scatter_tokens(grad_x, ctx.comm), None, *grad_w, *grad_b
+        needs = ctx.needs_input_grad             # LoRA: A's gradient, not the frozen base's
+        with torch.autocast(ctx.device, **ctx.autocast):   # the forward's precision
+            full = all_gather_tokens(x, ctx.comm).flatten(0, 1) if ctx.keep else None  # again
+            grad_x = sum(g @ w for g, w in zip(grads, weights)) if needs[0] else None  # (B, T, in)
+            grad_w = [g.flatten(0, 1).T @ full if needs[2 + i] else None      # (out/N, in) each
+                      for i, g in enumerate(grads)]
+        grad_b = [g.flatten(0, 1).sum(0) if needs[2 + ctx.n + i] else None
+                  for i, g in enumerate(grads)]
+        grad_x = None if grad_x is None else reduce_scatter_tokens(grad_x, ctx.comm)
+        return grad_x, None, *grad_w, *grad_b
 
 
 def _autocast_state(device_type: str) -> dict:

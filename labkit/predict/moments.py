@@ -59,11 +59,14 @@ class Moments:
         head = [sixteen,
                 Tensor("LM head gradient being formed", "other", self.cdt,   # LoRA: frozen
                        0 if self.lora else c.vocab_size // tp * c.hidden * cb),
-                Tensor("gradient of the LM head's input", "other", self.cdt, wide),
-                Tensor("LM head's input, all-gathered again (sp)", "other", self.cdt,
-                       wide if sp else 0),
-                Tensor("this rank's tokens of its gradient (sp)", "other", self.cdt,
-                       wide // tp if sp else 0)]
+                Tensor("gradient of the LM head's input", "other", self.cdt, wide)]
+        if sp and self.lora:   # frozen: no input kept or gathered; its gradient summed, a copy
+            head.append(Tensor("the gradient's sum over the head's matmuls (sp)", "other",
+                               self.cdt, wide))
+        elif sp:
+            head += [Tensor("LM head's input, all-gathered again (sp)", "other", self.cdt, wide),
+                     Tensor("this rank's tokens of its gradient (sp)", "other", self.cdt,
+                            wide // tp)]
         return {"forward: loss": ("forward", alive + [sixteen, cache]),
                 "backward: loss": ("backward", alive + [sixteen]),
                 "backward: LM head": ("backward", softmax_freed + head)}

@@ -260,7 +260,7 @@ class States:
         if self.lora:                      # the adapters train; the experts are frozen
             routed = 0
         if not self.zero:
-            replicated = self.n_train if self.lora else self.n_local - routed
+            replicated = self.n_train - routed       # the frozen router bias is not sent
             return out | compose.gradient_bytes_sent(replicated * grads, routed * grads, L.ep,
                                                      L.dp // L.ep)
         scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)

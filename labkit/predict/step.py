@@ -214,6 +214,8 @@ class _Step(States, Moments):
                    **self._optimizer_moment(always),
                    **self._lora_recompute_moment(always, saved, full, unit_start),
                    **self._dequantise_moment(always, saved, full, unit_start)}
+        if self.zero == 3:
+            moments.update(self._gather_moments(always, saved, kept + head))
         if self.zero and self.L.schedule == "zb-h1" and self.L.micro_batch_count > 1:
             # ZeRO's moments stand for a later micro-batch: stage s's s late W's are pending
             pending = self._kept_for_w(min(self.stage, self.L.micro_batch_count))
@@ -222,7 +224,6 @@ class _Step(States, Moments):
                     tensors.append(pending)
         moments.update(self._later_micro_batch_moments(always, saved, label))
         if self.zero == 3:
-            moments.update(self._gather_moments(always, saved, kept + head))
             for name, (phase, tensors) in moments.items():   # the root stays gathered throughout
                 if phase != "optimizer":
                     tensors.append(self._gathered("the embedding, final norm and LM head",
