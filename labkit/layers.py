@@ -91,7 +91,8 @@ def mlp_weights(c: ModelConfig, moe: bool) -> list[Weight]:
         return _swiglu("mlp", c.hidden, c.ffn)
     ws = [Weight("mlp.router", c.hidden, c.routed_experts, "replicated")]
     if c.router_bias:      # moved by the balancing rule, not trained (``model.MoE``)
-        ws.append(replace(_vector("mlp.router_bias", c.routed_experts), trains=False))
+        ws.append(Weight("mlp.router_bias", 1, c.routed_experts, "replicated", matmul=False,
+                         trains=False))
     ws += _swiglu("mlp.experts", c.hidden, c.moe_ffn, copies=c.routed_experts, used=c.top_k)
     if c.shared_experts:
         ws += _swiglu("mlp.shared", c.hidden, c.shared_experts * c.moe_ffn)

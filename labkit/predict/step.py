@@ -60,9 +60,11 @@ class _Step(States, Moments):
         c, recipe, layout = self.c, self.recipe, self.L
         tp, ep = layout.tp, layout.ep
         self.moe = [i >= c.dense_layers for i in self.layers]
-        self.block_params = [sum(w.local(tp, ep) for w in block_weights(c, m)) for m in self.moe]
+        kinds = {m: block_weights(c, m) for m in set(self.moe)}      # a dense and an MoE block
+        self.blocks = [kinds[m] for m in self.moe]
+        self.block_params = [sum(w.local(tp, ep) for w in ws) for ws in self.blocks]
         self.weights: list[Weight] = ((embedding_weights(c) if self.first else [])   # model order
-                                      + [w for m in self.moe for w in block_weights(c, m)]
+                                      + [w for ws in self.blocks for w in ws]
                                       + (head_weights(c) if self.last else []))
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
         # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``),
@@ -77,8 +79,7 @@ class _Step(States, Moments):
         self.n_train = sum(w.local(tp, ep) for w in self.trained)
         self.block_trained = ([sum(w.local(tp) for w in lora_weights(c, m, self.lora_rank))
                                for m in self.moe] if self.lora else
-                              [sum(w.local(tp, ep) for w in block_weights(c, m) if w.trains)
-                               for m in self.moe])
+                              [sum(w.local(tp, ep) for w in ws if w.trains) for ws in self.blocks])
 
     def _zero_units(self):
         """ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of
@@ -95,8 +96,8 @@ class _Step(States, Moments):
         # with ep, the experts' parameters form units of their own, sharded over their dp / ep
         # copies (``parallel.zero_step``'s experts; Megatron's distributed optimizer, FSDP
         # over experts): stage 1 one, from stage 2 one per MoE block. Units: (elements, ranks)
-        experts = [sum(w.local(tp, ep) for w in block_weights(c, m) if w.copies > 1)
-                   if ep > 1 else 0 for m in self.moe]
+        experts = [sum(w.local(tp, ep) for w in ws if w.copies > 1) if ep > 1 else 0
+                   for ws in self.blocks]
         routed = [0] * len(experts) if self.lora else experts        # LoRA: experts frozen
         self.block_units = [_split_units(n, e, layout.dp, ep)
                             for n, e in zip(self.block_trained, routed)]
