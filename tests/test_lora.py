@@ -237,12 +237,12 @@ def test_lora_under_fsdp2_matches_the_estimate(dp, batch, seq, recompute, moment
     assert est.total < replica.total            # the frozen base is sharded
 
 
-@pytest.mark.parametrize("dp, batch, seq, recompute", [
-    (2, 1, 256, "full"), (8, 4, 512, "full"), (4, 2, 256, "none"), (4, 1, 256, "selective")])
+@pytest.mark.parametrize("dp, batch, seq, recompute", [(8, 4, 512, "full"), (4, 2, 256, "none")])
 def test_qlora_under_fsdp2_matches_the_estimate(dp, batch, seq, recompute):
     """FSDP-QLoRA: FSDP2 shards the NF4 codes and scales (frozen parameters of three dtypes,
-    gathered as bytes) with the rest of each block. Measured: +0.00%, +0.01%, -0.44%, -0.73%;
-    the shards to within FSDP2's padding of each parameter."""
+    gathered as bytes) with the rest of each block. Measured: +0.01% and -0.44% (and at dp 2,
+    full recompute +0.00%, at dp 4 selective -0.73%, left out for CI time); the shards to
+    within FSDP2's padding of each parameter."""
     measured, est = _fsdp2_and_estimate(WIDE, dp, batch, seq, recompute, "nf4")
     assert est.total == pytest.approx(measured["peak"], rel=0.01), est.details["peak moment"]
     # FSDP2 pads each parameter's first dimension to a multiple of dp, the estimate each block
