@@ -27,13 +27,15 @@ def is_target(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and name.split(".")[-1] != "router"
 
 
-def apply_lora(model: nn.Module, r: int = 16, alpha: float = 32, targets: str = "all-linear",
-               weight_format: str | None = None, dtype: torch.dtype | None = None) -> int:
+def apply_lora(model: nn.Module, r: int = 16, alpha: float | None = None,
+               targets: str = "all-linear", weight_format: str | None = None,
+               dtype: torch.dtype | None = None) -> int:
     """Freeze ``model`` (labkit's ``Transformer``) and wrap each targeted linear of its blocks
-    in a ``LoRALinear`` - over a ``QuantLinear`` base when ``weight_format="nf4"``
-    (QLoRA). Adapters A, B take ``dtype`` (default: the embedding's, the precision's weight
-    dtype). Returns the number of trainable parameters."""
+    in a ``LoRALinear`` (alpha: 2 r unless given) - over a ``QuantLinear`` base when
+    ``weight_format="nf4"`` (QLoRA). Adapters A, B take ``dtype`` (default: the embedding's,
+    the precision's weight dtype). Returns the number of trainable parameters."""
     check_positive("r", r)
+    alpha = 2 * r if alpha is None else alpha
     check_choice("lora targets", targets, TARGETS)
     check_choice("weight_format", weight_format, WEIGHT_FORMATS)
     if not hasattr(model, "blocks"):
@@ -75,7 +77,7 @@ def finetune(model: nn.Module, steps: int = 40, trainable: str = "lora", r: int 
     check_positive("steps", steps)
     model = copy.deepcopy(model).train()
     if trainable == "lora":
-        apply_lora(model, r, 2 * r, weight_format=weight_format)
+        apply_lora(model, r, weight_format=weight_format)
     elif weight_format is not None or modules_to_save:
         raise ValueError("weight_format and modules_to_save go with adapters: pass "
                          "trainable='lora' with them")

@@ -157,7 +157,7 @@ def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None
         if not isinstance(model, Transformer):
             raise ValueError(f"trainable='lora' adapts labkit's model only; give another module "
                              f"its adapters (PEFT) and pass trainable='all'")
-        apply_lora(model, lora_rank, 2 * lora_rank, weight_format=weight_format)
+        apply_lora(model, lora_rank, weight_format=weight_format)
     return model.train()
 
 

@@ -376,9 +376,11 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)                                                  # (..., out)
-        update = self.update(x)                                             # (..., out)
-        return out + (self.scaling * update).to(out.dtype)      # the base's dtype, as PEFT's
+        return self.added(self.base(x), self.update(x))                     # (..., out)
+
+    def added(self, out: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The base's output plus (alpha / r) times the update, in the base's dtype (PEFT's)."""
+        return out + (self.scaling * update).to(out.dtype)
 
     def update(self, x: torch.Tensor) -> torch.Tensor:
         """dropout(x) A^T B^T, not yet scaled by alpha / r: (..., in) -> (..., out)."""

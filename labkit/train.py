@@ -44,7 +44,7 @@ def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: in
     Recipe(precision, trainable=trainable, lora_rank=lora_rank, weight_format=weight_format)
     model = build_model(cfg, param_dtype(precision))
     if trainable == "lora":
-        apply_lora(model, lora_rank, 2 * lora_rank, weight_format=weight_format)
+        apply_lora(model, lora_rank, weight_format=weight_format)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, "adamw", lr=lr,
                          master_weights=precision == "bf16-master")

@@ -246,7 +246,7 @@ def dtensor_blocks(ctx, dtype) -> dict:
 def lora_model(dtype, r: int = 4):
     """``fresh_model`` under rank-r LoRA, its B's random (from zero, A's gradient would be 0)."""
     model = fresh_model(dtype)
-    apply_lora(model, r, 2 * r)
+    apply_lora(model, r)
     torch.manual_seed(1)
     with torch.no_grad():
         for module in model.modules():

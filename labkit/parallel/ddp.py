@@ -161,7 +161,7 @@ def _model_and_optimizer(model_name, precision, seed, device, trainable="all", l
     torch.manual_seed(seed)
     model = build_model(preset(model_name), param_dtype(precision), device)
     if trainable == "lora":
-        apply_lora(model, lora_rank, 2 * lora_rank)
+        apply_lora(model, lora_rank)
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
                                impl="for-loop", master_weights=precision == "bf16-master")
     return model, optimizer

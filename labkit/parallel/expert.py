@@ -305,7 +305,7 @@ def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: 
                          "state, the second is the first steady one")
     model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
     if lora_rank:
-        apply_lora(model, lora_rank, 2 * lora_rank)
+        apply_lora(model, lora_rank)
     states, optimizer = ep_optimizer(model, groups, precision, zero_stage)
 
     def forward(tokens, targets):                              # (batch, seq) each

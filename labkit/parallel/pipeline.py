@@ -78,7 +78,7 @@ def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0
     torch.manual_seed(seed)
     model = build_model(cfg)
     if lora_rank:
-        apply_lora(model, lora_rank, 2 * lora_rank)
+        apply_lora(model, lora_rank)
     names = {param: name for name, param in model.named_parameters()}
     chunks = [PipelineChunk(model, layers, first=stage == 0 and c == 0,
                             last=stage == p - 1 and c == v - 1)
@@ -109,8 +109,8 @@ class StageRun:
 
 def _note_module_outputs(chunk: PipelineChunk, noted: list) -> list:
     """Forward hooks noting (module, gradient edge of its output) for each module that owns
-    parameters that train: where a split backward's W starts. An edge, not the tensor: noting it keeps
-    no memory alive that autograd would have freed."""
+    parameters that train: where a split backward's W starts. An edge, not the tensor: noting
+    it keeps no memory alive that autograd would have freed."""
     def note(module, args, out):
         noted.append((module, get_gradient_edge(out)))
     return [m.register_forward_hook(note) for m in chunk.modules()

@@ -189,9 +189,7 @@ class RowParallelLoRA(_SplitLoRA):
         sum_grad_over_ranks(self.B, comm)
 
     def forward(self, x):                                                     # (B, T, in/N)
-        partial = F.linear(x, self.base.weight)                               # (B, T, out)
-        update = self.update(x)                                               # (B, T, out)
-        partial = partial + (self.scaling * update).to(partial.dtype)         # as LoRALinear's
+        partial = self.added(F.linear(x, self.base.weight), self.update(x))   # (B, T, out)
         if self.base.sp:
             return reduce_scatter_to_sequence(partial, self.comm)             # (B, T/N, out)
         return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
@@ -287,8 +285,7 @@ def column_parallel(x, linears, comm: CommCounter, sp: bool = False) -> list:
     x_a = dict(zip(map(id, adapters), outs[len(bases):]))                   # (B, T, r) each
     for i, lin in enumerate(linears):
         if id(lin) in x_a:              # as LoRALinear's forward: the update, then the sum
-            update = x_a[id(lin)] @ lin.B.T                                   # (B, T, out/N)
-            outs[i] = outs[i] + (lin.scaling * update).to(outs[i].dtype)
+            outs[i] = lin.added(outs[i], x_a[id(lin)] @ lin.B.T)             # (B, T, out/N)
     return outs[:len(bases)]
 
 
@@ -477,7 +474,7 @@ def tensor_parallel_step(ctx, cfg: ModelConfig | str = "small", batch: int = 1, 
     cfg = preset(cfg) if isinstance(cfg, str) else cfg
     model = build_model(cfg, dtype=param_dtype(precision), device=ctx.device)
     if lora_rank:
-        apply_lora(model, lora_rank, 2 * lora_rank)
+        apply_lora(model, lora_rank)
     comm = parallelize(model, ctx, sp)
     optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
                                impl="for-loop", master_weights=precision == "bf16-master")

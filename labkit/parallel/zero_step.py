@@ -411,7 +411,7 @@ def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: i
     torch.manual_seed(0)                                 # every rank starts from one model
     model = build_model(preset(model_name), dtype=PRECISIONS[precision]).to(ctx.device)
     if lora_rank:
-        apply_lora(model, lora_rank, 2 * lora_rank)
+        apply_lora(model, lora_rank)
     opt = ZeroOptimizer(model, ctx.group, stage, precision, lr=lr, offload=offload)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
 
