@@ -374,3 +374,11 @@ def test_split_lora_on_an_nf4_base_or_with_dropout_is_refused_with_the_fix():
                 module.dropout.p = dropout
         with pytest.raises(ValueError, match=match):
             parallelize(model, one)
+
+
+def test_a_split_adapter_refuses_to_merge_into_a_slice():
+    model = fresh_model(torch.float32)
+    apply_lora(model, 4)
+    parallelize(model, RankContext(0, 1, None, torch.device("cpu")))
+    with pytest.raises(ValueError, match="merge the LoRALinear before parallelize"):
+        model.blocks[0].attn.wq.merge()
