@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tracker import median_seconds  # noqa: E402  (benchmarks/tracker.py's median timer)
 
 import labkit as lk  # noqa: E402
-from labkit.allocator import AllocatorSettings, min_capacity, replay  # noqa: E402
-from labkit.memory_snapshot import snapshot  # noqa: E402
+from labkit.host.allocator import AllocatorSettings, min_capacity, replay  # noqa: E402
+from labkit.host.memory_snapshot import snapshot  # noqa: E402
 
 
 def main() -> None:

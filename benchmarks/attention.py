@@ -8,8 +8,8 @@ B = 1, causal, fp32, on this CPU. Peak: the tracker's bytes beyond q, k, v and t
 gradient (exact, the same on every run). Time: the median of up to ``--repeats`` runs after a
 warm-up (fewer once a size has taken 20 s). Naive runs while its peak - three (H, N, N) fp32
 matrices in the softmax's backward - fits in ``--naive-budget-gib``. Then the FlashAttention
-paper's HBM accesses (Theorem 2, ``labkit.attention.hbm_accesses``) for one head at each N, for
-the on-chip memory of an A100, H100 SXM and H200 (bf16 numbers).
+paper's HBM accesses (Theorem 2, ``labkit.transformer.attention.hbm_accesses``) for one head at each
+N, for the on-chip memory of an A100, H100 SXM and H200 (bf16 numbers).
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labkit.attention import SRAM_PER_SM, core, core_inputs, core_peak_bytes, hbm_accesses
-from labkit.units import fmt_bytes
+from labkit.core.units import fmt_bytes
+from labkit.transformer.attention import (SRAM_PER_SM, core, core_inputs, core_peak_bytes,
+                                          hbm_accesses)
 
 GiB = 1024 ** 3
 

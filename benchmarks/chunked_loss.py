@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labkit.loss import chunked_cross_entropy, measure_loss
-from labkit.units import fmt_bytes
+from labkit.core.units import fmt_bytes
+from labkit.transformer.loss import chunked_cross_entropy, measure_loss
 
 
 def median_seconds(tokens, hidden, vocab, chunk, autocast, repeats) -> float:

@@ -3,7 +3,7 @@
 
     python benchmarks/ddp_buckets.py [--model small] [--repeats 3]
 
-Bytes come from ``labkit.parallel.ddp.ddp_step`` (the tracker, exact on CPU); seconds are the
+Bytes come from ``labkit.parallel.data.ddp.ddp_step`` (the tracker, exact on CPU); seconds are the
 median of ``--repeats`` whole runs (start 2 ranks, build, 3 tracked steps), so they show the
 cost of a setting only where it exceeds the start-up and the tracker's overhead.
 """
@@ -13,9 +13,9 @@ import argparse
 import statistics
 import time
 
+from labkit.core.units import fmt_bytes
 from labkit.parallel.cluster import run
-from labkit.parallel.ddp import ddp_step, ddp_steps
-from labkit.units import fmt_bytes
+from labkit.parallel.data.ddp import ddp_step, ddp_steps
 
 N = 2
 CAPS = (1, 25, 100, None)            # None: torch's default, 25 MiB with a 1 MiB first bucket

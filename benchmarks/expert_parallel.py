@@ -1,13 +1,13 @@
 """Expert parallelism on local gloo processes: step time and each rank's peak for tiny-moe at
 ep 1, 2 and 4, with the unbiased router (about balanced) and one that sends every token to
 rank 0's experts (``hot=1.0``); with ``--deepseek-v3``, DeepSeek-V3's per-rank memory at
-ep 8 to 64 (labkit.layers and the estimate) and one rank at ep 64 on fake tensors.
+ep 8 to 64 (labkit.predict.layers and the estimate) and one rank at ep 64 on fake tensors.
 
     python benchmarks/expert_parallel.py [--model tiny-moe] [--seq 256] [--steps 6]
     python benchmarks/expert_parallel.py --deepseek-v3 [--seq 4096]
 
-Bytes come from ``labkit.parallel.expert.ep_step`` (the tracker, exact on CPU, last of 2
-steps). Seconds: ``time_ep_steps`` (no tracker; the ranks start each step together), the
+Bytes come from ``labkit.parallel.expert.expert_parallel.ep_step`` (the tracker, exact on CPU, last
+of 2 steps). Seconds: ``time_ep_steps`` (no tracker; the ranks start each step together), the
 median over ranks' steps after the first, of the slowest rank. Every rank trains ``--seq``
 tokens, so ep ranks train ep times the tokens of one; on a 2-core machine 4 ranks share 2
 cores, and their seconds show the oversubscription as much as the messages.
@@ -17,17 +17,17 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from labkit.core.units import fmt_bytes
 from labkit.parallel.cluster import run
-from labkit.parallel.expert import ep_memory, ep_steps, fake_ep_peak, time_ep_steps
-from labkit.units import fmt_bytes
+from labkit.parallel.expert.expert_parallel import ep_memory, ep_steps, fake_ep_peak, time_ep_steps
 
 EPS = (1, 2, 4)
 ROUTERS = {"balanced": 0.0, "skewed": 1.0}      # router bias on rank 0's experts
 
 
 def deepseek_v3(seq: int):
-    """Per rank, bf16-master, AdamW (CUDA's foreach), batch 1: states from labkit.layers, the
-    estimate's peak, and one rank at ep 64 measured on fake tensors (balanced routing)."""
+    """Per rank, bf16-master, AdamW (CUDA's foreach), batch 1: states from labkit.predict.layers,
+    the estimate's peak, and one rank at ep 64 measured on fake tensors (balanced routing)."""
     print(f"deepseek-v3, bf16-master, AdamW, batch 1 x seq {seq}, only the experts split")
     print(f"{'ep':>3} {'experts':>7} {'routed params':>14} {'replicated':>14} "
           f"{'routed states':>13} {'estimate peak':>13} {'at':>9}")

@@ -1,5 +1,5 @@
 """Time and peak GPU memory of one attention core's forward + backward: labkit's Triton kernels
-(FlashAttention-2, ``labkit.flash_triton``), F.scaled_dot_product_attention and labkit's
+(FlashAttention-2, ``labkit.transformer.flash_triton``), F.scaled_dot_product_attention and labkit's
 TiledAttention (the same algorithm as PyTorch loops).
 
     python benchmarks/flash_triton.py [--seqs 1024 2048 4096 8192] [--batch 1] [--heads 16]
@@ -25,15 +25,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from labkit.attention import tiled_attention
-from labkit.units import fmt_bytes
+from labkit.core.units import fmt_bytes
+from labkit.transformer.attention import tiled_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cores(args) -> dict:
     """impl name -> q, k, v (B, H, T, d) -> (B, H, T, d), causal or not as asked."""
-    from labkit.flash_triton import flash_attention
+    from labkit.transformer.flash_triton import flash_attention
 
     causal = not args.full
     return {
@@ -103,7 +103,7 @@ def main():
               "none. On a CPU, Triton's interpreter checks the kernels instead: "
               "pytest tests/test_flash_triton.py")
         return
-    from labkit import flash_triton
+    from labkit.transformer import flash_triton
     if flash_triton.triton is None:
         sys.exit(f"the Triton kernels need triton: {flash_triton.INSTALL}")
     if flash_triton.interpreted():

@@ -4,7 +4,7 @@
         [--worlds 8 16 ... 1024] [--seq 4096] [--placement dim0|even] [--figure out.png]
 
 For each model prints one row per N: the tracker's peak on rank 0 of one bf16-master training
-step (``labkit.parallel.fsdp.fake_fsdp2_peak``), ``labkit.estimate(zero_stage=3, dp=N)``, their
+step (``labkit.parallel.data.fsdp.fake_fsdp2_peak``), ``labkit.estimate(zero_stage=3, dp=N)``, their
 ratio, the bytes by category where they differ, and the seconds the case took. Target: the
 LLaMA-2-7B sweep well under a minute on 2 cores.
 """
@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from labkit.parallel.fsdp import WORLDS, fake_fsdp2_scaling, scaling_figure
-from labkit.units import CATEGORIES, fmt_bytes
+from labkit.core.units import CATEGORIES, fmt_bytes
+from labkit.course.plot import scaling_figure
+from labkit.parallel.data.fsdp import WORLDS, fake_fsdp2_scaling
 
 
 def table(name: str, rows: list) -> str:

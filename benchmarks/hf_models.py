@@ -214,8 +214,8 @@ def kept(model, layer, tokens, precision, call) -> dict:
 
 
 def layers_report(models, B: int = 1, T: int = 4096):
-    from labkit.layers import layer_saved                  # the estimate's per-layer terms
-    from labkit.train import param_dtype
+    from labkit.predict.layers import layer_saved  # the estimate's per-layer terms
+    from labkit.training.train import param_dtype
     N = B * T
     for name in models:
         config = MODELS[name]()

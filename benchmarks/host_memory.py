@@ -6,7 +6,7 @@ memory does for host-to-device copies.
 
 /dev/shm: the median over ``--runs`` of the peak bytes above the baseline, per
 workers x prefetch_factor and sharing strategy, beside the loader's steady holding
-(in flight + 1 batch) and ``labkit.shm.shm_needed`` (in flight + 2). Each run is a child on a
+(in flight + 1 batch) and ``labkit.host.shm.shm_needed`` (in flight + 2). Each run is a child on a
 private tmpfs when ``unshare`` allows it (else, or with ``--shared``, on this machine's /dev/shm,
 where other processes add noise). Pinned memory: on CUDA the median host-to-device GB/s from
 pageable memory, from pinned memory and from pinned memory with ``non_blocking=True`` (with the
@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
-from labkit.pinned import h2d_bandwidth, pinned_copy_cost
-from labkit.shm import STRATEGIES, measure_loader_shm, namespaces_available
-from labkit.units import fmt_bytes
+from labkit.core.units import fmt_bytes
+from labkit.host.pinned import h2d_bandwidth, pinned_copy_cost
+from labkit.host.shm import STRATEGIES, measure_loader_shm, namespaces_available
 
 MiB = 2**20
 

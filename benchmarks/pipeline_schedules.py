@@ -12,10 +12,10 @@ import statistics
 import sys
 
 import labkit as lk
-from labkit.config import preset
-from labkit.papers import pipeline_bubble
-from labkit.parallel.pipeline import measure_schedules, predicted_held
-from labkit.parallel.schedules import measured_durations, simulate, zb_h1_bubble
+from labkit.core.config import preset
+from labkit.parallel.pipeline.pipeline_parallel import measure_schedules, predicted_held
+from labkit.parallel.pipeline.schedules import measured_durations, simulate, zb_h1_bubble
+from labkit.predict.papers import pipeline_bubble
 
 CFG = dataclasses.replace(preset("small"), layers=8)    # 8 layers: p = 4 with v = 2 chunks
 BATCH, SEQ, RUNS = 1, 128, 3

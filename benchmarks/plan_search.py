@@ -1,4 +1,4 @@
-"""Median search time of ``labkit.plan`` for the issue's examples (prints; not a timed test).
+"""Median search time of ``labkit.course.plan`` for the issue's examples (prints; not a timed test).
 
     python benchmarks/plan_search.py [--repeat 3]
 """
@@ -6,7 +6,7 @@ import argparse
 import statistics
 import time
 
-from labkit.plan import plan
+from labkit.course.plan import plan
 
 CASES = [("deepseek-v2-lite", "a100-80gb", 8), ("llama-2-7b", "rtx-4090-24gb", 1),
          ("deepseek-v3", "h100-80gb", 2048)]

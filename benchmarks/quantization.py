@@ -15,8 +15,8 @@ import torch
 from tracker import median_seconds          # benchmarks/tracker.py: the median of repeated calls
 
 import labkit as lk
-from labkit import gptq, lora, optim8bit, quant
-from labkit.train import bigram_corpus, compare_with_adamw, make_optimizer, train_step
+from labkit.quantisation import gptq, lora, optim8bit, quant
+from labkit.training.train import bigram_corpus, compare_with_adamw, make_optimizer, train_step
 
 
 def lora_step(weight_format, batch=4, seq=64):

@@ -1,5 +1,5 @@
 """Per-rank peak memory and seconds per training step of `small` split over 1, 2 and 4 local
-gloo ranks by tensor parallelism (labkit.parallel.tensor), without and with sequence
+gloo ranks by tensor parallelism (labkit.parallel.tensor.tensor_parallel), without and with sequence
 parallelism, beside labkit.estimate's per-rank figures. Prints the worst rank's peak by
 category, the bytes it sent in a step, the median step time over TIMED untracked steps (worst
 rank, one thread per rank: 4 ranks share 2 cores here) and the ratios to one process.
@@ -11,7 +11,7 @@ import sys
 
 import labkit as lk
 from labkit.parallel.cluster import run
-from labkit.parallel.tensor import tensor_parallel_step
+from labkit.parallel.tensor.tensor_parallel import tensor_parallel_step
 
 MODEL, STEPS, TIMED = "small", 3, 5
 CASES = ((1, False), (2, False), (2, True), (4, False), (4, True))      # (tp, sp)

@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import labkit as lk
-from labkit.measure import init_optimizer_state
-from labkit.train import make_optimizer, train_step
+from labkit.training.measure import init_optimizer_state
+from labkit.training.train import make_optimizer, train_step
 
 
 def median_seconds(fn, repeats: int) -> float:

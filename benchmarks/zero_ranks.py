@@ -3,11 +3,11 @@ import time
 
 import torch
 
-from labkit.config import preset
-from labkit.model import build_model
+from labkit.core.config import preset
+from labkit.parallel.data.zero_step import ZeroOptimizer
 from labkit.parallel.steps import rank_tokens
-from labkit.parallel.zero_step import ZeroOptimizer
-from labkit.train import make_optimizer, train_step
+from labkit.training.train import make_optimizer, train_step
+from labkit.transformer.model import build_model
 
 
 def step_seconds(ctx, stage: int, model_name: str, batch: int, seq: int, steps: int) -> list:

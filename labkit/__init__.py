@@ -14,28 +14,29 @@ except PackageNotFoundError:                     # a source checkout that was ne
 
 # public name -> the module that defines it
 _HOMES = {
-    # models
-    "ModelConfig": "config", "preset": "config", "presets": "config",
-    "from_hf_config": "hf", "Transformer": "model", "build_model": "model",
-    "use_attention": "model", "ParamCount": "layers", "count_params": "layers",
-    # predict
-    "Recipe": "recipe", "Layout": "recipe", "Estimate": "predict", "estimate": "predict",
-    "kv_cache_bytes": "predict",
-    # the papers' own formulas
-    "model_state_bytes": "papers", "megatron_activation_bytes": "papers",
-    "megatron_params": "papers", "pipeline_bubble": "papers", "pipeline_bubble_ratio": "papers",
-    # measure
-    "MemoryTracker": "track", "activations_per_module": "track", "Measurement": "measure",
-    "measure_step": "measure", "device": "step",
-    # bytes
-    "CATEGORIES": "units", "Breakdown": "units", "fmt_bytes": "units", "fmt_count": "units",
-    "reconciliation": "units",
+    # the core: configurations, presets, the vocabulary of a step, bytes
+    "ModelConfig": "core.config", "preset": "core.config", "presets": "core.config",
+    "from_hf_config": "core.hf", "Recipe": "core.recipe", "Layout": "core.recipe",
+    "CATEGORIES": "core.units", "Breakdown": "core.units", "fmt_bytes": "core.units",
+    "fmt_count": "core.units", "reconciliation": "core.units",
+    # the estimate, and the papers' own formulas
+    "ParamCount": "predict.layers", "count_params": "predict.layers",
+    "Estimate": "predict", "estimate": "predict", "kv_cache_bytes": "predict",
+    "model_state_bytes": "predict.papers", "megatron_activation_bytes": "predict.papers",
+    "megatron_params": "predict.papers", "pipeline_bubble": "predict.papers",
+    "pipeline_bubble_ratio": "predict.papers",
+    # the model, and measuring its step
+    "Transformer": "transformer.model", "build_model": "transformer.model",
+    "use_attention": "transformer.model",
+    "MemoryTracker": "training.track", "activations_per_module": "training.track",
+    "Measurement": "training.measure", "measure_step": "training.measure",
+    "device": "training.step",
 }
 __all__ = list(_HOMES)
 
 
 def __getattr__(name: str):
-    """A public name from its module, or a submodule (``labkit.parallel``), imported now."""
+    """A public name from its module, or a subpackage (``labkit.parallel``), imported now."""
     if name in _HOMES:
         value = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -23,18 +23,17 @@ import re
 import sys
 from pathlib import Path
 
-from . import __version__
-from .config import ModelConfig, preset, presets
-from .gpus import GPUS, HEADROOM, JSON_EXAMPLE, gpu, usable_memory
-from .hf import from_hf_config
-from .parallel.schedules import SCHEDULES
-from .parallel.zero import SHARDED_FROM_STAGE
-from .plan import RECOMPUTE, TRAINABLE, plan
-from .predict import count_params, estimate
-from .recompute import RECOMPUTE_POLICIES
-from .recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, Layout,
-                     fine_tuning_fields)
-from .units import CATEGORIES, fmt_bytes
+from labkit import __version__
+from labkit.core.config import ModelConfig, preset, presets
+from labkit.core.gpus import GPUS, HEADROOM, JSON_EXAMPLE, gpu, usable_memory
+from labkit.core.hf import from_hf_config
+from labkit.core.recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, Layout,
+                                fine_tuning_fields)
+from labkit.core.recompute import RECOMPUTE_POLICIES
+from labkit.core.units import CATEGORIES, fmt_bytes
+from labkit.course.plan import RECOMPUTE, TRAINABLE, plan
+from labkit.parallel.data.zero import SHARDED_FROM_STAGE
+from labkit.predict import count_params, estimate
 
 PROG = "python -m labkit"
 ZERO_STAGES = tuple(range(max(SHARDED_FROM_STAGE.values()) + 1))   # 0 (DDP) up to 3 (params)
@@ -260,7 +259,7 @@ def _table(title: str, result, extra: dict) -> str:
 
 def _run(args) -> str:
     if args.command == "doctor":
-        from .system import host_report        # changes nothing: commands are printed, never run
+        from labkit.host.system import host_report  # changes nothing: prints commands, runs none
         report = host_report()
         return json.dumps(report.as_dict(), indent=2) if args.json else report.text()
     if args.command == "plan":
@@ -336,7 +335,7 @@ def _measured(args, step: dict) -> tuple:
     """(the measurement, what is shown beside its table, the title) of ``measure``."""
     import torch                            # here: estimate, plan, presets and doctor need none
 
-    from .measure import measure_step
+    from labkit.training.measure import measure_step
 
     if args.real and args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--real --device cuda, but CUDA is not available here: use "
@@ -384,7 +383,7 @@ def _as_flags(message: str, options: set) -> str:
 
 def _course(args) -> int:
     """doctor --course: one line per check and a verdict (or JSON); 1 when a check fails."""
-    from .course_check import SMOKE_BUDGET_S, SMOKE_NOTEBOOK, course_report   # changes nothing
+    from labkit.course.doctor import SMOKE_BUDGET_S, SMOKE_NOTEBOOK, course_report  # changes nothing
     if not args.no_smoke and not args.json:
         print(f"running {SMOKE_NOTEBOOK.name} at SCALE=\"ci\" as a smoke run (budget "
               f"{SMOKE_BUDGET_S:.0f} s) ...", file=sys.stderr, flush=True)

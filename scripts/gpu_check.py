@@ -26,7 +26,7 @@ import traceback
 import torch
 
 import labkit as lk
-from labkit.config import preset
+from labkit.core.config import preset
 
 MIB = 2**20
 STARTED = time.perf_counter()
@@ -136,7 +136,7 @@ def check_tracker(budget: float) -> list[dict]:
 # ---- 2. the allocator model ----------------------------------------------------------------
 def alloc_one(index: int) -> dict:
     """One ALLOC_CASES entry in this process (its settings must be set before CUDA starts)."""
-    from labkit.memory_snapshot import cuda_check
+    from labkit.host.memory_snapshot import cuda_check
     conf, spec, batch, seq, step = ALLOC_CASES[index]
     chk = cuda_check(model(spec), batch, seq, **step)
     return dict(conf=conf, spec=list(spec), batch=batch, seq=seq, then=step.get("then", []),
@@ -199,7 +199,7 @@ def _grads(fn, q, k, v, grad):
 def check_triton(budget: float) -> dict:
     import torch.nn.functional as F
     import triton
-    from labkit.flash_triton import flash_attention
+    from labkit.transformer.flash_triton import flash_attention
 
     print(f"\n== 3. flash_attention (Triton {triton.__version__}) vs SDPA")
     result = {"errors": [], "timing": [], "tiles": []}

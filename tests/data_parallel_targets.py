@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.parallel.data_parallel import DataParallel
+from labkit.parallel.data.data_parallel import DataParallel
 
 ROWS = 4                   # rows per rank and step
 

@@ -3,10 +3,10 @@ figures from one start-up of the cluster (``everything`` for test_expert.py, ``c
 test_compose.py)."""
 import torch
 
-from labkit.config import preset
+from labkit.core.config import preset
 
-from labkit.parallel.expert import (build, ep_dp_step, ep_optimizer, ep_steps, forward_backward,
-                                    shard_kept)
+from labkit.parallel.expert.expert_parallel import (build, ep_dp_step, ep_optimizer, ep_steps,
+                                                    forward_backward, shard_kept)
 from labkit.parallel.steps import rank_tokens
 
 SEQ = 32          # one row of SEQ tokens per rank

@@ -39,7 +39,7 @@ def _output_and_grads(fn, q, k, v, grad_out):
 
 def errors_to_sdpa(shape: str, dtype: str, causal: bool, device: str) -> dict:
     """Max |flash_attention - SDPA| of the output and the gradients of q, k and v."""
-    from labkit.flash_triton import flash_attention
+    from labkit.transformer.flash_triton import flash_attention
 
     B, H, Hkv, T_q, T_k, d, block_m, block_n = SHAPES[shape]
     q, k, v, grad_out = qkv(B, H, Hkv, T_q, T_k, d, DTYPES[dtype], device)
@@ -54,7 +54,7 @@ def errors_to_sdpa(shape: str, dtype: str, causal: bool, device: str) -> dict:
 
 def kept_for_backward(device: str) -> dict:
     """What the forward pass saves besides q, k, v and the output, and the output's layout."""
-    from labkit.flash_triton import flash_attention
+    from labkit.transformer.flash_triton import flash_attention
 
     q, k, v, _ = qkv(1, 2, 1, 20, 20, 16, device=device)
     saved = []

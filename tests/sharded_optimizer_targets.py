@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import StepLR
 
 from data_parallel_targets import MLP, FrozenBackbone, rows
-from labkit.parallel.sharded_optimizer import ShardedOptimizer
-from labkit.track import MemoryTracker
+from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
+from labkit.training.track import MemoryTracker
 
 HIDDEN = 7                 # odd widths: the flat buffers need padding at N = 2 and N = 4
 STEPS = 3

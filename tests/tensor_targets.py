@@ -10,16 +10,17 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from labkit.config import preset
-from labkit.lora import apply_lora
-from labkit.model import Block, GroupedQueryAttention, Rotary, SwiGLU, build_model
-from labkit.quant import LoRALinear
-from labkit.parallel.comm import CommCounter, gather_from_sequence, my_tokens
-from labkit.parallel.tensor import (STYLES, ParallelAttention, ParallelSwiGLU, parallelize,
-                                    parallelize_block, tensor_parallel_step,
-                                    vocab_parallel_cross_entropy)
-from labkit.track import MemoryTracker, activations_per_module
-from labkit.train import make_optimizer, train_step
+from labkit.core.config import preset
+from labkit.parallel.tensor.comm import CommCounter, gather_from_sequence, my_tokens
+from labkit.parallel.tensor.tensor_parallel import (STYLES, ParallelAttention, ParallelSwiGLU,
+                                                    parallelize, parallelize_block,
+                                                    tensor_parallel_step,
+                                                    vocab_parallel_cross_entropy)
+from labkit.quantisation.lora import apply_lora
+from labkit.quantisation.quant import LoRALinear
+from labkit.training.track import MemoryTracker, activations_per_module
+from labkit.training.train import make_optimizer, train_step
+from labkit.transformer.model import Block, GroupedQueryAttention, Rotary, SwiGLU, build_model
 
 # tp = 1, 2 and 4 divide its heads (8), kv heads (4) and ffn (176); still grouped-query attention
 CFG = preset("tiny").replace(name="tiny-tp", heads=8, kv_heads=4, head_dim=8)

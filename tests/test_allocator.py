@@ -4,9 +4,9 @@ from collections import namedtuple
 
 import pytest
 
-from labkit.allocator import (AllocatorSettings, CachingAllocator, OutOfMemory, format_size,
-                              get_allocation_size, parse_alloc_conf, replay, round_size,
-                              roundup_power2_next_division)
+from labkit.host.allocator import (AllocatorSettings, CachingAllocator, OutOfMemory, format_size,
+                                   get_allocation_size, parse_alloc_conf, replay, round_size,
+                                   roundup_power2_next_division)
 
 KiB, MiB = 2**10, 2**20
 Event = namedtuple("Event", "action storage nbytes category phase")
@@ -297,6 +297,6 @@ def test_min_capacity_is_where_a_fragmented_step_stops_running_out():
               E("alloc", 2, 6 * MiB, "activations", "forward"),
               E("free", 1, 6 * MiB, "activations", "forward"),
               E("alloc", 3, 12 * MiB, "activations", "forward")]
-    from labkit.allocator import min_capacity
+    from labkit.host.allocator import min_capacity
     assert min_capacity(events, tolerance=1) == 32 * MiB
     assert replay(events, capacity=32 * MiB - 512).oom is not None

@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention, fitted_block,
-                              hbm_accesses, naive_attention, tiled_attention)
-from labkit.layers import layer_saved
-from labkit.model import build_model, use_attention
+from labkit.predict.layers import layer_saved
+from labkit.transformer.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention,
+                                          fitted_block, hbm_accesses, naive_attention,
+                                          tiled_attention)
+from labkit.transformer.model import build_model, use_attention
 
 SHAPES = [(4, 4, 64, 32),     # heads, kv heads, T, block: multi-head, T a multiple of the block
           (8, 2, 100, 32),    # grouped-query, T not a multiple of the block

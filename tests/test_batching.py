@@ -4,11 +4,12 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.batching import (IGNORE, accumulate_gradients, bucket_batches, document_lengths,
-                             first_fit_decreasing, make_documents, measure_accumulation,
-                             pack_batches, packed_loss_equals_per_document_loss, pad_batches,
-                             packed_gradients, packed_step_memory, packing_inputs)
-from labkit.model import document_mask
+from labkit.training.batching import (IGNORE, accumulate_gradients, bucket_batches,
+                                      document_lengths, first_fit_decreasing, make_documents,
+                                      measure_accumulation, pack_batches,
+                                      packed_loss_equals_per_document_loss, pad_batches,
+                                      packed_gradients, packed_step_memory, packing_inputs)
+from labkit.transformer.model import document_mask
 
 HAND = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6, 7, 8]), torch.tensor([9, 10])]
 
@@ -168,7 +169,7 @@ def test_buckets_lower_the_average_not_the_largest_batch_and_masks_are_counted_p
 
 # ---- token budgets: a dynamic batch size ------------------------------------------------------
 def test_a_token_budget_keeps_every_batch_within_budget_and_every_document_once():
-    from labkit.batching import budget_batches
+    from labkit.training.batching import budget_batches
     lengths = document_lengths(500, max_len=512, median=64, seed=2)
     docs = make_documents(lengths)
     run = budget_batches(docs, max_tokens=2048)
@@ -185,7 +186,7 @@ def test_a_token_budget_keeps_every_batch_within_budget_and_every_document_once(
 
 
 def test_a_token_budget_fills_the_planned_peak_where_fixed_batches_do_not():
-    from labkit.batching import compare_batching
+    from labkit.training.batching import compare_batching
     lengths = document_lengths(1000, max_len=1024, median=128, seed=0)
     fixed, longest, buckets, budget, packed = compare_batching(lengths, max_tokens=8 * 1024)
     assert fixed.largest_batch == budget.largest_batch == packed.largest_batch == 8 * 1024
@@ -195,7 +196,7 @@ def test_a_token_budget_fills_the_planned_peak_where_fixed_batches_do_not():
 
 
 def test_a_bad_budget_raises_and_names_the_fix():
-    from labkit.batching import budget_batches, compare_batching
+    from labkit.training.batching import budget_batches, compare_batching
     docs = make_documents([10, 40, 20])
     with pytest.raises(ValueError, match="not fit in a budget of 32 positions; raise max_tokens"):
         budget_batches(docs, max_tokens=32)
@@ -208,7 +209,7 @@ def test_a_bad_budget_raises_and_names_the_fix():
 
 # ---- variable-length attention: packed rows without a mask -------------------------------------
 def test_cu_seqlens_are_the_document_offsets_with_each_rows_padding_as_a_run():
-    from labkit.model import cu_seqlens
+    from labkit.transformer.model import cu_seqlens
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1], [0, 0, 0, 0, 0, 0]])
     assert cu_seqlens(doc_ids) == (0, 2, 5, 6, 12)
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute, counted_step_flops,
-                                  keep_matmuls_and_attention, plan, recompute_cost, step_flops)
+from labkit.transformer.checkpointing import (RECOMPUTE_POLICIES, Unit, apply_recompute,
+                                              counted_step_flops, keep_matmuls_and_attention, plan,
+                                              recompute_cost, step_flops)
 from torch.utils.checkpoint import CheckpointPolicy
 
 POLICIES = ["none", "selective", "every-k", "every-3", "sqrt", "full"]

@@ -178,11 +178,11 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
 
 
 def test_the_choice_lists_are_labkits_vocabulary():
-    from labkit.checkpointing import RECOMPUTE_POLICIES
-    from labkit.parallel.pipeline import SCHEDULES
-    from labkit.plan import RECOMPUTE, TRAINABLE
-    from labkit.gpus import GPUS
-    from labkit.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+    from labkit.transformer.checkpointing import RECOMPUTE_POLICIES
+    from labkit.parallel.pipeline.pipeline_parallel import SCHEDULES
+    from labkit.course.plan import RECOMPUTE, TRAINABLE
+    from labkit.core.gpus import GPUS
+    from labkit.core.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
     vocabulary = {"--precision": PRECISIONS, "--optimizer": OPTIMIZERS,
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,

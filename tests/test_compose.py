@@ -1,5 +1,5 @@
-"""Expert parallelism inside data parallelism (labkit.parallel.compose, expert.ep_dp_step) on 4
-local gloo ranks, tiny-moe: ep 2 x dp 2 trains like one process on all the rows, and each
+"""Expert parallelism inside data parallelism (labkit.parallel.expert.compose, expert.ep_dp_step) on
+4 local gloo ranks, tiny-moe: ep 2 x dp 2 trains like one process on all the rows, and each
 layout's per-rank peak and bytes sent are what ``labkit.estimate`` says for it."""
 import pytest
 import torch
@@ -7,9 +7,9 @@ import torch
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.compose import (all_to_all_bytes, dp_degree, gradient_bytes_sent,
-                                     group_ranks, permutation_bytes)
-from labkit.parallel.expert import build, fake_ep_peak, one_process, rank_params
+from labkit.parallel.expert.compose import (all_to_all_bytes, dp_degree, gradient_bytes_sent,
+                                            group_ranks, permutation_bytes)
+from labkit.parallel.expert.expert_parallel import build, fake_ep_peak, one_process, rank_params
 
 from expert_targets import (BATCH, BIG_EXPERTS, HOT, LAYOUTS, LORA_RANK, SEQ, STEP_SEQ_4, WORLD,
                             ZERO_STAGES, composed)

@@ -4,9 +4,9 @@ the dropped singular values, and the rank for a saving is the largest that fits.
 import pytest
 import torch
 
-from labkit.compress import (METHODS, compress_2_4, compress_weight, decompress_2_4, low_rank,
-                             prune_2_4, rank_for_saving)
-from labkit.quant import dequantize, quantize_int8
+from labkit.quantisation.compress import (METHODS, compress_2_4, compress_weight, decompress_2_4,
+                                          low_rank, prune_2_4, rank_for_saving)
+from labkit.quantisation.quant import dequantize, quantize_int8
 
 torch.set_num_threads(1)
 

@@ -2,7 +2,7 @@
 import pytest
 
 import labkit as lk
-from labkit.config import ModelConfig
+from labkit.core.config import ModelConfig
 
 DESIGN_PRESETS = {"llama-2-7b", "llama-2-13b", "llama-2-70b", "mistral-7b", "deepseek-moe-16b",
                   "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "tiny", "small", "tiny-moe"}

@@ -80,7 +80,7 @@ def test_dockerignore_patterns_cover_folders_and_any_depth():
     assert dr.ignored(".venv/bin/python", patterns)
     assert dr.ignored("labkit/parallel/__pycache__/zero.cpython-311.pyc", patterns)
     assert dr.ignored("run.log", patterns) and not dr.ignored("keep.log", patterns)
-    assert not dr.ignored("labkit/units.py", patterns)
+    assert not dr.ignored("labkit/core/units.py", patterns)
 
 
 def test_problems_names_each_fault_and_its_fix(tmp_path):
@@ -183,7 +183,7 @@ def test_the_cuda_variant_parses_and_carries_the_run_line():
 
 def test_the_context_leaves_out_environments_and_git_but_keeps_the_course():
     files = dr.context_files()
-    assert {"Dockerfile", "pyproject.toml", "labkit/units.py", "README.md"} <= set(files)
+    assert {"Dockerfile", "pyproject.toml", "labkit/core/units.py", "README.md"} <= set(files)
     assert any(f.startswith("notebooks/") for f in files) and any(f.startswith("data/models/") for f in files)
     assert not [f for f in files if f.startswith((".venv/", ".git/")) or "__pycache__" in f]
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import course_check
 from labkit.__main__ import main
-from labkit.course_check import (INSTALL, MIN_DISK, MIN_MEMORY, REQUIREMENTS, SMOKE_NOTEBOOK,
-                                 STATUSES, Check, CourseReport, check_cpus, check_disk,
-                                 check_gpu, check_memory, check_packages, check_python,
-                                 smoke_result, smoke_run, stopped_at, version_tuple)
-from labkit.system import NVIDIA_SMI, meminfo
+from labkit.course import doctor as course_check
+from labkit.course.doctor import (INSTALL, MIN_DISK, MIN_MEMORY, REQUIREMENTS, SMOKE_NOTEBOOK,
+                                  STATUSES, Check, CourseReport, check_cpus, check_disk, check_gpu,
+                                  check_memory, check_packages, check_python, smoke_result,
+                                  smoke_run, stopped_at, version_tuple)
+from labkit.host.system import NVIDIA_SMI, meminfo
 
 sys.path.insert(0, str(Path(__file__).parent))
 from readonly_audit import programs, run_audited, writes_outside  # noqa: E402
@@ -158,7 +158,7 @@ def test_every_package_a_notebook_or_labkit_imports_is_checked():
     third_party = imported - set(sys.stdlib_module_names) - {"", "labkit"}
     # zero_core: a module lab 04 writes into a temporary folder; pynvml: optional, system.gpus
     # falls back to nvidia-smi and torch.cuda without it; triton: optional (the `triton` extra),
-    # only labkit.flash_triton imports it and says how to install it
+    # only labkit.transformer.flash_triton imports it and says how to install it
     assert third_party - {"zero_core", "pynvml", "triton"} <= {r.name for r in REQUIREMENTS}
     assert {"torch", "matplotlib", "numpy", "ipywidgets", "psutil", "tqdm"} <= third_party
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 import labkit as lk
-from labkit.units import HOST
+from labkit.core.units import HOST
 
 CFG = lk.preset("tiny-moe")      # an MoE, so every axis applies: 4 heads, 3 layers, 8 experts
 SEQ = 64

@@ -1,5 +1,5 @@
-"""labkit's DataParallel (labkit.parallel.data_parallel) on real gloo clusters, on models that are
-not labkit's: it trains exactly as torch's DistributedDataParallel and as one process on all the
+"""labkit's DataParallel (labkit.parallel.data.data_parallel) on real gloo clusters, on models that
+are not labkit's: it trains exactly as torch's DistributedDataParallel and as one process on all the
 rows, sends each trainable parameter once (a tied one too, a frozen one never), and launches its
 all-reduces while the backward pass is still running.
 
@@ -15,7 +15,7 @@ from torch import nn
 
 import data_parallel_targets as targets
 from labkit.parallel import cluster
-from labkit.parallel.data_parallel import DataParallel, make_buckets
+from labkit.parallel.data.data_parallel import DataParallel, make_buckets
 
 N = 2
 BUCKET_MB = 0.002          # 2097 bytes: the fp64 MLP's 6 gradients in 3 buckets

@@ -1,13 +1,15 @@
-"""DDP (labkit.parallel.ddp) on a real 2-rank gloo cluster: every rank holds all the states plus
-gradient buckets of exactly the gradients' bytes, and trains like one process on all the rows."""
+"""DDP (labkit.parallel.data.ddp) on a real 2-rank gloo cluster: every rank holds all the states
+plus gradient buckets of exactly the gradients' bytes, and trains like one process on all the
+rows."""
 import pytest
 import torch
 
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.ddp import (bucket_bytes, ddp_step, ddp_steps, extra_bytes, grads_held,
-                                 one_process_step)
+from labkit.predict.layers import lora_weights
+from labkit.parallel.data.ddp import (bucket_bytes, ddp_step, ddp_steps, extra_bytes, grads_held,
+                                      one_process_step)
 
 N = 2
 TINY_GRAD_BYTES = 125_248 * 4            # tiny's parameters, fp32
@@ -59,7 +61,7 @@ def test_buckets_hold_exactly_the_gradient_bytes(ranks, name):
     if name == "lora":                  # the adapters alone: rank 16 on tiny's block linears
         cfg = lk.preset("tiny")
         adapters = sum(w.numel for m in (False,) * cfg.layers
-                       for w in lk.layers.lora_weights(cfg, m, 16))
+                       for w in lora_weights(cfg, m, 16))
         assert ranks[name][0].grad_bytes == 4 * adapters
 
 

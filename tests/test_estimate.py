@@ -2,7 +2,7 @@
 import pytest
 
 import labkit as lk
-from labkit.layers import head_saved
+from labkit.predict.layers import head_saved
 
 GRID = [(precision, recompute, seq) for precision in ("fp32", "bf16-mixed")
         for recompute in ("none", "full") for seq in (512, 2048)]

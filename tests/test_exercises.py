@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import exercises as ex
+from labkit.course import exercises as ex
 
 GiB = 2**30
 ALL = ex.exercises()
@@ -152,7 +152,7 @@ def test_the_lab_06_answers_agree_with_the_closed_forms_and_the_estimate():
 
 
 def test_the_lab_07_answers_agree_with_the_closed_forms_and_the_caches():
-    from labkit.generate import cache_bytes_per_token
+    from labkit.transformer.generate import cache_bytes_per_token
     c7, T = lk.preset("llama-2-7b"), 4096
     # naive attention keeps H T^2 probabilities per layer: fp32 softmax (4) + bf16 copy (2)
     assert ex.get("07-naive-attention-gib").answer() * GiB == c7.heads * T * T * 6

@@ -1,16 +1,17 @@
-"""Expert parallelism (labkit.parallel.expert) on 2 and 4 local gloo ranks, tiny-moe (8 routed
-experts, top 2, 2 MoE layers): each rank holds E/ep experts and exactly the bytes labkit.layers
-gives it, trains like one process on all the rows, and a skewed router loads one rank."""
+"""Expert parallelism (labkit.parallel.expert.expert_parallel) on 2 and 4 local gloo ranks, tiny-moe
+(8 routed experts, top 2, 2 MoE layers): each rank holds E/ep experts and exactly the bytes
+labkit.predict.layers gives it, trains like one process on all the rows, and a skewed router loads
+one rank."""
 import pytest
 import torch
 
 import labkit as lk
-from labkit.model import build_model
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.expert import (ep_memory, expert_parallel, experts_per_rank, fake_ep_peak,
-                                    loads, one_process, rank_params, routing_imbalance,
-                                    shard_kept_bytes)
+from labkit.parallel.expert.expert_parallel import (ep_memory, expert_parallel, experts_per_rank,
+                                                    fake_ep_peak, loads, one_process, rank_params,
+                                                    routing_imbalance, shard_kept_bytes)
+from labkit.transformer.model import build_model
 
 from expert_targets import CASES, HOT, HOTS, SEQ, STEP_SEQ, everything
 

@@ -1,5 +1,6 @@
-"""FlashAttention-2's Triton kernels (labkit.flash_triton) give SDPA's output and gradients and
-keep only a log-sum-exp per row; they refuse what they cannot take; triton stays optional (lab 07).
+"""FlashAttention-2's Triton kernels (labkit.transformer.flash_triton) give SDPA's output and
+gradients and keep only a log-sum-exp per row; they refuse what they cannot take; triton stays
+optional (lab 07).
 
 The kernel tests skip without triton (the ``triton`` extra). On a GPU they run here; on a CPU
 in one process under Triton's interpreter (tests/flash_triton_cases.py says why), started when
@@ -73,9 +74,9 @@ def result_of(request):
 
 @pytest.fixture(scope="module")
 def ft():
-    """labkit.flash_triton, for what needs no kernel run."""
+    """labkit.transformer.flash_triton, for what needs no kernel run."""
     pytest.importorskip("triton")
-    from labkit import flash_triton
+    from labkit.transformer import flash_triton
     return flash_triton
 
 
@@ -193,19 +194,19 @@ def _imported_names(tree) -> set:
 
 def test_only_flash_triton_imports_triton_and_no_labkit_module_imports_it():
     # (import labkit still brings triton in when it is installed: torch.utils.flop_counter,
-    # which labkit.model imports, imports it)
+    # which labkit.transformer.model imports, imports it)
     package = pathlib.Path(labkit.__file__).parent
     importers = {path.relative_to(package).as_posix() for path in package.rglob("*.py")
                  if any(n.split(".")[0] == "triton" or "flash_triton" in n
                         for n in _imported_names(ast.parse(path.read_text())))}
-    assert importers == {"flash_triton.py"}
+    assert importers == {"transformer/flash_triton.py"}
 
 
 def test_without_triton_the_module_imports_and_flash_attention_says_how_to_install_it(
         monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)                # import triton now fails
     monkeypatch.setitem(sys.modules, "triton.language", None)
-    path = pathlib.Path(labkit.__file__).with_name("flash_triton.py")
+    path = pathlib.Path(labkit.__file__).parent / "transformer" / "flash_triton.py"
     spec = importlib.util.spec_from_file_location("flash_triton_without_triton", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)                                  # a fresh copy, no triton

@@ -1,5 +1,5 @@
 """PyTorch's ZeRO (ZeroRedundancyOptimizer, FSDP2) beside labkit's on a gloo cluster, and FSDP2
-at full scale on a fake process group (labkit.parallel.fsdp)."""
+at full scale on a fake process group (labkit.parallel.data.fsdp)."""
 import math
 
 import pytest
@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 import labkit as lk
-from labkit.parallel import cluster, fsdp
+from labkit.course.plot import scaling_figure
+from labkit.parallel import cluster
+from labkit.parallel.data import fsdp
 
 # Same model, rows and AdamW; at N = 2 every sum has two terms, so the order cannot differ:
 # the losses agree to fp32 round-off (they come out bit-equal; the tolerance allows 1 ulp-ish).
@@ -135,7 +137,7 @@ def test_fake_scaling_rows_and_figure():
         assert r["estimate"] == lk.estimate("tiny", 1, 64, precision="bf16-master",
                                             zero_stage=3, dp=r["world_size"]).total
     assert rows[1]["peak"] < rows[0]["peak"]
-    fig = fsdp.scaling_figure({"tiny": rows})
+    fig = scaling_figure({"tiny": rows})
     measured, estimated = fig.axes[0].lines[:2]
     assert list(measured.get_xdata()) == [2, 4]
     assert estimated.get_ydata()[1] < estimated.get_ydata()[0]

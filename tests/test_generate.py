@@ -5,10 +5,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import labkit as lk
-from labkit.generate import (DEEPSEEK_LLM_67B, KVCache, LatentCache, cache_bytes_by_context,
-                             cache_bytes_per_token, causal_mask, cross_layer_sharing,
-                             deepseek_v2_headline, generate, mla_attention, mla_reduction,
-                             new_cache, step)
+from labkit.transformer.generate import (DEEPSEEK_LLM_67B, KVCache, LatentCache,
+                                         cache_bytes_by_context, cache_bytes_per_token, causal_mask,
+                                         cross_layer_sharing, deepseek_v2_headline, generate,
+                                         mla_attention, mla_reduction, new_cache, step)
 
 CONFIGS = {                                   # one small model per attention type
     "GQA": lk.preset("tiny"),                                  # 4 heads, 2 KV heads

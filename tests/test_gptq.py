@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from labkit import build_model, preset
-from labkit.gptq import (METHODS, compare, gptq_quantize, layer_inputs, quantize_model,
-                         quantize_weight, rtn_quantize, trained_small)
-from labkit.quant import pack_4bit
+from labkit.quantisation.gptq import (METHODS, compare, gptq_quantize, layer_inputs, quantize_model,
+                                      quantize_weight, rtn_quantize, trained_small)
+from labkit.quantisation.quant import pack_4bit
 
 torch.set_num_threads(1)
 

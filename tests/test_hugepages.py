@@ -1,7 +1,7 @@
 """Huge pages for one process's buffers: asked for per process, never set for the host."""
 import pytest
 
-from labkit import hugepages
+from labkit.host import hugepages
 
 MiB = 2**20
 

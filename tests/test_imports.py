@@ -1,5 +1,5 @@
-"""labkit's layers point one way: the estimate (torch-free) imports nothing above it, and no
-module imports one that imports it back - imports inside functions counted too."""
+"""labkit's layers point one way - the core, the estimate, the mechanisms, then the course - and
+no module imports one that imports it back; imports inside functions count too."""
 import ast
 import subprocess
 import sys
@@ -8,11 +8,33 @@ from pathlib import Path
 import labkit
 
 PACKAGE = Path(labkit.__file__).parent
-# the core (vocabulary, units, configs) and the estimate: torch-free byte rules
-ESTIMATE = {"labkit.units", "labkit.config", "labkit.recipe", "labkit.recompute",
-            "labkit.formats", "labkit.layers", "labkit.predict", "labkit.predict.terms",
-            "labkit.predict.states", "labkit.predict.moments", "labkit.predict.step", "labkit.papers",
-            "labkit.parallel.zero", "labkit.parallel.compose", "labkit.parallel.schedules"}
+# the layers, bottom to top, by folder; the byte rules of ZeRO, pipeline schedules and expert
+# placement live beside their mechanisms in parallel/ but belong to the estimate
+CORE = "labkit.core"
+BYTE_RULES = {"labkit.parallel.data.zero", "labkit.parallel.expert.compose",
+              "labkit.parallel.pipeline.schedules"}
+MECHANISMS = ("labkit.transformer", "labkit.training", "labkit.parallel", "labkit.quantisation",
+              "labkit.host")
+COURSE = ("labkit.course", "labkit.__main__")
+PACKAGES = {"labkit", "labkit.parallel", "labkit.parallel.data", "labkit.parallel.expert",
+            "labkit.parallel.pipeline", "labkit.parallel.tensor"}  # a docstring, no import
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in
+               ((prefixes,) if isinstance(prefixes, str) else prefixes))
+
+
+def layer(name: str) -> int:
+    """0 core, 1 estimate, 2 mechanisms, 3 course."""
+    if under(name, CORE):
+        return 0
+    if under(name, "labkit.predict") or name in BYTE_RULES:
+        return 1
+    if under(name, COURSE):
+        return 3
+    assert under(name, MECHANISMS) or name in PACKAGES, f"{name} is in no layer's folder"
+    return 2
 
 
 def modules() -> dict[str, Path]:
@@ -47,7 +69,7 @@ def imports(name: str, path: Path, known: dict) -> list[tuple[str, bool]]:
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: {t for t, _ in imports(name, path, known) if t in known and t != name
-                   and t not in ("labkit", "labkit.parallel")}
+                   and t not in PACKAGES}
             for name, path in known.items()}
 
 
@@ -79,14 +101,20 @@ def cycles(edges: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_the_estimate_imports_only_the_estimate_and_torch_only_inside_functions():
+def test_every_module_imports_only_its_layer_and_those_below():
     known = modules()
-    assert ESTIMATE <= set(known), ESTIMATE - set(known)
-    for name in sorted(ESTIMATE):
+    for name, path in sorted(known.items()):
+        for target, _ in imports(name, path, known):
+            if target in known and target not in PACKAGES:
+                assert layer(target) <= layer(name), \
+                    f"{name} (layer {layer(name)}) imports {target} (layer {layer(target)})"
+
+
+def test_the_core_and_the_estimate_import_torch_only_inside_functions():
+    known = modules()
+    assert BYTE_RULES <= set(known), BYTE_RULES - set(known)
+    for name in sorted(n for n in known if layer(n) <= 1):
         for target, at_top in imports(name, known[name], known):
-            if target.startswith("labkit"):
-                assert target in ESTIMATE | {"labkit", "labkit.parallel"}, \
-                    f"{name} imports {target}, a mechanism above the estimate"
             assert not (at_top and target.split(".")[0] in ("torch", "numpy")), \
                 f"{name} imports {target} at its top: the estimate must load without it"
 
@@ -116,8 +144,8 @@ def test_the_estimate_runs_without_torch_installed():
     assert int(total) == labkit.estimate(
         "deepseek-v3", 1, 4096, precision="bf16-master", recompute="selective",
         layout=labkit.Layout(dp=256, zero_stage=3, tp=8, sp=True)).total
-    data = {"labkit", "labkit.parallel", "labkit.preset_data"}      # packages, the presets' JSON
-    assert set(done.stdout.split("\n")[1].split()) <= ESTIMATE | data
+    loaded = set(done.stdout.split("\n")[1].split()) - PACKAGES - {"labkit.preset_data"}
+    assert {layer(name) for name in loaded} <= {0, 1}, loaded     # the presets' JSON aside
 
 
 MAX_MODULE_LINES = 500      # a module reads top to bottom
@@ -138,3 +166,12 @@ def test_modules_and_functions_stay_short():
                 long_functions.append(f"{name}.{node.name}")
     assert not long_modules, f"split these modules: {long_modules}"
     assert not long_functions, f"split these functions: {long_functions}"
+
+
+def test_pyproject_ships_every_package():
+    """A wheel holds only the packages pyproject names: a folder left out is missing there."""
+    import tomllib
+    listed = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
+               for p in PACKAGE.rglob("__init__.py")}
+    assert set(listed["packages"]) == on_disk | {"labkit.preset_data"}

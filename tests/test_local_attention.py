@@ -5,8 +5,9 @@ import torch
 
 import labkit as lk
 
-from labkit.local_attention import (attention_memory, block_density, flex_attention_memory,
-                                    local_global_mask, window_kv_cache)
+from labkit.transformer.local_attention import (attention_memory, block_density,
+                                                flex_attention_memory, local_global_mask,
+                                                window_kv_cache)
 
 
 def test_local_global_mask_on_a_small_sequence():

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.checkpointing import apply_recompute
-from labkit.lora import apply_lora
-from labkit.quant import QuantLinear
-from labkit.quant import LoRALinear
-from labkit.train import bigram_corpus, make_optimizer, train_step
-from labkit.units import CATEGORIES
+from labkit.core.units import CATEGORIES
+from labkit.quantisation.lora import apply_lora
+from labkit.quantisation.quant import QuantLinear
+from labkit.quantisation.quant import LoRALinear
+from labkit.training.train import bigram_corpus, make_optimizer, train_step
+from labkit.transformer.checkpointing import apply_recompute
 
 B, T = 4, 64
 
@@ -79,7 +79,7 @@ def test_qlora_fine_tune_lowers_the_loss():
 
 @pytest.mark.parametrize("trainable, weight_format", [("all", None), ("lora", "nf4")])
 def test_finetune_trains_a_copy_and_lowers_the_loss(trainable, weight_format):
-    from labkit.lora import finetune
+    from labkit.quantisation.lora import finetune
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = lk.build_model(lk.preset("small"))
@@ -92,7 +92,7 @@ def test_finetune_trains_a_copy_and_lowers_the_loss(trainable, weight_format):
 
 
 def test_finetune_trains_modules_to_save_beside_the_adapters():
-    from labkit.lora import finetune
+    from labkit.quantisation.lora import finetune
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = lk.build_model(lk.preset("small"))
@@ -214,7 +214,7 @@ WIDE = lk.preset("small").replace(hidden=1024, ffn=2816, heads=8, kv_heads=8, he
 
 
 def _fsdp2_and_estimate(cfg, dp, batch, seq, recompute, weight_format=None):
-    from labkit.parallel.fsdp import fake_fsdp2_peak
+    from labkit.parallel.data.fsdp import fake_fsdp2_peak
     measured = fake_fsdp2_peak(cfg, dp, batch, seq, precision="bf16", recompute=recompute,
                                trainable="lora", weight_format=weight_format)
     return measured, lk.estimate(cfg, batch, seq, precision="bf16", recompute=recompute,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.loss import chunked_cross_entropy, measure_loss
+from labkit.transformer.loss import chunked_cross_entropy, measure_loss
 
 N, H, V = 100, 32, 500
 
@@ -26,7 +26,7 @@ def _loss_and_grads(loss_fn, hidden, weight, targets, autocast=False):
 
 
 def full(hidden, weight, targets):
-    """labkit.model's path: the (N, V) logits, in fp32, then F.cross_entropy."""
+    """labkit.transformer.model's path: the (N, V) logits, in fp32, then F.cross_entropy."""
     return F.cross_entropy(F.linear(hidden, weight).float(), targets)
 
 

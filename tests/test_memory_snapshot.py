@@ -12,8 +12,8 @@ import torch
 from torch.cuda import _memory_viz as viz
 
 import labkit as lk
-from labkit.allocator import AllocatorSettings, CachingAllocator, replay
-from labkit.memory_snapshot import save_snapshot, snapshot
+from labkit.host.allocator import AllocatorSettings, CachingAllocator, replay
+from labkit.host.memory_snapshot import save_snapshot, snapshot
 
 MiB = 2**20
 Event = namedtuple("Event", "action storage nbytes category phase")
@@ -138,7 +138,7 @@ def test_the_snapshot_read_back_gives_the_replays_reserved_and_allocated_bytes()
     """``snapshot_timeline`` walks the exported trace as a viewer does: its reserved peak is the
     replay's, and the blocks alive at the end add up to the bytes their tensors requested (a
     trace's alloc entry carries the request, as PyTorch's does)."""
-    from labkit.memory_snapshot import snapshot_timeline
+    from labkit.host.memory_snapshot import snapshot_timeline
     m = lk.measure_step("tiny", batch=2, seq=32, precision="bf16-mixed", fake=True, events=True)
     run = replay(m.events)
     series = snapshot_timeline(snapshot(run))
@@ -148,7 +148,7 @@ def test_the_snapshot_read_back_gives_the_replays_reserved_and_allocated_bytes()
 
 
 def test_cuda_check_needs_a_gpu():
-    from labkit.memory_snapshot import cuda_check
+    from labkit.host.memory_snapshot import cuda_check
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the next test runs the real check")
     with pytest.raises(RuntimeError, match="CUDA GPU"):
@@ -157,7 +157,7 @@ def test_cuda_check_needs_a_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_model_predicts_the_reserved_peak_of_a_real_step():
-    from labkit.memory_snapshot import cuda_check
+    from labkit.host.memory_snapshot import cuda_check
     check = cuda_check("small", 4, 256)
     assert abs(check.reserved_error) < 0.05
     assert check.real_snapshot["segments"]

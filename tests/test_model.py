@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import labkit as lk
-from labkit.model import LatentAttention, MoE, Rotary, SwiGLU, attention_core, grouped_mm
+from labkit.transformer.model import (LatentAttention, MoE, Rotary, SwiGLU, attention_core,
+                                      grouped_mm)
 
 
 @pytest.mark.parametrize("name", lk.presets())

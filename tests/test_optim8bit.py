@@ -5,12 +5,11 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.optim8bit import (BLOCK, LOOKUP_BYTES, MAP_BYTES, AdamW8bit, Codebook,
-                              dequantize_blockwise, dynamic_map,
-                              optimizer_state_bytes, quantize_blockwise, state_bytes,
-                              step_temporary_bytes)
-from labkit.train import MasterWeights, compare_with_adamw, make_optimizer
-from labkit.track import MemoryTracker
+from labkit.quantisation.optim8bit import (BLOCK, LOOKUP_BYTES, MAP_BYTES, AdamW8bit, Codebook,
+                                           dequantize_blockwise, dynamic_map, optimizer_state_bytes,
+                                           quantize_blockwise, state_bytes, step_temporary_bytes)
+from labkit.training.track import MemoryTracker
+from labkit.training.train import MasterWeights, compare_with_adamw, make_optimizer
 
 
 def _bitsandbytes():

@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.paged import (CacheFull, ContiguousKVCache, PagedKVCache, Request, compare_caches,
-                          decode_attention, make_cache, request_stream, simulate)
+from labkit.transformer.paged import (CacheFull, ContiguousKVCache, PagedKVCache, Request,
+                                      compare_caches, decode_attention, make_cache, request_stream,
+                                      simulate)
 
 GEOMETRY = dict(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
 TOKEN_BYTES = 2 * 2 * 2 * 8 * 4          # layers x (k, v) x kv_heads x head_dim x fp32

@@ -1,18 +1,13 @@
-"""The papers' published numbers, typed in by hand, reproduced by ``labkit.papers``."""
+"""The papers' published numbers, typed in by hand, reproduced by ``labkit.predict.papers``."""
 from fractions import Fraction
 
 import pytest
 
 import labkit as lk
-from labkit.recipe import PRECISIONS
+from labkit.core.recipe import PRECISIONS
 
-from labkit.papers import (
-    megatron_activation_bytes,
-    megatron_params,
-    model_state_bytes,
-    pipeline_bubble,
-    pipeline_bubble_ratio,
-)
+from labkit.predict.papers import (megatron_activation_bytes, megatron_params, model_state_bytes,
+                                   pipeline_bubble, pipeline_bubble_ratio)
 
 # ---------------------------------------------------------------------------------------------
 # ZeRO (Rajbhandari et al., 2020), Table 1: 7.5B parameters, K = 12, GB (1e9 bytes) per device.

@@ -3,8 +3,8 @@ when asked to pin, and (on CUDA) pinned copies faster than pageable ones."""
 import pytest
 import torch
 
-from labkit.pinned import (MODES, NeedsCuda, h2d_bandwidth, loader_pin_memory, pinned_copy_cost,
-                           pinned_host_bytes)
+from labkit.host.pinned import (MODES, NeedsCuda, h2d_bandwidth, loader_pin_memory,
+                                pinned_copy_cost, pinned_host_bytes)
 
 MiB = 2**20
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")

@@ -1,4 +1,5 @@
-"""Pipeline schedules (labkit.parallel.schedules) and the executor (labkit.parallel.pipeline):
+"""Pipeline schedules (labkit.parallel.pipeline.schedules) and the executor
+(labkit.parallel.pipeline.pipeline_parallel):
 every op once in a possible order, the papers' bubbles, and real stages on gloo that equal one
 process and hold the activations the schedule says."""
 import dataclasses
@@ -8,17 +9,19 @@ import pytest
 import torch
 from matplotlib.colors import to_rgba
 
-from labkit.config import preset
-from labkit.layers import head_saved, layer_saved
-from labkit.papers import pipeline_bubble
+from labkit.core.config import preset
+from labkit.course.plot import OP_COLORS, gantt_figure
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.pipeline import (build_chunks, chunk_layers, compare_with_torch, in_flight,
-                                      measure_schedules, micro_batch_terms, micro_batches,
-                                      one_process_step, predicted_held, run_schedules,
-                                      torch_pipelining)
-from labkit.parallel.schedules import (Op, Schedule, make_schedule, measured_durations, simulate,
-                                       validate, zb_h1_bubble)
-from labkit.plot import OP_COLORS, gantt_figure
+from labkit.parallel.pipeline.pipeline_parallel import (build_chunks, chunk_layers,
+                                                        compare_with_torch, in_flight,
+                                                        measure_schedules, micro_batch_terms,
+                                                        micro_batches, one_process_step,
+                                                        predicted_held, run_schedules,
+                                                        torch_pipelining)
+from labkit.parallel.pipeline.schedules import (Op, Schedule, make_schedule, measured_durations,
+                                                simulate, validate, zb_h1_bubble)
+from labkit.predict.layers import head_saved, layer_saved
+from labkit.predict.papers import pipeline_bubble
 
 CFG = dataclasses.replace(preset("tiny"), layers=4)     # 4 layers: 2 or 4 stages, v = 2 at p = 2
 M, B, T = 4, 1, 16                                     # micro-batches of B rows of T tokens
@@ -153,7 +156,7 @@ def test_gantt_draws_one_bar_per_op_coloured_by_kind():
 # ---- one process: the chunks are the model -------------------------------------------------------
 def test_chunks_in_a_row_compute_the_models_loss():
     """Virtual stages 0..3 (p = 2, v = 2: stage 0 holds chunks 0 and 2) = the whole model."""
-    from labkit.model import build_model
+    from labkit.transformer.model import build_model
     (inputs, targets), = micro_batches(CFG, 1, 2, T)
     torch.manual_seed(0)
     whole = build_model(CFG)(inputs, targets)
@@ -258,7 +261,7 @@ def test_the_estimate_gives_each_stages_held_activations_and_peak_within_3_perce
     later micro-batches' backward with every gradient formed, ZB-H1's output gradients kept
     for W - for every schedule."""
     import labkit as lk
-    from labkit.parallel.pipeline import measure_schedules
+    from labkit.parallel.pipeline.pipeline_parallel import measure_schedules
     cases = [("gpipe", 4, 1), ("1f1b", 4, 1), ("zb-h1", 4, 1), ("interleaved", 4, 2)]
     runs = measure_schedules("small", 2, cases, micro_batch=1, seq=64)
     for (name, m, v), run in zip(cases, runs):
@@ -274,7 +277,7 @@ def test_lora_through_the_pipeline_is_the_estimate_for_every_schedule():
     on the adapted linears' outputs. Measured per stage: held activations within 0.7%, peaks
     within 0.9%; every schedule forms the same adapter gradients."""
     import labkit as lk
-    from labkit.parallel.pipeline import measure_schedules
+    from labkit.parallel.pipeline.pipeline_parallel import measure_schedules
     cases = [("gpipe", 4, 1), ("1f1b", 4, 1), ("zb-h1", 4, 1), ("interleaved", 4, 2)]
     runs = measure_schedules("small", 2, cases, micro_batch=1, seq=64, lora_rank=8)
     for (name, m, v), run in zip(cases, runs):

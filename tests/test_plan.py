@@ -6,9 +6,9 @@ import pytest
 
 import labkit as lk
 from labkit.__main__ import main
-from labkit.gpus import GPU, GPUS, GiB, gpu
-from labkit import plan as plan_module
-from labkit.plan import plan
+from labkit.core.gpus import GPU, GPUS, GiB, gpu, gpu_from_json
+from labkit.course import plan as plan_module
+from labkit.course.plan import plan
 
 SMALL = dict(gpus=1, seq=256)
 
@@ -103,7 +103,7 @@ def test_more_memory_never_removes_a_fitting_layout():
 
 
 def test_the_cheap_bound_never_exceeds_the_estimate():
-    from labkit.plan_search import _bound, _Counts
+    from labkit.predict.plan_search import _bound, _Counts
     p = plan("tiny-moe", small_gpu(4), gpus=8, seq=128, top=None, advice=False)
     cfg, counts = lk.preset("tiny-moe"), _Counts(lk.preset("tiny-moe"))
     assert len(p.fits) > 20
@@ -135,7 +135,7 @@ def test_top_choice_memory_matches_a_fake_tensor_run_within_3_percent():
 def test_layouts_with_tp_are_not_pretended_verified():
     p = plan("small", small_gpu(0.05), gpus=2, seq=256, top=None, advice=False)
     tp = [c for c in p.fits if c.layout.tp > 1][:1]
-    from labkit.plan import verify_candidates
+    from labkit.course.plan import verify_candidates
     (v,) = verify_candidates(lk.preset("small"), tp, 256, progress=False)
     assert v["result"].startswith("not verifiable on fake tensors here")
 
@@ -152,7 +152,7 @@ def test_bad_input_names_the_fix(kwargs, fix):
 
 
 def test_an_unknown_gpu_lists_the_names():
-    with pytest.raises(ValueError, match="a100-80gb.*labkit.gpus.GPU"):
+    with pytest.raises(ValueError, match="a100-80gb.*labkit.core.gpus.GPU"):
         gpu("a100-81gb")
     assert gpu("h100-80gb") is GPUS["h100-80gb"] and GPUS["h100-80gb"].memory == 81559 * 2**20
 
@@ -301,7 +301,7 @@ def test_a_gpu_file_is_read_whatever_its_suffix(tmp_path):
     with pytest.raises(ValueError, match="not UTF-8"):
         gpu(str(path))
     with pytest.raises(ValueError, match="is a string"):
-        lk.gpus.gpu_from_json(123)
+        gpu_from_json(123)
 
 
 @pytest.mark.parametrize("command", ["estimate", "measure", "plan", "presets", "doctor"])
@@ -354,7 +354,7 @@ def test_zero3_over_dp_is_verified_by_fsdp2_on_a_fake_group_within_3_percent():
     """A ZeRO-3 layout is what FSDP2 runs: its rank's peak on a fake process group of dp ranks
     lands within 3% of the planner's estimate (FSDP2 holds about 1.4 MiB more on small whatever
     the sequence: at 256 tokens that is 3.1%, at 1024 1.2%)."""
-    from labkit.plan import verify_candidates
+    from labkit.course.plan import verify_candidates
     p = plan("small", "a100-80gb", 4, gpus_per_node=4, seq=1024, top=None)
     zero3 = [k for k in p.fits if (k.layout.zero_stage, k.layout.tp, k.layout.pp, k.layout.ep,
                                    k.layout.offload) == (3, 1, 1, 1, False)]
@@ -386,7 +386,7 @@ def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp():
 
 
 def test_overlap_hides_dp_pp_and_ep_under_compute_but_not_tp():
-    from labkit.steptime import StepTime
+    from labkit.predict.steptime import StepTime
     t = StepTime(compute=1.0, bubble=0.1, dp=0.5, tp=0.2, pp=0.1, ep=0.3, offload=0.05)
     assert t.total == pytest.approx(2.25) and t.overlapped == pytest.approx(1.35)
     slow = StepTime(compute=1.0, bubble=0.0, dp=2.0, tp=0.0, pp=0.0, ep=0.4, offload=0.0)

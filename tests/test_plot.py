@@ -6,10 +6,10 @@ import torch
 from matplotlib.colors import to_hex
 
 import labkit as lk
-from labkit.plot import (CATEGORY_COLORS, PHASE_COLORS, _downsample, breakdown_figure,
-                         param_components_figure, state_bytes_figure,
-                         predicted_vs_measured_figure, timeline_figure)
-from labkit.track import Timeline
+from labkit.course.plot import (CATEGORY_COLORS, PHASE_COLORS, _downsample, breakdown_figure,
+                                param_components_figure, state_bytes_figure,
+                                predicted_vs_measured_figure, timeline_figure)
+from labkit.training.track import Timeline
 
 MiB, GiB = 2**20, 2**30
 
@@ -140,7 +140,7 @@ def test_parameter_components_are_shares_of_the_total():
 
 
 def test_exponent_figure_shades_the_format_ranges_and_shifts_by_the_loss_scale():
-    from labkit.plot import exponent_figure
+    from labkit.course.plot import exponent_figure
     values = torch.full((100,), 2.0 ** -20)
     ax = exponent_figure(values, torch.float16, loss_scale=2.0 ** 16).axes[0]
     centres = sorted({round(b.get_x() + b.get_width() / 2) for b in ax.patches if b.get_height() == 100})
@@ -150,8 +150,8 @@ def test_exponent_figure_shades_the_format_ranges_and_shifts_by_the_loss_scale()
 
 
 def test_bits_error_figure_draws_one_labelled_point_per_row_on_a_log_scale():
-    from labkit.gptq import CompareRow
-    from labkit.plot import bits_error_figure
+    from labkit.quantisation.gptq import CompareRow
+    from labkit.course.plot import bits_error_figure
     rows = [("rtn int2 g64", 2.28125, 0.45), ("rtn int4 g64", 4.3125, 0.09),
             ("gptq int2 g64", 2.28125, 0.56), ("gptq int4 g64", 4.3125, 0.11),
             CompareRow("nf4", 4.127, 0.092, 0.05, 1.8, 0.1)]            # an object: weight_error
@@ -168,7 +168,7 @@ def test_bits_error_figure_draws_one_labelled_point_per_row_on_a_log_scale():
 
 
 def test_bits_error_figure_keeps_close_labels_apart_and_refuses_what_it_cannot_show():
-    from labkit.plot import bits_error_figure
+    from labkit.course.plot import bits_error_figure
     rows = [("nf4 b64", 4.5, 0.0416), ("nf4 b64 dq", 4.127, 0.0416), ("rtn int4 g64", 4.3125,
                                                                        0.0408)]
     fig = bits_error_figure(rows)
@@ -182,12 +182,12 @@ def test_bits_error_figure_keeps_close_labels_apart_and_refuses_what_it_cannot_s
 
 
 def test_allocator_and_snapshot_figures_draw_a_replayed_step():
-    from labkit.allocator import AllocatorSettings, replay
-    from labkit.memory_snapshot import snapshot, snapshot_timeline
+    from labkit.host.allocator import AllocatorSettings, replay
+    from labkit.host.memory_snapshot import snapshot, snapshot_timeline
     m = lk.measure_step("tiny", batch=2, seq=32, fake=True, events=True)
     runs = {"native": replay(m.events),
             "expandable": replay(m.events, AllocatorSettings(expandable_segments=True))}
-    from labkit import plot
+    from labkit.course import plot
     fig = plot.allocator_figure(runs)
     assert len(fig.axes[0].lines) == 3                       # allocated, two reserved
     fig = plot.snapshot_figure(snapshot_timeline(snapshot(runs["native"])))

@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
-from labkit.precision import (DynamicLossScaler, ScalerStep, exponent_histogram, format_info,
-                              format_table, fp8_error, fraction_representable,
-                              outlier_activations, quantize_fp8)
+from labkit.quantisation.precision import (DynamicLossScaler, ScalerStep, exponent_histogram,
+                                           format_info, format_table, fp8_error,
+                                           fraction_representable, outlier_activations,
+                                           quantize_fp8)
 
 NUMBERS = ("max", "min_normal", "min_subnormal", "eps")
 
@@ -275,14 +276,14 @@ def test_outlier_activations_are_reproducible_with_a_few_loud_channels():
 
 
 def test_compare_with_gradscaler_reports_identical_decisions_and_weights():
-    from labkit.precision import compare_with_gradscaler
+    from labkit.quantisation.precision import compare_with_gradscaler
     ours, theirs, same_weights = compare_with_gradscaler(steps=10, overflow_at=(2, 5))
     assert ours == theirs and same_weights
     assert [s.skipped for s in ours] == [i in (2, 5) for i in range(10)]
 
 
 def test_a_too_high_start_scale_backs_off_to_the_same_level():
-    from labkit.precision import scale_history
+    from labkit.quantisation.precision import scale_history
     low = scale_history(2.0 ** 16, overflow_above=2.0 ** 17, steps=12)
     high = scale_history(2.0 ** 20, overflow_above=2.0 ** 17, steps=12)
     assert high[:4] == [2.0 ** 20, 2.0 ** 19, 2.0 ** 18, 2.0 ** 17]
@@ -291,7 +292,7 @@ def test_a_too_high_start_scale_backs_off_to_the_same_level():
 
 def test_shrunk_loss_flushes_the_logits_gradient_to_zero_in_fp16_and_scaling_restores_it():
     import labkit as lk
-    from labkit.precision import activation_gradients, fraction_representable
+    from labkit.quantisation.precision import activation_gradients, fraction_representable
     logits = activation_gradients(lk.preset("tiny"), loss_factor=1e-3, at="logits")
     assert fraction_representable(logits, torch.float16).underflow > 0.95   # measured 99.6%
     assert fraction_representable(logits * 2.0 ** 16, torch.float16).normal > 0.99
@@ -314,7 +315,7 @@ def test_per_tensor_fp8_keeps_ordinary_channels_until_outliers_reach_thousands()
 # ----------------------------------------------------------------------------- lab 02, issue 10
 
 def test_the_scale_update_rule_is_the_same_in_labkit_gradscaler_and_its_kernel():
-    from labkit.precision import scale_sequence
+    from labkit.quantisation.precision import scale_sequence
     flags = [False, True, True, False, False, False, False, False, False, True, False]
     ours = scale_sequence(flags, "labkit", init_scale=2.0 ** 12, growth_interval=2)
     assert ours == scale_sequence(flags, "torch", init_scale=2.0 ** 12, growth_interval=2)
@@ -329,7 +330,7 @@ def test_the_scale_update_rule_is_the_same_in_labkit_gradscaler_and_its_kernel()
 
 
 def test_rounding_to_7_mantissa_bits_gives_bf16_and_to_10_bits_tf32s_spacing():
-    from labkit.precision import round_mantissa
+    from labkit.quantisation.precision import round_mantissa
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 38, (4096,), generator=g).float()
     assert torch.equal(round_mantissa(x, 7), x.to(torch.bfloat16).float())
@@ -341,8 +342,8 @@ def test_rounding_to_7_mantissa_bits_gives_bf16_and_to_10_bits_tf32s_spacing():
 
 
 def test_the_fp8_cache_what_if_splits_layer_saved_exactly():
-    from labkit.layers import layer_saved
-    from labkit.precision import fp8_cached_activations
+    from labkit.predict.layers import layer_saved
+    from labkit.quantisation.precision import fp8_cached_activations
     import labkit as lk
     c = lk.preset("llama-2-7b")
     f = fp8_cached_activations(c, batch=2, seq=1024)
@@ -360,7 +361,7 @@ def test_the_fp8_cache_what_if_splits_layer_saved_exactly():
 
 
 def test_model_half_halves_the_weights_and_an_inference_forward_without_the_loss():
-    from labkit.precision import inference_peak
+    from labkit.quantisation.precision import inference_peak
     fp32, half = (inference_peak("tiny", 2, 64, half=h) for h in (False, True))
     assert 2 * half.weights == fp32.weights
     assert abs(2 * half.peak - fp32.peak) <= 0.001 * fp32.peak
@@ -371,7 +372,7 @@ def test_model_half_halves_the_weights_and_an_inference_forward_without_the_loss
 def _clip_run(clip_first: bool, scaled: bool, max_norm=0.5):
     """One SGD step of `tiny` (fp16 autocast + GradScaler when scaled); the new weights."""
     import labkit as lk
-    from labkit.train import bigram_corpus, train_step
+    from labkit.training.train import bigram_corpus, train_step
     torch.manual_seed(0)
     model = lk.build_model(lk.preset("tiny"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,4 +1,4 @@
-"""labkit's quantisers beside bitsandbytes and torchao (labkit.production).
+"""labkit's quantisers beside bitsandbytes and torchao (labkit.quantisation.production).
 
 Each library's tests skip when it is not installed (the ``production`` extra)."""
 import math
@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from labkit import optim8bit, production, quant
+from labkit.quantisation import optim8bit, production, quant
 
 pytestmark = pytest.mark.usefixtures("one_thread")     # many small ops: a second thread only waits
 LAYER = production.synthetic_layer()               # 512 x 256, N(0, 1/256)

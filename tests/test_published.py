@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 import labkit as lk
-from labkit.published import LLAMA_65B, RUNS, deepseek_v3_own_layout
+from labkit.course.published import LLAMA_65B, RUNS, deepseek_v3_own_layout
 
 GIB = 2 ** 30
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.precision import outlier_activations
-from labkit.quant import (GRANULARITIES, SCHEMES, LoRALinear, QuantLinear, dequantize,
-                          int8_matmul, int8_matmul_with_outliers, nf4_bits_per_param,
-                          nf4_codebook, pack_4bit, quantize_int8, quantize_nf4, unpack_4bit)
+from labkit.quantisation.precision import outlier_activations
+from labkit.quantisation.quant import (GRANULARITIES, SCHEMES, LoRALinear, QuantLinear, dequantize,
+                                       int8_matmul, int8_matmul_with_outliers, nf4_bits_per_param,
+                                       nf4_codebook, pack_4bit, quantize_int8, quantize_nf4,
+                                       unpack_4bit)
 
 torch.set_num_threads(1)
 
@@ -289,8 +290,8 @@ def test_lora_names_the_fix_for_bad_arguments():
 
 @pytest.mark.parametrize("shape", [(128, 128), (256, 512), (96, 384)])
 def test_stored_bytes_equal_what_the_quantisers_store(shape):
-    from labkit.gptq import rtn_quantize
-    from labkit.quant import stored_bytes
+    from labkit.quantisation.gptq import rtn_quantize
+    from labkit.quantisation.quant import stored_bytes
     w = torch.randn(*shape)
     assert stored_bytes("bf16", *shape) == w.bfloat16().nbytes
     assert stored_bytes("int8 per channel", *shape) == quantize_int8(w, "absmax", "channel").nbytes
@@ -303,7 +304,7 @@ def test_stored_bytes_equal_what_the_quantisers_store(shape):
 
 def test_model_weight_bytes_quantise_the_blocks_matmuls_and_keep_the_rest():
     import labkit as lk
-    from labkit.quant import model_weight_bytes
+    from labkit.quantisation.quant import model_weight_bytes
     for name in ("llama-2-7b", "deepseek-v2-lite"):
         total = lk.count_params(name).total
         assert model_weight_bytes(name, "bf16").total == 2 * total

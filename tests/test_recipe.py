@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import labkit as lk
-from labkit.parallel import pipeline, zero
-from labkit.recipe import PRECISIONS, state_bytes
+from labkit.core.recipe import PRECISIONS, state_bytes
+from labkit.parallel.data import zero
+from labkit.parallel.pipeline import pipeline_parallel as pipeline
 
 
 @given(layers=st.integers(1, 200), data=st.data())

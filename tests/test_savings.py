@@ -2,8 +2,8 @@
 import pytest
 
 import labkit as lk
-from labkit import plot
-from labkit.savings import Saving, course_savings
+from labkit.course import plot
+from labkit.course.savings import Saving, course_savings
 
 
 def test_each_technique_saves_in_its_regime_and_the_rows_are_the_estimates():

@@ -1,7 +1,7 @@
-"""labkit's ShardedOptimizer (labkit.parallel.sharded_optimizer: ZeRO stage 1 over any element-wise
-torch optimizer) on real gloo clusters, on models that are not labkit's: it trains as torch's
-ZeroRedundancyOptimizer with the same optimizer class and as one process on every rank's rows,
-and each rank keeps 1/N of the optimizer state.
+"""labkit's ShardedOptimizer (labkit.parallel.data.sharded_optimizer: ZeRO stage 1 over any
+element-wise torch optimizer) on real gloo clusters, on models that are not labkit's: it trains as
+torch's ZeroRedundancyOptimizer with the same optimizer class and as one process on every rank's
+rows, and each rank keeps 1/N of the optimizer state.
 
 fp64 throughout (but the "mixed" model's fp32 head). Against ZeroRedundancyOptimizer on 2 ranks
 the sums are the same - DDP halves each gradient before its all-reduce, labkit halves the sum
@@ -17,8 +17,8 @@ from torch import nn
 
 import sharded_optimizer_targets as targets
 from labkit.parallel import cluster
-from labkit.parallel.sharded_optimizer import ShardedOptimizer
-from labkit.parallel.zero import bytes_sent, padded, shard
+from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
+from labkit.parallel.data.zero import bytes_sent, padded, shard
 
 N = 2
 CLOSE = dict(rtol=0, atol=1e-12)

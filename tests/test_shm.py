@@ -3,9 +3,10 @@ that is too small fails with an error naming shared memory, and the host is left
 import pytest
 import torch
 
-from labkit import shm
-from labkit.shm import (DOCKER_DEFAULT_SHM, SEMAPHORE_SLACK, batch_shm_bytes, docker_shm_flag,
-                        measure_loader_shm, namespaces_available, reproduce_small_shm, shm_needed)
+from labkit.host import shm
+from labkit.host.shm import (DOCKER_DEFAULT_SHM, SEMAPHORE_SLACK, batch_shm_bytes, docker_shm_flag,
+                             measure_loader_shm, namespaces_available, reproduce_small_shm,
+                             shm_needed)
 
 MiB, GiB = 2**20, 2**30
 TOKENS = 8 * 4096 * 8                  # an LLM batch: 8 x 4096 int64 token ids

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from labkit.parallel import cluster
-from labkit.parallel.split_sample import as_written, one_process, split_over_ranks
+from labkit.parallel.pipeline.split_sample import as_written, one_process, split_over_ranks
 
 WHOLE = (1024 * 512 + 512 + 512 * 256 + 256) * 4       # bytes of both layers, fp32
 

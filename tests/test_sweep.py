@@ -1,8 +1,8 @@
-"""labkit.sweep: savings over batch x sequence, and the edges where a verdict changes."""
+"""labkit.predict.sweep: savings over batch x sequence, and the edges where a verdict changes."""
 import pytest
 
 from labkit.predict import estimate
-from labkit.sweep import first, peak_leaves_optimizer, saving, sweep
+from labkit.predict.sweep import first, peak_leaves_optimizer, saving, sweep
 
 FP32 = {"precision": "fp32"}
 

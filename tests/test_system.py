@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from labkit.__main__ import main
-from labkit.system import NVIDIA_SMI, STATUSES, cgroup_memory, cpulist_count, host_report
+from labkit.host.system import NVIDIA_SMI, STATUSES, cgroup_memory, cpulist_count, host_report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from readonly_audit import programs, run_audited, writes_outside  # noqa: E402
@@ -212,7 +212,7 @@ def test_when_both_names_differ_the_cuda_one_wins_and_it_warns(tmp_path):
 
 
 def test_a_bad_allocator_setting_warns_with_the_parsers_fix(tmp_path):
-    allocator = pytest.importorskip("labkit.allocator")    # lab 08's allocator module
+    allocator = pytest.importorskip("labkit.host.allocator")    # lab 08's allocator module
     bad = "expandable_segment:True"                         # a typo PyTorch refuses at start-up
     with pytest.raises(ValueError) as error:
         allocator.parse_alloc_conf(bad)

@@ -1,17 +1,18 @@
-"""Tensor and sequence parallelism (labkit.parallel.tensor) against one process, the estimate,
-Korthikanti et al.'s formula and PyTorch's DTensor tensor parallelism."""
+"""Tensor and sequence parallelism (labkit.parallel.tensor.tensor_parallel) against one process, the
+estimate, Korthikanti et al.'s formula and PyTorch's DTensor tensor parallelism."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.layers import block_weights, embedding_weights, head_weights, layer_saved
-from labkit.lora import apply_lora
-from labkit.quant import LoRALinear
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.comm import CommCounter, my_tokens
-from labkit.parallel.tensor import STYLES, parallelize, parallelize_block
+from labkit.parallel.tensor.comm import CommCounter, my_tokens
+from labkit.parallel.tensor.tensor_parallel import STYLES, parallelize, parallelize_block
+from labkit.predict.layers import block_weights, embedding_weights, head_weights, layer_saved
+from labkit.quantisation.lora import apply_lora
+from labkit.transformer.model import Block, Transformer
+from labkit.quantisation.quant import LoRALinear
 from tensor_targets import (BATCH, CFG, LORA_RANK, MEMORY_SEQ, PARTS, SEQ, SMALL_SEQ, compare,
                             fresh_model, logits_and_targets, lora, lora_model, part, run_model,
                             run_part, shard_of, tokens, train_one_process)
@@ -182,10 +183,10 @@ def test_bytes_sent_by_one_training_step(ranks):
 # ---- memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 4])
 def test_rank_holds_exactly_the_estimates_block_parameters(n):
-    """Per rank: the sharded projections' 1/N and whole norms, as labkit.layers counts them."""
+    """Per rank: the sharded projections' 1/N and whole norms, as labkit.predict.layers counts them."""
     expected = 4 * sum(w.local(n) for w in block_weights(CFG, False))          # fp32
     for rank in range(n):
-        block = lk.model.Block(CFG, 0)
+        block = Block(CFG, 0)
         parallelize_block(block, CommCounter(None, world=n, rank=rank))      # no message yet
         assert sum(p.nbytes for p in block.parameters()) == expected
 
@@ -304,7 +305,7 @@ def test_one_rank_keeps_the_models_own_head_and_loss():
     """tp = 1 is one process: its loss is F.cross_entropy's, which the estimate counts at tp=1."""
     model = fresh_model(torch.float32)
     parallelize(model, RankContext(0, 1, None, torch.device("cpu")))
-    assert type(model) is lk.model.Transformer and type(model.lm_head) is torch.nn.Linear
+    assert type(model) is Transformer and type(model.lm_head) is torch.nn.Linear
 
 
 def test_the_chunked_loss_is_refused_with_a_vocabulary_parallel_head():

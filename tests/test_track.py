@@ -7,8 +7,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import labkit as lk
-from labkit.measure import init_optimizer_state
-from labkit.train import make_optimizer, train_step
+from labkit.training import track
+from labkit.training.measure import init_optimizer_state
+from labkit.training.train import make_optimizer, train_step
 
 
 def test_counts_each_new_storage_once_and_frees_it():
@@ -40,7 +41,7 @@ def test_storage_resized_in_place_is_counted_and_the_patch_is_undone():
         fresh.resize_(8)                             # grown from nothing: counted once
         assert mt.current == 4008
         assert outer.current == 4008                 # both trackers are told
-    assert torch.UntypedStorage.resize_ is lk.track._RESIZE
+    assert torch.UntypedStorage.resize_ is track._RESIZE
     storage.resize_(0)                               # no tracker left to tell
     assert mt.current == 4008
 
@@ -48,13 +49,13 @@ def test_storage_resized_in_place_is_counted_and_the_patch_is_undone():
 def test_host_tagged_storages_leave_the_device_bytes():
     with lk.MemoryTracker() as mt:
         state = torch.zeros(100)                     # 400 bytes
-        lk.track.tag_live(state, "host")             # offloaded, as ZeRO-Offload keeps it
+        track.tag_live(state, "host")             # offloaded, as ZeRO-Offload keeps it
         assert (mt.current, mt.host) == (0, 400)
         state.untyped_storage().resize_(800)
         assert (mt.current, mt.host, mt.host_peak) == (0, 800, 800)
         del state
         assert (mt.current, mt.host, mt.peak) == (0, 0, 400)
-    lk.track.tag_live(torch.zeros(1), "grads")       # no tracker running: nothing happens
+    track.tag_live(torch.zeros(1), "grads")       # no tracker running: nothing happens
     with pytest.raises(ValueError, match="unknown category"):
         mt.tag(torch.zeros(1), "gpu")
 
@@ -150,7 +151,7 @@ def test_the_measured_model_is_freed_after_the_tracker_is_dropped():
 
 def test_measure_step_leaves_no_model_behind():
     import gc
-    from labkit.model import Transformer
+    from labkit.transformer.model import Transformer
 
     def models():
         gc.collect()
@@ -164,8 +165,8 @@ def test_measure_step_leaves_no_model_behind():
 
 def test_the_first_step_shows_adamw_state_as_optimizer_state_while_it_is_born():
     import torch
-    from labkit.model import build_model
-    from labkit.train import train_step
+    from labkit.transformer.model import build_model
+    from labkit.training.train import train_step
     torch.manual_seed(0)
     model = build_model(lk.preset("tiny"))
     opt = torch.optim.AdamW(model.parameters(), foreach=False)

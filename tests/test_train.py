@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from labkit.train import MasterWeights, make_optimizer
+from labkit.training.train import MasterWeights, make_optimizer
 
 
 def test_master_weights_keep_updates_too_small_for_bf16():
@@ -30,7 +30,7 @@ def test_master_weights_live_in_the_optimizer_state():
 
 
 def test_mixed_precision_and_master_weights_follow_the_fp32_loss_curve():
-    from labkit.train import train
+    from labkit.training.train import train
     fp32 = train("tiny", steps=30, precision="fp32", progress=False)
     for precision in ("bf16-mixed", "bf16-master"):
         other = train("tiny", steps=30, precision=precision, progress=False)
@@ -40,7 +40,7 @@ def test_mixed_precision_and_master_weights_follow_the_fp32_loss_curve():
 
 @pytest.mark.slow          # fp16 matmuls are slow on CPUs without fp16 units
 def test_fp16_without_loss_scaling_stalls_when_gradients_underflow():
-    from labkit.train import train
+    from labkit.training.train import train
     shrunk = dict(steps=30, loss_factor=1e-3, progress=False)     # AdamW ignores the factor
     fp32 = train("tiny", precision="fp32", **shrunk)
     unscaled = train("tiny", precision="fp16-mixed", **shrunk)

@@ -1,5 +1,5 @@
-"""labkit.units: the reconciliation table's differences."""
-from labkit.units import Breakdown, reconciliation
+"""labkit.core.units: the reconciliation table's differences."""
+from labkit.core.units import Breakdown, reconciliation
 
 
 def row(table: str, label: str) -> str:

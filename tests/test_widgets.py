@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import widgets
-from labkit.attention import SRAM_PER_SM, core, core_peak_bytes, hbm_accesses
-from labkit.generate import attention_kind, mla_reduction
-from labkit.layers import layer_saved
-from labkit.track import MemoryTracker
+from labkit.course import widgets
+from labkit.predict.layers import layer_saved
+from labkit.training.track import MemoryTracker
+from labkit.transformer.attention import SRAM_PER_SM, core, core_peak_bytes, hbm_accesses
+from labkit.transformer.generate import attention_kind, mla_reduction
 
 
 def test_predict_returns_the_same_estimate_as_the_library():
@@ -603,7 +603,7 @@ def test_attention_panel_reacts_to_its_controls_and_sets_its_output_as_state():
 def test_allocator_panel_replays_two_steps_under_each_setting():
     """Lab 08's panel: the tensors' peak from the tracker and, for each allocator setting, what
     it reserves - never less than the blocks it hands out; bad input is explained."""
-    from labkit.widgets import ALLOCATORS, allocator_report
+    from labkit.course.widgets import ALLOCATORS, allocator_report
     r = allocator_report("tiny", batch=2, seq=32, allocator="expandable segments")
     assert set(r.replays) == set(ALLOCATORS)
     for run in r.replays.values():
@@ -617,7 +617,7 @@ def test_allocator_panel_replays_two_steps_under_each_setting():
 def test_plan_panel_shows_the_fastest_layouts_and_explains_bad_input():
     """Lab 09's panel: the planner's layouts for the chosen cluster, a GPU type's memory changes
     what is usable, and an unknown GPU is explained instead of raised."""
-    from labkit.widgets import PlanPanel, plan_report
+    from labkit.course.widgets import PlanPanel, plan_report
     panel = PlanPanel(model="small", gpu="a100-80gb", gpus=2, seq=512)
     first = panel.result.summary()
     assert first.startswith("small on 2 x a100-80gb, seq 512:") and "#1" in first

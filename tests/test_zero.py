@@ -1,11 +1,11 @@
-"""ZeRO stages 1, 2 and 3 (labkit.parallel.zero_step) on a real gloo cluster equal one process."""
+"""ZeRO stages 1, 2 and 3 (labkit.parallel.data.zero_step) on a real gloo cluster equal one process."""
 import pytest
 import torch
 
 import labkit as lk
 from labkit.parallel import cluster
-from labkit.parallel.zero import shard
-from labkit.parallel.zero_step import ZeroOptimizer, paper_bytes, zero_steps
+from labkit.parallel.data.zero import shard
+from labkit.parallel.data.zero_step import ZeroOptimizer, paper_bytes, zero_steps
 from zero_targets import fresh_model, train_reference, train_zero
 
 STAGES = (1, 2, 3)
@@ -233,7 +233,7 @@ def test_lora_under_zero_1_and_2_is_the_estimate_and_trains_as_zero_1():
 
 
 def test_zero_3_of_a_frozen_base_points_to_fsdp2():
-    from labkit.lora import apply_lora
+    from labkit.quantisation.lora import apply_lora
     model = fresh_model()
     apply_lora(model, 4, 8)
     with pytest.raises(ValueError, match="shard it with FSDP2"):

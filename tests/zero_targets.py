@@ -1,10 +1,10 @@
 """What the ZeRO tests run on each rank (spawn imports it by name), and one process's reference."""
 import torch
 
-from labkit.config import preset
-from labkit.model import build_model
-from labkit.parallel.zero_step import ZeroOptimizer
-from labkit.train import make_optimizer
+from labkit.core.config import preset
+from labkit.parallel.data.zero_step import ZeroOptimizer
+from labkit.training.train import make_optimizer
+from labkit.transformer.model import build_model
 
 BATCH, SEQ, STEPS, LR = 4, 16, 3, 1e-2     # BATCH rows split over 1, 2 or 4 ranks
 

@@ -1,5 +1,5 @@
-"""The worked answer to every exercise of ``labkit.exercises``, computed with labkit the way the
-exercise's hint suggests: the code an instructor types to show where the number comes from.
+"""The worked answer to every exercise of ``labkit.course.exercises``, computed with labkit the way
+the exercise's hint suggests: the code an instructor types to show where the number comes from.
 
 scripts/build_workshop.py copies each ``# %% <exercise id>`` cell below into that lab's
 workshop/solutions/NN_solutions.ipynb, after ``print(solution(id))``, and ends it with
@@ -55,7 +55,7 @@ answer = next(seq for seq in range(512, 2**17, 512)
                              device="cuda").peak_phase == "backward")
 
 # %% 02-fp16-largest
-from labkit import precision as P
+from labkit.quantisation import precision as P
 fp16 = next(f for f in P.format_table() if f.name == "fp16")
 print(f"{fp16.exponent_bits} exponent bits, {fp16.mantissa_bits} mantissa bits: (2 - 2^-10) x 2^15")
 answer = fp16.max
@@ -69,7 +69,7 @@ print(f"the estimate's autocast weight cache: {cache / 2**30:.2f} GiB")
 
 # %% 02-fp8-block-bytes
 import torch
-from labkit import precision as P
+from labkit.quantisation import precision as P
 w = torch.randn(7168, 7168) * 0.02
 answer = P.quantize_fp8(w, fmt="fp8-e4m3", granularity="block").nbytes     # values + fp32 block scales
 print(f"7168^2 x 1 B + (7168 / 128)^2 x 4 B = {7168**2 + (7168 // 128) ** 2 * 4:,} B")
@@ -83,7 +83,7 @@ def saves_a_quarter(seq):
 answer = next(seq for seq in range(512, 2**17, 512) if saves_a_quarter(seq))
 
 # %% 02-half-inference-saving
-from labkit.precision import inference_peak
+from labkit.quantisation.precision import inference_peak
 fp32, half = (inference_peak("small", 2, 256, half=h) for h in (False, True))
 answer = 100 * (1 - half.peak / fp32.peak)
 
@@ -92,13 +92,13 @@ c = lk.preset("llama-2-7b")
 answer = 4096 * c.hidden * 2 / 2**20                       # one layer's input: tokens x hidden, bf16
 
 # %% 03-padding-waste
-from labkit import batching
+from labkit.training import batching
 padded = batching.pad_batches(batching.make_documents([100, 300, 50, 550]), 4, pad_to=600)
 print(f"{padded.tokens} real tokens, {padded.padding} padding positions of 4 x 600")
 answer = 100 * padded.waste
 
 # %% 03-accumulation-optimizer
-from labkit import batching
+from labkit.training import batching
 a = batching.measure_accumulation(lk.preset("small"), micro_batch=1, steps=8, seq=64)   # measured
 print(f"8 accumulation steps: optimizer state {a.optimizer:,} B; estimated for one step "
       f"{lk.estimate('small', precision='fp32').optimizer:,} B")
@@ -156,14 +156,14 @@ def peak(gpus):
 answer = next(gpus for gpus in (2**k for k in range(11)) if peak(gpus) <= 80 * 2**30)
 
 # %% 05-tp8-param-share
-from labkit.layers import block_weights, embedding_weights, head_weights
+from labkit.predict.layers import block_weights, embedding_weights, head_weights
 c = lk.preset("llama-2-7b")
 weights = embedding_weights(c) + head_weights(c) + [
     w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)]
 answer = 100 * sum(w.local(tp=8) for w in weights) / sum(w.numel for w in weights)
 
 # %% 05-1f1b-in-flight
-from labkit.parallel import pipeline
+from labkit.parallel.pipeline import pipeline_parallel as pipeline
 answer = pipeline.in_flight(0, 8, 32, "1f1b")              # stage 0, p = 8, m = 32
 
 # %% 05-bubble-m
@@ -175,19 +175,19 @@ per_gpu = c.routed_experts // 256                          # routed experts per 
 answer = c.moe_layers * per_gpu * 3 * c.hidden * c.moe_ffn / 1e9
 
 # %% 06-nf4-bits
-from labkit import quant
+from labkit.quantisation import quant
 answer = 4 + 8 / 64 + 32 / (64 * 256)                      # code + 8-bit scale + its fp32 scale
 print(f"quant.nf4_bits_per_param(64, double_quant=True): {quant.nf4_bits_per_param(64, True):.4f}")
 
 # %% 06-lora-share
-from labkit.layers import lora_weights
+from labkit.predict.layers import lora_weights
 c = lk.preset("llama-2-7b")
 trained = sum(w.numel for i in range(c.layers) for w in lora_weights(c, i >= c.dense_layers, 16))
 answer = 100 * trained / lk.count_params(c).total
 
 # %% 06-adamw8bit-state
-from labkit import optim8bit
-from labkit.layers import block_weights, embedding_weights, head_weights
+from labkit.predict.layers import block_weights, embedding_weights, head_weights
+from labkit.quantisation import optim8bit
 c = lk.preset("llama-2-7b")
 weights = embedding_weights(c) + head_weights(c) + [
     w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)]
@@ -218,17 +218,17 @@ per_token = lk.kv_cache_bytes("llama-2-13b", seq=1, dtype="fp16")   # one token,
 answer = (16 - 1) * per_token / 2**20                      # a last block holding one token of 16
 
 # %% 08-shm-image-loader
-from labkit import shm
+from labkit.host import shm
 batch = 64 * 3 * 224 * 224 * 4                             # one batch of fp32 images
 answer = shm.shm_needed(batch, 8, 2) / 2**20               # (8 x 2 in flight + 2) batches, whole pages
 
 # %% 08-small-pool-tensors
-from labkit import allocator
+from labkit.host import allocator
 rounded = allocator.round_size(100_000)                    # a multiple of 512 B
 answer = allocator.kSmallBuffer // rounded                 # in one 2 MiB segment
 
 # %% 08-reserved-three-tensors
-from labkit import allocator
+from labkit.host import allocator
 a = allocator.CachingAllocator(record_trace=False)
 for key, mib in enumerate((3, 7, 11)):
     a.malloc(mib * 2**20, key)
@@ -236,10 +236,10 @@ for key, mib in enumerate((3, 7, 11)):
 answer = a.stats().reserved_bytes / 2**20
 
 # %% 08-pinned-staging-buffer
-from labkit import pinned
+from labkit.host import pinned
 answer = pinned.pinned_host_bytes(600 * 2**20) / 2**20     # rounded up to a power of two
 
 # %% 09-fewest-a100s-7b
-from labkit.plan import plan
+from labkit.course.plan import plan
 answer = next(gpus for gpus in (1, 2, 4, 8, 16)
               if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)

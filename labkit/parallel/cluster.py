@@ -134,7 +134,7 @@ def _init_from_env(backend: str | None, timeout_s: float, store: dist.Store | No
 def _call(fn, ctx, args, kwargs, track):
     if not track:
         return fn(ctx, *args, **kwargs)
-    from ..track import MemoryTracker
+    from labkit.training.track import MemoryTracker
     with MemoryTracker(timeline=False) as mt:
         value = fn(ctx, *args, **kwargs)
     return Tracked(value, mt.peak, dict(mt.peak_by_category))
@@ -189,8 +189,8 @@ def _start_method() -> mp.context.BaseContext:
     context = mp.get_context("forkserver")
     # imported once by the server when it starts (once per parent), not by every rank: the
     # first optimizer a rank makes imports torch._dynamo (2.5 s of a 4 s ZeRO step, 2 cores)
-    context.set_forkserver_preload([__name__, "labkit.measure", "labkit.model",
-                                    "labkit.parallel.fsdp", "torch._dynamo"])
+    context.set_forkserver_preload([__name__, "labkit.training.measure", "labkit.transformer.model",
+                                    "labkit.parallel.data.fsdp", "torch._dynamo"])
     return context
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..track import MemoryTracker
-from ..step import train_step
-from ..units import Breakdown
+from labkit.core.units import Breakdown
+from labkit.training.step import train_step
+from labkit.training.track import MemoryTracker
 
 
 @dataclass

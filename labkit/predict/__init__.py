@@ -3,12 +3,13 @@
 ``estimate`` finds the peak of a steady-state step as the largest of a few moments (the loss,
 the start of backward, the worst layer of the backward pass, the embedding's backward, the
 optimizer step). Each moment is a list of named tensors: the model states (by the recipe's
-bytes per parameter, sharded by ZeRO), what autograd saves in each layer (``labkit.layers``),
-autocast's weight copies, the transient gradients and the optimizer's temporaries. The byte
-rules it reads are torch-free and load no mechanism (tests/test_imports.py checks it):
-``recipe`` (precisions), ``layers`` (the model), ``recompute`` (the policies),
-``formats`` (NF4, 8-bit AdamW), ``parallel.zero``, ``parallel.schedules`` (pipeline stages)
-and ``parallel.compose`` (expert parallelism inside data parallelism).
+bytes per parameter, sharded by ZeRO), what autograd saves in each layer
+(``labkit.predict.layers``), autocast's weight copies, the transient gradients and the optimizer's
+temporaries. The byte rules it reads are torch-free and load no mechanism (tests/test_imports.py
+checks it): ``core.recipe`` (precisions), ``layers`` (the model), ``core.recompute`` (the
+policies), ``core.formats`` (NF4, 8-bit AdamW), ``parallel.data.zero``,
+``parallel.pipeline.schedules`` (pipeline stages) and ``parallel.expert.compose`` (expert
+parallelism inside data parallelism).
 
     terms.py    a named tensor, the Estimate they add up to
     states.py   model states by the recipe's bytes, ZeRO's units, buckets, shards and messages
@@ -17,13 +18,13 @@ and ``parallel.compose`` (expert parallelism inside data parallelism).
 """
 from __future__ import annotations
 
-from ..config import ModelConfig, preset
-from ..layers import count_params  # noqa: F401  (re-exported)
-from ..parallel import schedules
-from ..recipe import Layout, Recipe, device_type, layout_from, recipe_from
-from ..units import check_positive, dtype_bytes
-from .step import _Step
-from .terms import Estimate, Tensor  # noqa: F401  (re-exported)
+from labkit.core.config import ModelConfig, preset
+from labkit.core.recipe import Layout, Recipe, device_type, layout_from, recipe_from
+from labkit.core.units import check_positive, dtype_bytes
+from labkit.parallel.pipeline import schedules
+from labkit.predict.layers import count_params  # noqa: F401  (re-exported)
+from labkit.predict.step import _Step
+from labkit.predict.terms import Estimate, Tensor  # noqa: F401  (re-exported)
 
 
 def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
@@ -41,10 +42,11 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     torch.device): whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU
     adds its CUDA context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
-    of a chunked loss (``labkit.loss``), None for the full logits. ``attention``: the core
-    (``labkit.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device is
-    one of the dp ranks under balanced routing (``labkit.parallel.compose``); a skewed router
-    loads one rank more (``labkit.parallel.expert.routing_imbalance`` measures it).
+    of a chunked loss (``labkit.transformer.loss``), None for the full logits. ``attention``: the
+    core (``labkit.transformer.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device
+    is one of the dp ranks under balanced routing (``labkit.parallel.expert.compose``); a skewed
+    router loads one rank more (``labkit.parallel.expert.expert_parallel.routing_imbalance``
+    measures it).
     ``zero_stage=3`` models labkit's ZeroOptimizer (one unit gathered at a time) for full
     fine-tuning, and FSDP2 (its backward prefetch and held all-gather outputs) under LoRA, the
     only way LoRA shards its base; FSDP2 holds up to ~4% more than the first (lab 09 checks).

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from fractions import Fraction
 
-from ..layers import SOFTMAX, block_weights, head_weights, lora_targets, naive_backward_alive
-from ..recipe import compute_bytes
-from ..units import HOST
-from .terms import Tensor, _total
+from labkit.core.recipe import compute_bytes
+from labkit.core.units import HOST
+from labkit.predict.layers import (SOFTMAX, block_weights, head_weights, lora_targets,
+                                   naive_backward_alive)
+from labkit.predict.terms import Tensor, _total
 
 
 class Moments:
@@ -72,8 +73,8 @@ class Moments:
                 "backward: LM head": ("backward", softmax_freed + head)}
 
     def _chunked_loss_moments(self, kept: list[Tensor], head: list[Tensor], cache: Tensor) -> dict:
-        """A chunked loss (``labkit.loss``) holds one chunk's fp32 logits (and their bf16
-        original when the matmuls run in bf16) in the forward pass, and again in the backward
+        """A chunked loss (``labkit.transformer.loss``) holds one chunk's fp32 logits (and their
+        bf16 original when the matmuls run in bf16) in the forward pass, and again in the backward
         pass beside the LM head's gradients being formed. Under autocast those are bf16, and
         their fp32 copies are made after the loss has freed what it saved. LoRA: the frozen LM
         head forms no gradient."""

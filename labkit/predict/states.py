@@ -4,14 +4,15 @@ state by the recipe's bytes per parameter, each unit sharded over its ranks (``p
 with ep, the experts' unit over their dp / ep copies); what each collective sends."""
 from __future__ import annotations
 
-from ..formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
-                       step_temporary_bytes)
-from ..layers import block_weights, lora_targets
-from ..parallel import compose, zero
-from ..recipe import STATE_NUMBERS, compute_bytes
-from ..recompute import plan
-from ..units import HOST
-from .terms import Tensor, _total
+from labkit.core.formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
+                                 step_temporary_bytes)
+from labkit.core.recipe import STATE_NUMBERS, compute_bytes
+from labkit.core.recompute import plan
+from labkit.core.units import HOST
+from labkit.parallel.data import zero
+from labkit.parallel.expert import compose
+from labkit.predict.layers import block_weights, lora_targets
+from labkit.predict.terms import Tensor, _total
 
 
 class States:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..layers import (Saved, Term, Weight, block_weights, embedding_weights, head_saved,
-                      head_weights, layer_saved, lora_targets, lora_weights)
-from ..parallel import compose, schedules, zero
-from ..recipe import Layout, Recipe, state_bytes
-from ..recompute import parse_policy, plan
-from ..units import HOST
-from .moments import Moments
-from .states import States
-from .terms import Estimate, Tensor, _by_category, _total
+from labkit.core.recipe import Layout, Recipe, state_bytes
+from labkit.core.recompute import parse_policy, plan
+from labkit.core.units import HOST
+from labkit.parallel.data import zero
+from labkit.parallel.expert import compose
+from labkit.parallel.pipeline import schedules
+from labkit.predict.layers import (Saved, Term, Weight, block_weights, embedding_weights,
+                                   head_saved, head_weights, layer_saved, lora_targets,
+                                   lora_weights)
+from labkit.predict.moments import Moments
+from labkit.predict.states import States
+from labkit.predict.terms import Estimate, Tensor, _by_category, _total
 
 # the moments of the backward pass before it reaches the last block
 HEAD_BACKWARD = ("backward: start", "backward: loss", "backward: LM head", "backward: final norm")
@@ -67,10 +70,11 @@ class _Step(States, Moments):
                                       + [w for ws in self.blocks for w in ws]
                                       + (head_weights(c) if self.last else []))
         self.n_local = sum(w.local(tp, ep) for w in self.weights)
-        # what trains: every weight, or LoRA's adapters on the frozen model (``labkit.lora``),
-        # with every layout: ZeRO-1/2 over the adapters, ZeRO-3 as FSDP2's (the frozen base
-        # sharded too, QLoRA's NF4 as bytes: FSDP-QLoRA), tp and sp as Megatron's parallel LoRA
-        # splits the adapters (``parallel.tensor``), pp, ep (the experts frozen), cp, offload
+        # what trains: every weight, or LoRA's adapters on the frozen model
+        # (``labkit.quantisation.lora``), with every layout: ZeRO-1/2 over the adapters, ZeRO-3 as
+        # FSDP2's (the frozen base sharded too, QLoRA's NF4 as bytes: FSDP-QLoRA), tp and sp as
+        # Megatron's parallel LoRA splits the adapters (``parallel.tensor``), pp, ep (the experts
+        # frozen), cp, offload
         self.lora = recipe.trainable == "lora"
         self.lora_rank = recipe.lora_rank if self.lora else 0
         self.targets = [w for m in self.moe for w in lora_targets(c, m)] if self.lora else []
@@ -262,7 +266,7 @@ class _Step(States, Moments):
                 f"balanced routing: each rank's experts receive batch x seq x top_k = "
                 f"{compose.routed_rows(self.c, self.B, self.T):,} rows per MoE layer; a skewed "
                 f"router puts more rows, activations and bytes sent on the busiest rank "
-                f"(labkit.parallel.expert.routing_imbalance measures it)"]
+                f"(labkit.parallel.expert.expert_parallel.routing_imbalance measures it)"]
         elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
             out.details["bytes sent per step"] = (
                 zero.bytes_sent([n for n, _ in self.units], 2, self.L.dp, self.bytes.grads, 0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..units import CATEGORIES, HOST, Breakdown, fmt_bytes
+from labkit.core.units import CATEGORIES, HOST, Breakdown, fmt_bytes
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ not compared). CI runs the labs here only, in two processes side by side
     LABKIT_BROWSER_RESTART=all python -m pytest -m browser   # each lab run twice (twice as long)
     LABKIT_SCREENSHOTS=1 BROWSER_ARTIFACTS=shots python -m pytest -m browser   # keep the PNGs
 
-A lab joins by calling a panel that ``labkit.widgets.PANEL_CONTROLS`` names (``memory_panel(``
-in a code cell); the test moves that panel's dropdown and slider.
+A lab joins by calling a panel that ``labkit.course.widgets.PANEL_CONTROLS`` names
+(``memory_panel(`` in a code cell); the test moves that panel's dropdown and slider.
 """
 import os
 import re
@@ -27,7 +27,7 @@ import pytest
 from labdriver import BROWSER_TIMES, ROOT, CheckFailed, NotebookPage, run_notebooks
 from lab_checks import audited, check_read_only
 from readonly_audit import read_events
-from labkit.widgets import PANEL_CONTROLS
+from labkit.course.widgets import PANEL_CONTROLS
 
 pytestmark = pytest.mark.browser
 
@@ -180,7 +180,7 @@ def test_lab_runs_and_its_panel_reacts(name, lab_server, browser, artifacts, kee
         rss_first = old_kernel.memory_info().rss
         panels = panels_in(cells)
         if not panels:
-            page.fail(f"no cell calls a panel of labkit.widgets.PANEL_CONTROLS "
+            page.fail(f"no cell calls a panel of labkit.course.widgets.PANEL_CONTROLS "
                       f"({', '.join(PANEL_CONTROLS)}): register the lab's panel there")
         changed = [line for index, panel in panels for line in move_controls(page, index, panel)]
         for line in changed:
@@ -216,7 +216,7 @@ def check_restart(page, name, lab_server, old_kernel, first, rss_first, record_p
 
 BROKEN = """\
 # added by the browser test to a scratch copy: every panel's update raises
-import labkit.widgets as _widgets
+import labkit.course.widgets as _widgets
 def _broken_update(self, *args, **kwargs):
     raise RuntimeError("deliberately broken panel callback")
 for _cls in vars(_widgets).values():
@@ -231,7 +231,7 @@ def test_a_broken_widget_callback_fails_with_a_screenshot(lab_root, lab_server, 
     """The check can fail: a scratch notebook with lab 00's panel, whose callback raises (two
     cells, not a whole lab: the run is not what this test checks)."""
     nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell('from labkit.widgets import memory_panel\n'
+        nbformat.v4.new_code_cell('from labkit.course.widgets import memory_panel\n'
                                   'memory_panel(model="small", seq=128)'),
         nbformat.v4.new_code_cell(BROKEN)],
         metadata=nbformat.read(lab_root / "00_welcome.ipynb", as_version=4).metadata)  # kernel

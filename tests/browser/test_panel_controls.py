@@ -1,11 +1,11 @@
-"""The registry the browser test reads (``labkit.widgets.PANEL_CONTROLS``) names real
+"""The registry the browser test reads (``labkit.course.widgets.PANEL_CONTROLS``) names real
 controls: each panel has one dropdown and one slider with those descriptions, the option is
 the dropdown's, and moving either changes what the panel shows. Runs without a browser."""
 import ipywidgets as w
 import pytest
 
-from labkit import widgets
-from labkit.widgets import PANEL_CONTROLS
+from labkit.course import widgets
+from labkit.course.widgets import PANEL_CONTROLS
 
 
 def parts(widget):

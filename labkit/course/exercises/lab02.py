@@ -1,0 +1,102 @@
+"""Lab 02's exercises: mixed precision."""
+from __future__ import annotations
+
+from labkit.course.exercises.core import GiB, register
+from labkit.predict.layers import count_params
+
+
+@register(
+    "02-fp16-largest",
+    question="What is the largest finite number fp16 can hold?",
+    unit="(a plain number)", rtol=0,
+    hint="fp16 has 5 exponent bits (largest exponent 15) and 10 mantissa bits: "
+         "(2 - 2^-10) x 2^15. torch.finfo(torch.float16).max agrees.",
+    solution="""(2 - 2^-10) x 2^15 = {answer:,.0f} = torch.finfo(torch.float16).max.
+A gradient or activation above it becomes inf: one reason bf16 (largest {bf16:.3g}) is easier.""",
+)
+def _fp16_largest():
+    import torch
+    return {"answer": torch.finfo(torch.float16).max, "bf16": torch.finfo(torch.bfloat16).max}
+
+
+@register(
+    "02-autocast-weight-copies",
+    question="""Under torch.autocast (bf16) with fp32 weights, every matmul weight is cast to
+bf16 once per forward pass, and the copy is kept for the backward pass. For LLaMA-2-7B, how
+much memory do those copies take?""",
+    unit="GiB",
+    hint="Every weight except the RMSNorm gains (and the embedding table, which is looked up, "
+         "not multiplied) is a matmul weight; each copy is 2 bytes per element.",
+    solution="""matmul weights: {matmul:,} of the {total:,} parameters (all but the embedding
+table and the norm gains). x 2 bytes = {bytes:,} bytes = {answer:.2f} GiB, alive from the
+forward pass until each layer's backward: the autocast weight cache, which pure-bf16 and
+master-weight training do not have (lk.estimate(..., precision="bf16-mixed").saved_weight_cache).""",
+)
+def _autocast_copies():
+    pc = count_params("llama-2-7b")
+    matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]
+    return {"answer": 2 * matmul / GiB, "matmul": matmul, "total": pc.total, "bytes": 2 * matmul}
+
+
+@register(
+    "02-fp8-block-bytes",
+    question="""DeepSeek-V3 stores a 7168 x 7168 weight in FP8 (1 byte per number) with one fp32
+scale per 128 x 128 block. How many bytes is that, scales included?""",
+    unit="bytes", rtol=0,
+    hint="7168 / 128 = 56 blocks per side; each block has one 4-byte scale.",
+    solution="""data: 7168 x 7168 x 1 = {data:,} bytes; scales: (7168/128)^2 = {blocks:,} blocks x 4
+bytes = {scales:,} bytes; total {answer:,} bytes — the scales add {overhead:.3f}%.
+In bf16 the same weight takes {bf16:,} bytes.""",
+)
+def _fp8_block_bytes():
+    n, block = 7168, 128
+    data, blocks = n * n, (n // block) ** 2
+    return {"answer": data + 4 * blocks, "data": data, "blocks": blocks, "scales": 4 * blocks,
+            "overhead": 100 * 4 * blocks / data, "bf16": 2 * data}
+
+
+@register(
+    "02-mixed-saves-a-quarter",
+    question="""LLaMA-2-7B on one GPU (lk.estimate with device="cuda"), batch 1: from how many
+tokens on does autocast (precision="bf16-mixed") bring the peak 25% below fp32's? Search over
+seq with the estimate.""",
+    unit="tokens", rtol=0.02,
+    hint="Compare lk.estimate(..., precision='bf16-mixed').total with precision='fp32' while "
+         "doubling seq, then halve the interval (the saving grows with the tokens once the "
+         "backward pass sets the peak). A step of 512 tokens is close enough.",
+    solution="""The smallest seq with 100 x peak <= 75 x fp32's peak (labkit.predict.sweep.first, a
+bisection over lk.estimate) is {answer:,} tokens: peak {peak} against
+{fp32} in fp32, the peak at "{moment}". Below a few thousand tokens autocast saves nothing at
+all: the optimizer step, where its states are fp32's, sets the peak.""",
+)
+def _mixed_saves_a_quarter():
+    from labkit.predict.sweep import first, saving
+    from labkit.core.units import fmt_bytes
+
+    def autocast(seq):
+        return saving("llama-2-7b", 1, seq, {"precision": "bf16-mixed"}, {"precision": "fp32"})
+    seq = first(lambda n: autocast(n).saves(25), 0, 2 ** 17)
+    s = autocast(seq)
+    return {"answer": seq, "peak": fmt_bytes(s.peak), "fp32": fmt_bytes(s.baseline_peak),
+            "moment": s.moment}
+
+
+@register(
+    "02-half-inference-saving",
+    question="""Predict, then measure: the course model `small` after model.half(), one forward
+pass under torch.no_grad() that returns the logits, batch 2 x 256 tokens. What percentage of
+the fp32 peak does it save? Measure with labkit.quantisation.precision.inference_peak (half=True / False).""",
+    unit="percent",
+    hint="Which tensors of the forward pass are not in the weights' dtype after model.half()? "
+         "Without the loss, hardly any: the logits are fp16 too.",
+    solution="""fp32 peak {fp32} (weights {w32}), fp16 peak {fp16} (weights {w16}): {answer:.2f}%
+saved. Everything the pass keeps at its peak, weights and logits, halves; a loss over fp32 logits
+would not (section 7, claim 5).""",
+)
+def _half_inference_saving():
+    from labkit.quantisation.precision import inference_peak
+    from labkit.core.units import fmt_bytes
+    fp32, half = (inference_peak("small", 2, 256, half=h) for h in (False, True))
+    return {"answer": 100 * (1 - half.peak / fp32.peak), "fp32": fmt_bytes(fp32.peak),
+            "fp16": fmt_bytes(half.peak), "w32": fmt_bytes(fp32.weights),
+            "w16": fmt_bytes(half.weights)}

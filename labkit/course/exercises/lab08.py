@@ -1,0 +1,96 @@
+"""Lab 08's exercises: the host and the caching allocator."""
+from __future__ import annotations
+
+from labkit.course.exercises.core import register
+
+
+@register(
+    "08-shm-image-loader",
+    question="""A DataLoader with 8 workers and prefetch_factor=2 yields batches of 64 images,
+3 x 224 x 224 in fp32. How many MiB of /dev/shm do its batches take at most, by the lab's
+formula (an upper bound: batches in flight plus two the loop may hold, each in whole 4 KiB
+pages)? Give one decimal; the solution says whether Docker's default /dev/shm holds them.""",
+    unit="MiB", rtol=1e-3,
+    hint="In flight: num_workers x prefetch_factor; the loop holds up to two more. "
+         "labkit.host.shm.shm_needed(batch_bytes, num_workers, prefetch_factor).",
+    solution="""one batch is 64 x 3 x 224 x 224 x 4 B = {batch:,} B ({pages:,} pages of 4 KiB);
+{workers} workers x prefetch {prefetch} = {in_flight} in flight, plus 2 held by the loop: {alive}
+batches, {needed:,} B = {answer:.1f} MiB (labkit.host.shm.shm_needed): it does not fit Docker's
+default 64 MiB ({times:.1f}x). A safe flag for one rank: ``{flag}`` (labkit.host.shm.docker_shm_flag:
+twice the need, as a power of two); with N ranks in the container pass ranks=N, and nccl=True
+when they talk over NCCL.""",
+)
+def _shm_image_loader():
+    from labkit.host.shm import batches_alive, batch_shm_bytes, docker_shm_flag, shm_needed
+    batch, workers, prefetch = 64 * 3 * 224 * 224 * 4, 8, 2
+    needed = shm_needed(batch, workers, prefetch)
+    MiB = 2**20
+    return {"answer": needed / MiB, "batch": batch, "pages": batch_shm_bytes(batch) // 4096,
+            "workers": workers, "prefetch": prefetch, "in_flight": workers * prefetch,
+            "alive": batches_alive(workers, prefetch), "needed": needed,
+            "times": needed / (64 * MiB), "flag": docker_shm_flag(needed)}
+
+
+@register(
+    "08-small-pool-tensors",
+    question="""How many tensors of 100,000 bytes each does PyTorch's CUDA caching allocator fit
+into one segment of its small pool before it must reserve a second one?""",
+    unit="tensors", rtol=0,
+    hint="Requests of at most 1 MiB share 2 MiB segments; each is first rounded up to a multiple "
+         "of 512 bytes (labkit.host.allocator.round_size).",
+    solution="""100,000 B rounds up to {rounded:,} B (a multiple of 512); a small-pool segment is
+{segment:,} B, so {answer} fit ({left:,} B stay free). labkit.host.allocator.CachingAllocator
+reserves its second segment at tensor {second}.""",
+)
+def _small_pool_tensors():
+    from labkit.host.allocator import CachingAllocator, kSmallBuffer, round_size
+    alloc, n = CachingAllocator(record_trace=False), 0
+    while alloc.stats().reserved_bytes <= kSmallBuffer:
+        alloc.malloc(100_000, n)
+        n += 1
+    rounded = round_size(100_000)
+    return {"answer": n - 1, "rounded": rounded, "segment": kSmallBuffer,
+            "left": kSmallBuffer - (n - 1) * rounded, "second": n}
+
+
+@register(
+    "08-reserved-three-tensors",
+    question="""A fresh caching allocator is asked for tensors of 3 MiB, 7 MiB and 11 MiB, in
+that order, none of them freed. How many MiB does it reserve from the GPU?""",
+    unit="MiB", rtol=0,
+    hint="A request between 1 and 10 MiB that finds no free block takes a 20 MiB segment and "
+         "splits it; a later request takes the smallest free block that fits; a larger one "
+         "gets its own segment, rounded up to 2 MiB.",
+    solution="""3 MiB: no free block, a new {first} MiB segment, split ({rest1} MiB free); 7 MiB:
+the best fit is that remainder, split again ({rest2} MiB free); 11 MiB: nothing fits, a new
+segment of 11 MiB rounded up to 2 MiB = {third} MiB. Reserved: {answer:g} MiB for {used} MiB of
+tensors (labkit.host.allocator.CachingAllocator).""",
+)
+def _reserved_three_tensors():
+    from labkit.host.allocator import CachingAllocator
+    MiB, alloc, reserved = 2**20, CachingAllocator(record_trace=False), []
+    for i, size in enumerate((3, 7, 11)):
+        alloc.malloc(size * MiB, i)
+        reserved.append(alloc.stats().reserved_bytes // MiB)
+    return {"answer": reserved[-1], "first": reserved[0], "rest1": reserved[0] - 3,
+            "rest2": reserved[0] - 10, "third": reserved[2] - reserved[1], "used": 21}
+
+
+@register(
+    "08-pinned-staging-buffer",
+    question="""You allocate a 600 MiB staging buffer with torch.empty(..., pin_memory=True) on a
+CUDA machine. How many MiB of page-locked host memory does PyTorch's pinned-memory cache take
+for it?""",
+    unit="MiB", rtol=0,
+    hint="By default the pinned (host) caching allocator rounds each request up to a power of "
+         "two (labkit.host.pinned.pinned_host_bytes).",
+    solution="""600 MiB rounds up to the next power of two, {answer:g} MiB
+(CachingHostAllocator: c10::llvm::PowerOf2Ceil), {extra:g} MiB more than asked. Freed, the
+block stays cached for the next request that fits until torch.accelerator.empty_host_cache()
+(torch.cuda.host_memory_stats() counts the rounded bytes).""",
+)
+def _pinned_staging_buffer():
+    from labkit.host.pinned import pinned_host_bytes
+    MiB = 2**20
+    pinned = pinned_host_bytes(600 * MiB) // MiB
+    return {"answer": pinned, "extra": pinned - 600}

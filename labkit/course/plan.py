@@ -1,0 +1,348 @@
+"""The capstone planner: which layouts of a training run fit a cluster, ranked by step time.
+
+``plan`` enumerates layouts - data parallel with ZeRO stage 0-3 (FSDP is ZeRO-3), ZeRO-Offload,
+tensor parallel (with sequence parallelism), pipeline parallel and its schedule, expert parallel,
+micro-batch size, recompute policy, and full fine-tuning, LoRA or QLoRA - predicts each one's
+bytes per GPU with ``labkit.estimate``, keeps those under the GPU's memory less a headroom, and
+ranks them by ``labkit.predict.steptime``'s compute + communication model. Impossible or too-large
+families are kept with the reason. The top layouts can be checked on fake tensors
+(``measure_step`` on one GPU, FSDP2 on a fake process group for ZeRO-3).
+
+The search stays fast by pruning: a family's model states (the same for every micro-batch and
+recompute policy) are a lower bound computed without ``estimate``; the rest are estimated in
+order of modelled step time until ``top`` fit, and a failure rules out every member of its
+family that keeps more (a larger micro-batch, a weaker recompute policy) without estimating it.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from labkit.core.config import ModelConfig, preset
+from labkit.core.gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
+from labkit.core.recipe import FINE_TUNING, Layout
+from labkit.core.units import CATEGORIES, check_choice, check_positive, fmt_bytes
+from labkit.predict.plan_search import ADAPTERS, FULL, RECOMPUTE, _search
+from labkit.predict.steptime import assumptions
+
+TRAINABLE = FINE_TUNING
+OVERLAP_TIE = 0.01           # a layout this much faster or less does not overtake #1
+HOST_USABLE = 0.8            # of a node's host memory, for ZeRO-Offload's pinned states
+
+
+@dataclass
+class Plan:
+    """``fits``: ranked candidates; ``rejected``: family label -> why it fails; ``unexplored``:
+    families that may fit but whose fastest member is slower than the ``top`` found."""
+
+    model: str
+    gpu: GPU
+    gpus: int
+    gpus_per_node: int
+    seq: int
+    global_batch: int
+    usable: int
+    fits: list = field(default_factory=list)
+    rejected: dict = field(default_factory=dict)
+    unexplored: list = field(default_factory=list)
+    assumptions: list = field(default_factory=list)
+    verified: list = field(default_factory=list)
+    advice: list = field(default_factory=list)
+    overlap: str = ""          # does #1 stay first if communication overlaps compute?
+    estimates: int = 0
+    search_s: float = 0.0
+
+    def text(self, max_rejected: int = 40) -> str:
+        head = (f"{self.model} on {self.gpus} x {self.gpu.name} ({self.gpus_per_node} per node), "
+                f"seq {self.seq}, global batch {self.global_batch} sequences; usable "
+                f"{fmt_bytes(self.usable)} per GPU; searched in {self.search_s:.2f} s "
+                f"({self.estimates} estimates)")
+        short = {"params": "params", "grads": "grads", "optimizer": "optim",
+                 "activations": "activ", "weight_cache": "wcache", "other": "other"}
+        lines = [head, ""]
+        if self.fits:
+            cols = "".join(f"{short[k]:>11}" for k in CATEGORIES)
+            lines.append(f"{'#':>2} {'step s':>8} {'':<2}{cols}{'total':>11}  layout")
+            for i, c in enumerate(self.fits, 1):
+                e = c.estimate
+                lines.append(f"{i:>2} {c.time.total:>8.2f}   "
+                             + "".join(f"{fmt_bytes(getattr(e, k), 1):>11}" for k in CATEGORIES)
+                             + f"{fmt_bytes(e.total, 1):>11}  {c.label()}")
+            best = self.fits[0].time
+            lines.append("   step time of #1: " + ", ".join(
+                f"{k} {v:.2f} s" for k, v in best.as_dict().items() if v and k != "total"))
+            lines.append(f"   {self.overlap}")
+        else:
+            lines.append("nothing fits.")
+        for v in self.verified:
+            lines.append(f"   verified #{v['rank']}: {v['result']}")
+        if self.advice:
+            lines += ["", "what would fit:"] + [f"  - {a}" for a in self.advice]
+        groups = self.rejected_by_reason()
+        if groups:
+            lines += ["", f"rejected families ({len(self.rejected)}), by reason:"]
+        lines += [f"  - {g['count']} families, "
+                  f"{'the nearest' if _first_bytes(g['example_reason']) < math.inf else 'e.g.'} "
+                  f"{g['example']}: {g['example_reason']}" if g["count"] > 1 else
+                  f"  - {g['example']}: {g['example_reason']}" for g in groups[:max_rejected]]
+        if len(groups) > max_rejected:
+            lines.append(f"  ... {len(groups) - max_rejected} more reasons (see --json)")
+        if self.unexplored:
+            lines.append(f"not estimated (their fastest layout is slower than the top "
+                         f"{len(self.fits)}; model states fit): {len(self.unexplored)} families")
+        lines += ["", "assumptions:"] + [f"  - {a}" for a in self.assumptions]
+        return "\n".join(lines)
+
+    def rejected_by_reason(self) -> list[dict]:
+        """The rejected families grouped by reason, its numbers left out, most families first:
+        ``reason`` (the pattern), ``count``, one ``example`` family and its ``example_reason``."""
+        groups: dict[str, dict] = {}
+        for family, why in self.rejected.items():
+            kind = f"{family.split(',')[0]}: {_reason_kind(why)}"      # full / LoRA / QLoRA
+            group = groups.setdefault(kind, dict(reason=kind, count=0, example=family,
+                                                 example_reason=why))
+            group["count"] += 1
+            if _first_bytes(why) < _first_bytes(group["example_reason"]):   # the nearest miss
+                group.update(example=family, example_reason=why)
+        return sorted(groups.values(), key=lambda g: -g["count"])
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "gpu": self.gpu.as_dict(), "gpus": self.gpus,
+                "gpus_per_node": self.gpus_per_node, "seq": self.seq,
+                "global_batch": self.global_batch, "usable": self.usable,
+                "fits": [c.as_dict() for c in self.fits], "rejected": self.rejected,
+                "rejected_by_reason": self.rejected_by_reason(),
+                "unexplored": self.unexplored, "assumptions": self.assumptions,
+                "verified": self.verified, "advice": self.advice, "overlap": self.overlap,
+                "estimates": self.estimates, "search_s": self.search_s}
+
+
+_NUMBER = r"\d(?:[\d,.]*\d)?"
+_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _reason_kind(why: str) -> str:
+    """A rejection's reason without its numbers: what groups it (the largest category and
+    the peak's phase stay)."""
+    return re.sub(_NUMBER + r"(\s*[KMGT]iB|\s*B\b)?", "#", why)
+
+
+def _first_bytes(why: str) -> float:
+    """The first size a reason names (what the family needs), or infinity."""
+    found = re.search(r"(" + _NUMBER + r")\s*(B|[KMGT]iB)\b", why)
+    return float(found.group(1).replace(",", "")) * _BYTES[found.group(2)] if found else math.inf
+
+
+def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
+         global_batch: int | None = None, headroom: float = HEADROOM,
+         trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
+         advice: bool = True, progress: bool = False, host_ram: int | None = None,
+         recompute=RECOMPUTE) -> Plan:
+    """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
+
+    ``model``: a preset name, a ``ModelConfig`` or a Hugging Face config; ``gpu``: a name in
+    ``labkit.core.gpus.GPUS`` or a ``GPU``. ``global_batch``: sequences per optimizer step (default:
+    one per GPU). ``headroom``: the fraction of memory kept free for what the estimate does not
+    see (CUDA context, NCCL buffers, allocator fragmentation). ``top``: how many fitting layouts
+    to find (None: all). ``verify``: check that many of the top layouts on fake tensors.
+    ``host_ram``: bytes of host memory per node (default: the GPU type's ``host_ram_per_gpu``
+    times the GPUs on a node); ZeRO-Offload's pinned states of a node's ranks must fit in
+    HOST_USABLE of it. ``recompute``: the policies to search (a name or several of
+    RECOMPUTE; LoRA and QLoRA are run with checkpointing, so every one by default).
+    """
+    start = time.perf_counter()
+    c = _model(model)
+    g = gpu_named(gpu)
+    check_positive("gpus", gpus)
+    check_positive("gpus_per_node", gpus_per_node)
+    check_positive("seq", seq)
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"gpus={gpus} spans nodes of {gpus_per_node}: choose a multiple of "
+                         f"{gpus_per_node} (or set gpus_per_node)")
+    batch = gpus if global_batch is None else global_batch
+    check_positive("global_batch (sequences per step)", batch)
+    trainable = (trainable,) if isinstance(trainable, str) else tuple(dict.fromkeys(trainable))
+    for t in trainable:
+        check_choice("trainable", t, TRAINABLE)
+    recompute = (recompute,) if isinstance(recompute, str) else tuple(dict.fromkeys(recompute))
+    for r in recompute:
+        check_choice("recompute", r, RECOMPUTE)
+    if not trainable or not recompute:
+        raise ValueError("give at least one trainable (all, lora, qlora) and one recompute "
+                         "policy (none, selective, full) to search")
+    if seq > c.max_seq:
+        c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
+    usable = usable_memory(g, headroom)
+    host_ram = (g.host_ram_per_gpu * min(gpus, gpus_per_node) if host_ram is None
+                else check_positive("host_ram", host_ram))
+    host_usable = int(host_ram * HOST_USABLE)
+    # ZeRO-Offload only when nothing fits on the devices: its host-side step is not modelled
+    fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
+                                            trainable, False, top, recompute=recompute)
+    if not fits and offload:
+        fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
+                                                   usable, trainable, True, top, host_usable,
+                                                   recompute)
+        n += more
+    out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
+               unexplored, estimates=n)
+    out.assumptions = _assumptions(g, gpus_per_node, usable, headroom, host_ram, recompute)
+    out.overlap = _overlap_check(fits)
+    if not fits and advice:
+        out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
+                             offload, global_batch, host_ram, recompute)
+    out.search_s = time.perf_counter() - start          # the search, not the verification
+    if verify:
+        out.verified = verify_candidates(c, fits[:verify], seq, progress)
+    return out
+
+
+def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: int,
+                 recompute) -> list[str]:
+    """What the plan assumes, in words: memory, recipes, offload, the search, the time model."""
+    return [
+        f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
+        f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
+        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
+        f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
+        f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (DDP over the "
+        f"adapters), or the frozen base sharded by FSDP2 (QLoRA's NF4 codes and scales as "
+        f"bytes, as bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward "
+        f"prefetch and held all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, "
+        f"one unit gathered at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing "
+        f"fits without",
+        f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
+        f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
+        f"CPU optimizer step is not timed",
+        "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
+        "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1 (as labkit's "
+        "executor runs it: a deferred W keeps its micro-batch's whole graph; one that keeps "
+        "only each linear's input and output gradient needs less), ep in powers of 2 "
+        "(each expert shard's states over its dp / ep copies), ZeRO 0-3 and ZeRO-Offload "
+        f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
+        f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
+        f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
+        f"LoRA with tp, pp or ep",
+        *assumptions(g, gpus_per_node),
+    ]
+
+
+def _model(model) -> ModelConfig:
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, str):
+        return preset(model)
+    from labkit.core.hf import from_hf_config
+    return from_hf_config(model)
+
+
+# ---- verification on fake tensors --------------------------------------------------------
+def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[dict]:
+    """Measure each candidate's step on fake tensors where one applies: a one-GPU step
+    (``measure_step``), or ZeRO-3 over dp alone (FSDP2 on a fake process group)."""
+    from tqdm.auto import tqdm
+
+    from labkit.training.measure import measure_step
+    from labkit.parallel.data.fsdp import fake_fsdp2_peak
+
+    out = []
+    for rank, k in enumerate(tqdm(candidates, desc="verifying on fake tensors",
+                                  disable=not progress), 1):
+        L, r, e = k.layout, k.recipe, k.estimate
+        row = {"rank": rank, "label": k.label(), "estimated": e.total}
+        if L == Layout() or (r.trainable == "lora" and L == Layout(dp=L.dp)):
+            measured = measure_step(c, k.micro_batch, seq, r.precision, recompute=r.recompute,
+                                    fake=True, device="cuda", trainable=r.trainable,
+                                    lora_rank=r.lora_rank, weight_format=r.weight_format).total
+            how = ("measure_step, one GPU" if L.dp == 1 else
+                   "measure_step, one replica (DDP's adapter buckets not in it)")
+        elif (L.tp, L.pp, L.ep, L.offload, L.zero_stage) == (1, 1, 1, False, 3):
+            measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
+                                       recompute=r.recompute, trainable=r.trainable,
+                                       lora_rank=r.lora_rank)["peak"]
+            how = f"FSDP2 on a fake group of {L.dp}"
+        else:
+            row["result"] = "not verifiable on fake tensors here (tp, pp, ep, DDP or offload)"
+            out.append(row)
+            continue
+        row.update(measured=measured, ratio=measured / e.total,
+                   result=f"{how}: measured {fmt_bytes(measured)} vs estimated "
+                          f"{fmt_bytes(e.total)} ({100 * (measured / e.total - 1):+.1f}%)")
+        out.append(row)
+    return out
+
+
+def _overlap_check(fits: list) -> str:
+    """Whether the top layout stays first when data-, pipeline- and expert-parallel traffic
+    overlaps compute (``StepTime.overlapped``), or which one overtakes it."""
+    if not fits:
+        return ""
+    first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
+                                                 -fits[i].micro_batch, fits[i].estimate.total))
+    hidden = ("with dp, pp and ep communication hidden under compute (tp's stays exposed)")
+    if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
+        first = 0                     # no more than 1% faster: a tie the model cannot break
+    if first == 0:
+        return (f"overlap: {hidden}, #1 stays first: no layout found is over "
+                f"{OVERLAP_TIE:.0%} faster ({fits[0].time.overlapped:.2f} s a step against "
+                f"{fits[0].time.total:.2f} s with none)")
+    return (f"overlap: {hidden}, #{first + 1} becomes first ({fits[first].time.overlapped:.2f} s "
+            f"against #1's {fits[0].time.overlapped:.2f} s): the ranking depends on how much "
+            f"of the communication the framework overlaps")
+
+
+# ---- when nothing fits -------------------------------------------------------------------
+def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
+    """The next cluster size to try: twice as many GPUs, but never part of a second node
+    (3 -> 6 -> 8 -> 16 with 8 per node)."""
+    if 2 * n <= gpus_per_node:
+        return 2 * n
+    return max(gpus_per_node, 2 * (n // gpus_per_node) * gpus_per_node)
+
+
+def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
+            global_batch, host_ram, recompute=RECOMPUTE) -> list[str]:
+    """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
+    def first_fit(**change):
+        kw = dict(gpus=gpus, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
+                  headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram,
+                  recompute=recompute)
+        kw.update(change)
+        found = plan(c, g, top=1, advice=False, **kw)
+        return found.fits[0] if found.fits else None
+
+    out = []
+    if tuple(recompute) != RECOMPUTE:        # the policies left out may fit as they are
+        k = first_fit(recompute=RECOMPUTE)
+        if k:
+            out.append(f"recompute {k.recipe.recompute} on these GPUs (only "
+                       f"{' / '.join(recompute)} searched): {k.label()} "
+                       f"({fmt_bytes(k.estimate.total)} per GPU)")
+    n = gpus
+    while n < 16384:
+        n = _twice_the_gpus(n, gpus_per_node)
+        k = first_fit(gpus=n)
+        if k:
+            out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU)")
+            break
+    if "qlora" not in trainable:
+        k = first_fit(trainable=("qlora",))
+        if k:
+            out.append(f"QLoRA on these {gpus} GPUs: {k.label()} "
+                       f"({fmt_bytes(k.estimate.total)} per GPU)")
+    if not offload:
+        k = first_fit(offload=True)
+        if k:
+            out.append(f"ZeRO-Offload on these GPUs: {k.label()}")
+    s = seq // 2
+    while s >= 256:
+        k = first_fit(seq=s)
+        if k:
+            out.append(f"seq {s} (micro-batch 1 at seq {seq} is already too large): {k.label()}")
+            break
+        s //= 2
+    if not out:
+        out.append("nothing found: up to 16,384 GPUs, QLoRA, offload or a shorter sequence")
+    return out

@@ -1,0 +1,121 @@
+"""Published training runs that fitted their GPUs, each estimated with its own techniques.
+
+The planner is only as good as the estimate under it: each run here is a configuration its
+authors ran, with the recipe and layout they published, so the estimate must put it under its
+GPU's memory (less the planner's headroom). DeepSeek-V3's own layout (expert parallelism with
+ZeRO-1 over the data-parallel ranks) is estimated apart: it trains in FP8, which labkit does
+not model, so in bf16 it fits only with full recomputation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.core.config import ModelConfig, preset
+from labkit.core.gpus import gpu as gpu_named, usable_memory
+from labkit.core.recipe import Layout, Recipe
+from labkit.predict import estimate
+
+# LLaMA-1 65B (Touvron et al., 2023, Table 2): 80 layers of 8192, 64 heads without GQA, an
+# SwiGLU width of 22016 and 2048-token context; no preset, only this check uses it
+LLAMA_65B = preset("llama-2-70b", kv_heads=64, ffn=22016, max_seq=2048).replace(
+    name="llama-65b", published="LLaMA-1 65B (Touvron et al., 2023)")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One run as published: its model, GPU type and count, per-GPU batch and sequence, and
+    the recipe and layout that say how it trained."""
+
+    name: str
+    source: str
+    model: str | ModelConfig
+    gpu: str
+    gpus: int
+    batch: int                # sequences per GPU per micro-batch
+    seq: int
+    recipe: Recipe
+    layout: Layout = Layout()
+    note: str = ""
+
+    def check(self) -> dict:
+        """The estimate's bytes per GPU against the GPU's usable memory."""
+        est = estimate(self.model, self.batch, self.seq, recipe=self.recipe, layout=self.layout)
+        usable = usable_memory(gpu_named(self.gpu))
+        return dict(name=self.name, per_gpu=est.total, usable=usable,
+                    fits=est.total <= usable, peak=est.details["peak moment"])
+
+
+RUNS = (
+    PublishedRun(
+        "Guanaco-65B: QLoRA on one 48 GB GPU",
+        "Dettmers et al., QLoRA (2023), and its scripts/finetune_guanaco_65b.sh (86ac601): NF4 "
+        "with double quantisation, rank-64 LoRA on every linear, bf16, gradient checkpointing, "
+        "1 sequence (16 accumulated) of at most 16 + 512 tokens",
+        LLAMA_65B, "a6000-48gb", 1, 1, 528,
+        Recipe("bf16", recompute="full", trainable="lora", lora_rank=64, weight_format="nf4"),
+        note="the paper's paged 32-bit AdamW keeps the adapters' moments in fp32 (2.98 GiB "
+             "more) and pages them to host memory under pressure; labkit's are bf16"),
+    PublishedRun(
+        "Alpaca: LLaMA-7B fully fine-tuned with FSDP on 4 x A100-80GB",
+        "Taori et al., Stanford Alpaca (2023), README: FSDP full_shard per decoder layer, bf16, "
+        "4 sequences of 512 tokens per GPU, no gradient checkpointing",
+        "llama-2-7b", "a100-80gb", 4, 4, 512, Recipe("bf16-master"), Layout(dp=4, zero_stage=3),
+        note="LLaMA-2-7B's shape is LLaMA-7B's; FSDP's mixed precision keeps fp32 shards, 16 "
+             "bytes per parameter / N as labkit's bf16-master"),
+    PublishedRun(
+        "torchtune: LLaMA-2-7B LoRA on one GPU",
+        "torchtune, recipes/configs/llama2/7B_lora_single_device.yaml: rank-8 LoRA (from "
+        "torchtune 0.5 on q, v, the output projection and the MLP; q and v before), bf16, "
+        "activation checkpointing, batch 2",
+        "llama-2-7b", "rtx-4090-24gb", 1, 2, 2048,
+        Recipe("bf16", recompute="full", trainable="lora", lora_rank=8),
+        note="the recipe names no GPU: checked on a 24 GB card with every linear adapted and "
+             "2048-token sequences, more than it needs"),
+    PublishedRun(
+        "torchtune: LLaMA-2-70B LoRA with FSDP on 8 GPUs",
+        "torchtune, recipes/configs/llama2/70B_lora.yaml (lora_finetune_distributed, FSDP2): "
+        "rank-16 LoRA, bf16, activation checkpointing, batch 2 per GPU",
+        "llama-2-70b", "a100-80gb", 8, 2, 2048,
+        Recipe("bf16", recompute="full", trainable="lora", lora_rank=16),
+        Layout(dp=8, zero_stage=3),
+        note="its sequences (Alpaca) are under 2048 tokens; 80 GB GPUs assumed"),
+    PublishedRun(
+        "ms-swift: LLaMA-2-70B QLoRA with FSDP and CPU offload on 2 x 24 GB",
+        "ms-swift, examples/pytorch/llm/scripts/llama2_70b_chat/qlora_fsdp/sft.sh (3429fc5): "
+        "'2 GPU * 24G', NF4 stored as bf16 so that FSDP shards it (Answer.AI's FSDP-QLoRA, "
+        "2024), rank-8 LoRA, bf16, gradient checkpointing, batch 1 of at most 2048 tokens, "
+        "accelerate's fsdp_offload config",
+        "llama-2-70b", "rtx-4090-24gb", 2, 1, 2048,
+        Recipe("bf16", recompute="full", trainable="lora", lora_rank=8, weight_format="nf4"),
+        Layout(dp=2, zero_stage=3, offload=True),
+        note="its DEFAULT targets are the attention projections: checked with every linear "
+             "adapted, more than it needs. labkit's NF4 (not bitsandbytes') decides the margin: "
+             "FSDP shards its scales too (bitsandbytes keeps absmax whole on every GPU) and it "
+             "dequantises through fp32 (13 bytes per weight at the peak, bitsandbytes' kernel "
+             "about 2): kept on the GPUs it needs 25.2 GiB of 21.6, 2.4 GiB less with "
+             "bitsandbytes' kernel, still over"),
+)
+
+# DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2: 2,048 H800s, pp 16 (DualPipe,
+# here 1F1B, which keeps one micro-batch fewer in flight), ep 64 over 8 nodes, ZeRO-1 across the
+# data-parallel ranks, no tensor parallelism, FP8; 15,360 sequences of 4096 tokens per step
+# (after the ramp): 120 micro-batches of one sequence on each of the 128 data-parallel ranks
+DEEPSEEK_V3 = dict(model="deepseek-v3", gpu="h800-80gb", gpus=2048, seq=4096,
+                   layout=dict(dp=128, zero_stage=1, pp=16, ep=64, micro_batches=120))
+
+
+def deepseek_v3_own_layout(recomputes=("none", "selective", "full")) -> list[dict]:
+    """DeepSeek-V3's layout estimated in bf16-master (labkit has no FP8) under each recompute
+    policy: bytes per GPU of the busiest stage, its parameters, model states and activations,
+    against the H800's usable memory."""
+    usable = usable_memory(gpu_named(DEEPSEEK_V3["gpu"]))
+    rows = []
+    for recompute in recomputes:
+        est = estimate(DEEPSEEK_V3["model"], 1, DEEPSEEK_V3["seq"],
+                       recipe=Recipe("bf16-master", recompute=recompute),
+                       layout=Layout(**DEEPSEEK_V3["layout"]), device="cuda")
+        rows.append(dict(recompute=recompute, per_gpu=est.total, usable=usable,
+                         fits=est.total <= usable, activations=est.activations,
+                         states=sum(est.details["model states"].values()),
+                         params=est.details["parameters on this device"]))
+    return rows

@@ -1,0 +1,82 @@
+"""Lab 09's panel: the layouts that fit a cluster, fastest first."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as w
+
+from labkit.core.config import presets
+from labkit.core.units import fmt_bytes
+from labkit.course.plot import breakdown_figure
+from labkit.course.widgets.base import _render, _wire
+
+
+PLAN_GPU_COUNTS = [2 ** k for k in range(12)]      # 1 ... 2048
+
+
+@dataclass
+class PlanResult:
+    """A plan from the panel's values, or why there is none (never a traceback)."""
+
+    plan: object = None                  # labkit.course.plan.Plan
+    error: str | None = None
+
+    def summary(self) -> str:
+        if self.error:
+            return f"⚠ {self.error}"
+        p = self.plan
+        head = (f"{p.model} on {p.gpus} x {p.gpu.name}, seq {p.seq}: {len(p.fits)} layouts "
+                f"shown fit {fmt_bytes(p.usable)} usable per GPU (searched in {p.search_s:.1f} s); "
+                f"{len(p.rejected)} families rejected")
+        if not p.fits:
+            return "\n".join([head, "nothing fits; what would:"] + [f"  - {a}" for a in p.advice])
+        lines = [head] + [f"#{i} {c.time.total:6.2f} s/step, {fmt_bytes(c.estimate.total):>10} per GPU: "
+                          f"{c.label()}" for i, c in enumerate(p.fits[:5], 1)]
+        lines += [f"rejected: {name}: {why}" for name, why in list(p.rejected.items())[:2]]
+        return "\n".join(lines)
+
+
+def plan_report(model: str, *, gpu: str, gpus: int, seq: int, trainable: str = "all",
+                top: int = 5) -> PlanResult:
+    """``labkit.course.plan.plan`` for one model, GPU type, count and sequence length."""
+    from labkit.course.plan import plan
+    try:
+        return PlanResult(plan(model, gpu, gpus, seq=seq, trainable=trainable, top=top))
+    except ValueError as error:
+        return PlanResult(error=str(error))
+
+
+class PlanPanel:
+    """Model, GPU type, GPU count, sequence and what trains -> the planner's fastest layouts that
+    fit, each one's bytes per GPU by category, and the families rejected with their reason."""
+
+    def __init__(self, model: str = "deepseek-v2-lite", gpu: str = "a100-80gb", gpus: int = 8,
+                 seq: int = 4096, trainable: str = "all"):
+        from labkit.core.gpus import GPUS
+        from labkit.course.plan import TRAINABLE
+        self.model = w.Dropdown(options=presets(), value=model, description="model")
+        self.gpu = w.Dropdown(options=list(GPUS), value=gpu, description="GPU")
+        self.gpus = w.Dropdown(options=PLAN_GPU_COUNTS, value=gpus, description="GPUs")
+        self.trainable = w.Dropdown(options=TRAINABLE, value=trainable, description="trains")
+        self.seq = w.IntSlider(value=seq, min=512, max=32768, step=512, description="seq",
+                               continuous_update=False)
+        self.result: PlanResult | None = None
+        _wire(self, [[self.model, self.gpu, self.gpus], [self.trainable, self.seq]])
+
+    def update(self) -> PlanResult:
+        result = plan_report(self.model.value, gpu=self.gpu.value, gpus=self.gpus.value,
+                             seq=self.seq.value, trainable=self.trainable.value)
+        self.result = result
+        if result.error or not result.plan.fits:
+            _render(self.output, result.summary())
+        else:
+            p = result.plan
+            items = {f"#{i} {c.label()}": c.estimate for i, c in enumerate(p.fits[:5], 1)}
+            _render(self.output, result.summary(), breakdown_figure(
+                items, title=f"per-GPU peak of the fastest layouts ({fmt_bytes(p.usable)} usable)"))
+        return result
+
+
+def plan_panel(**defaults) -> w.VBox:
+    """The planner panel of lab 09 (``PlanPanel`` holds its state)."""
+    return PlanPanel(**defaults).widget

@@ -1,0 +1,2 @@
+"""Pipeline parallelism: the stages, the executor, and the schedules (``schedules``, torch-free,
+read by the estimate)."""

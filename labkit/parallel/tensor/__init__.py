@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism (Megatron-LM): the split layers and their messages."""

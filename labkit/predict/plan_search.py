@@ -1,0 +1,362 @@
+"""The planner's search: the families of layouts a cluster allows, a cheap lower bound on each
+one's bytes (its model states, without ``estimate``), its members (micro-batch x recompute x
+schedule) with their modelled step times, and the search that estimates them fastest first
+until enough fit, ruling out what keeps no less than a failure."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.core.config import ModelConfig
+from labkit.core.formats import nf4_bits_per_param
+from labkit.core.gpus import GPU
+from labkit.core.recipe import Layout, Recipe, fine_tuning_fields, state_bytes
+from labkit.core.units import CATEGORIES, fmt_bytes
+from labkit.parallel.data.zero import per_rank
+from labkit.parallel.pipeline.schedules import chunk_layers, in_flight
+from labkit.predict import Estimate, estimate
+from labkit.predict.layers import (block_weights, count_params, embedding_weights, head_weights,
+                                   layer_saved)
+from labkit.predict.steptime import StepTime, step_time
+
+RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # gpipe: 1f1b's bubble, more memory
+TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
+FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a layout's model states depend on: everything but micro-batch, recompute, schedule."""
+
+    trainable: str
+    dp: int
+    zero_stage: int
+    offload: bool
+    tp: int
+    pp: int
+    ep: int
+
+    def label(self) -> str:
+        what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
+        if self.trainable != "all" and self.zero_stage == 3:
+            where = "offloaded to the host" if self.offload else "sharded"
+            return f"{what}, frozen base {where} (FSDP2), dp {self.dp}"
+        if self.trainable != "all":
+            return f"{what}, one GPU per replica, dp {self.dp}"
+        zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
+        return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
+                + (f", ep {self.ep}" if self.ep > 1 else ""))
+
+
+@dataclass
+class Candidate:
+    """One layout: its family, recipe, micro-batch, per-GPU bytes and modelled step time."""
+
+    family: Family
+    layout: Layout
+    recipe: Recipe
+    micro_batch: int
+    micro_batches: int
+    time: StepTime
+    estimate: Estimate | None = None
+
+    def label(self) -> str:
+        sched = (f", {self.layout.schedule}" + (f" v{self.layout.virtual_stages}"
+                                                if self.layout.virtual_stages > 1 else "")
+                 if self.layout.pp > 1 else "")
+        return (f"{self.family.label()}{sched}, mb {self.micro_batch} x {self.micro_batches}, "
+                f"recompute {self.recipe.recompute}")
+
+    def as_dict(self) -> dict:
+        return {"label": self.label(), "family": self.family.label(),
+                "layout": dict(vars(self.layout)), "recipe": dict(vars(self.recipe)),
+                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
+                "time": self.time.as_dict(), "time_overlapped": self.time.overlapped,
+                "memory": self.estimate.as_dict() if self.estimate else None}
+
+
+# ---- the search space --------------------------------------------------------------------
+def _powers_of_two(limit: int) -> list[int]:
+    return [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
+
+
+def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload: bool):
+    """Every family to consider, and the reasons of those that cannot exist."""
+    out, impossible = [], {}
+    for what in trainable:
+        if what != "all":        # replicas (one GPU's step each), or the frozen base (QLoRA's
+            out.append(Family(what, gpus, 0, False, 1, 1, 1))       # NF4) sharded by FSDP2
+            if gpus > 1:
+                out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]]
+            continue
+        for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
+            for pp in _powers_of_two(min(gpus // tp, c.layers)):
+                if gpus % (tp * pp):
+                    continue
+                dp = gpus // (tp * pp)
+                zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp > 1 else [])
+                zeros += [(z, True) for z in (1, 2, 3)] if offload else []
+                out += [Family("all", dp, z, off, tp, pp, 1) for z, off in zeros]
+                # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states over
+                # its dp / ep copies (Megatron's distributed optimizer, FSDP over experts)
+                if c.is_moe:
+                    out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
+                            for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
+    families = []
+    for f in dict.fromkeys(out):
+        why = _impossible(c, f, gpus_per_node)
+        if why:
+            impossible[f.label()] = why
+        else:
+            families.append(f)
+    return families, impossible
+
+
+def _impossible(c: ModelConfig, f: Family, gpus_per_node: int) -> str | None:
+    """Why a family cannot be built, or None."""
+    if f.tp > gpus_per_node:
+        return (f"tp {f.tp} > {gpus_per_node} GPUs per node: tensor parallelism all-reduces in "
+                f"every layer and must stay inside a node")
+    try:
+        Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp, pp=f.pp,
+               ep=f.ep, sp=f.tp > 1).check(c, 1 << 20)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+# ---- cheap bounds: per-stage parameter counts, model states ------------------------------
+class _Counts:
+    """Parameters per pipeline stage on one rank (all, and routed experts'), memoised."""
+
+    def __init__(self, c: ModelConfig):
+        self.c, self.memo = c, {}
+        # what the step time's compute counts: active parameters less the input embedding
+        self.active = count_params(c).active - c.vocab_size * c.hidden
+
+    def stages(self, tp: int, pp: int, ep: int, v: int = 1) -> list[tuple[int, int, int, int]]:
+        """Per stage: (parameters, routed-expert parameters, layers, MoE layers) on one rank."""
+        key = (tp, pp, ep, v)
+        if key not in self.memo:
+            c, out = self.c, []
+            blocks = {m: block_weights(c, m) for m in (False, True)}
+            for s, chunks in enumerate(chunk_layers(c.layers, pp, v)):
+                layers = [i for chunk in chunks for i in chunk]
+                ws = [w for i in layers for w in blocks[c.is_moe and i >= c.dense_layers]]
+                ws += (embedding_weights(c) if s == 0 else []) + (head_weights(c) if s == pp - 1 else [])
+                n = sum(w.local(tp, ep) for w in ws)
+                experts = sum(w.local(tp, ep) for w in ws if w.copies > 1)
+                moe = sum(c.is_moe and i >= c.dense_layers for i in layers)
+                out.append((n, experts, len(layers), moe))
+            self.memo[key] = out
+        return self.memo[key]
+
+
+def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters,
+    ``experts`` of them routed experts (ZeRO shards their states over dp / ep)."""
+    if f.trainable != "all":   # the frozen weights (NF4: at least half a byte; offloaded: host)
+        frozen = 0 if f.offload else (n // 2 if f.trainable == "qlora" else 2 * n)
+        return per_rank(frozen, "params", f.zero_stage, f.dp), 0, 0
+
+    def sharded(number: int, state: str) -> int:
+        rest = n - experts if f.ep > 1 else n
+        return (per_rank(rest * number, state, f.zero_stage, f.dp)
+                + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
+                   if f.ep > 1 else 0))
+    b = state_bytes(FULL, "adamw")
+    params = 0 if f.offload and f.zero_stage == 3 else sharded(b.weights, "params")
+    if f.offload:
+        return params, 0, 0
+    grads = sharded(b.grads, "grads")
+    grads += n * b.grads if f.dp > 1 and f.zero_stage == 0 and f.ep == 1 else 0   # DDP buckets
+    return params, grads, sharded(b.optimizer, "optimizer")
+
+
+def _states_bound(counts: _Counts, f: Family) -> int:
+    """Bytes per GPU of the busiest stage's model states alone: a lower bound on its peak
+    (the optimizer step holds them all)."""
+    return max(sum(_states(counts, f, n, e)) for n, e, _, _ in counts.stages(f.tp, f.pp, f.ep))
+
+
+def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
+    """A lower bound on a candidate's peak without ``estimate``: the model states (the optimizer
+    step), or the weights and optimizer state with every saved activation (backward's start)."""
+    f, L = k.family, k.layout
+    v = L.virtual_stages
+    worst = 0
+    for s, (n, experts, _, _) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
+        params, grads, opt = _states(counts, f, n, experts)
+        acts = 0
+        if f.trainable == "all":
+            flight = in_flight(s, L.pp, L.micro_batch_count, L.schedule, v)
+            for chunk in chunk_layers(c.layers, L.pp, v)[s]:
+                for i in chunk:
+                    moe = c.is_moe and i >= c.dense_layers
+                    key = (moe, f.tp, f.ep, k.recipe.recompute)
+                    if key not in memo:
+                        memo[key] = layer_saved(c, FULL, moe, f.tp, k.recipe.recompute,
+                                                f.tp > 1, f.ep).bytes(1, seq)
+                    acts += memo[key] * k.micro_batch
+            acts = int(acts * flight)
+        worst = max(worst, params + grads + opt, params + opt + acts)
+    return worst
+
+
+def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch,
+                recomputes=RECOMPUTE):
+    """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
+    per_rank_batch = batch // f.dp
+    lora = f.trainable != "all"
+    recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
+    schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
+    active = counts.active
+    out = []
+    for schedule, v in schedules:
+        if f.pp * v > c.layers:
+            continue
+        stages = counts.stages(f.tp, f.pp, f.ep, v)
+        # the busiest stage for each kind of work: DeepSeek's first stage has the most layers
+        # (its dense ones) but the fewest experts
+        n, experts = max(stages, key=lambda s: s[0])[:2]
+        layers, moe = max(s[2] for s in stages), max(s[3] for s in stages)
+        frozen = 0
+        if lora:         # adapters only: their all-reduce is negligible; ZeRO-3 gathers the base
+            n, experts, frozen = 0, 0, n
+        for micro in _powers_of_two(per_rank_batch):
+            m = per_rank_batch // micro
+            if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
+                continue
+            layout = (Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload) if lora else
+                      Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
+                             sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
+                             schedule=schedule, virtual_stages=v, ep=f.ep))
+            for r in recomputes:
+                t = step_time(gpu, gpus=gpus, gpus_per_node=gpus_per_node, active_params=active,
+                              hidden=c.hidden, top_k=c.top_k, seq=seq, global_batch=batch,
+                              micro=micro, dp=f.dp, tp=f.tp, pp=f.pp, ep=f.ep,
+                              zero_stage=f.zero_stage, offload=f.offload, schedule=schedule,
+                              v=v, recompute=r, lora=lora, rank_params=n - experts,
+                              rank_expert_params=experts, stage_layers=layers,
+                              stage_moe_layers=moe, frozen_params=frozen,
+                              frozen_bytes=nf4_bits_per_param() / 8 if f.trainable == "qlora"
+                              else 2)
+                out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
+    return out
+
+
+# ---- the search --------------------------------------------------------------------------
+def _keeps_no_less(a: Candidate, b: Candidate) -> bool:
+    """Whether ``a`` keeps at least what ``b`` keeps: same family and schedule, a micro-batch
+    no smaller, and the same recompute policy or ``b``'s full recomputation, which keeps the
+    least (so if ``b`` fails, ``a`` fails). Selective can keep more than none: with SDPA the
+    checkpointed core's inputs are what SDPA would have saved, and LoRA's copies come on top."""
+    return (a.family == b.family and a.layout.schedule == b.layout.schedule
+            and a.micro_batch >= b.micro_batch
+            and b.recipe.recompute in (a.recipe.recompute, "full"))
+
+
+def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top,
+            host_usable: int | None = None, recompute=RECOMPUTE):
+    """(ranked fits, rejected {family: why}, unexplored families, estimates made). An
+    offloaded layout also needs its ranks' pinned host memory within ``host_usable`` per node."""
+    ranks_per_node = min(gpus, gpus_per_node)
+    counts = _Counts(c)
+    families, pool, rejected = _pool(c, counts, gpu, gpus, gpus_per_node, seq, batch, usable,
+                                     trainable, offload, recompute)
+    fits, failed, leanest = [], {}, {}      # failures by family; each family's smallest
+    n_estimates, memo = 0, {}
+
+    def fail(k, nbytes, why, bound=False):
+        """Record a failure; a family's reason is its smallest estimated failure (a lower
+        bound from a weaker recompute policy only when nothing was estimated)."""
+        failed.setdefault(k.family, []).append(k)
+        key = (bound, nbytes)
+        if k.family not in leanest or key < leanest[k.family][0]:
+            leanest[k.family] = (key, why)
+
+    for k in pool:          # after ``top`` fits, only those tied with the last
+        if top is not None and len(fits) >= top and k.time.total > fits[-1].time.total * (1 + TIE):
+            break
+        if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
+            continue
+        bound = _bound(c, k, counts, seq, memo)
+        if bound > usable:
+            fail(k, bound, f"at least {fmt_bytes(bound)} per GPU (states and saved activations)"
+                           f" > {fmt_bytes(usable)} usable at micro-batch {k.micro_batch}, "
+                           f"recompute {k.recipe.recompute}", bound=True)
+            continue
+        n_estimates += 1
+        try:
+            k.estimate = estimate(c, k.micro_batch, seq, recipe=k.recipe, layout=k.layout)
+        except ValueError as error:
+            fail(k, 0, str(error))
+            continue
+        why = _why_not(k, usable, host_usable, ranks_per_node)
+        if why is None:
+            fits.append(k)
+        else:
+            fail(k, k.estimate.total, why)
+    # equal modelled times (within TIE of the fastest): the larger micro-batch, then the
+    # leaner layout; a tie cut at ``top`` fitted, so it is not "unexplored"
+    fastest = min((k.time.total for k in fits), default=1.0) or 1.0
+    fits.sort(key=lambda k: (round(k.time.total / fastest / TIE), -k.micro_batch,
+                             k.estimate.total))
+    fitted = {k.family for k in fits}
+    fits = fits[:top]
+    members_of = {}
+    for k in pool:
+        members_of.setdefault(k.family, []).append(k)
+    unexplored = []
+    for f in families:
+        if f in fitted or f.label() in rejected:
+            continue
+        members = members_of.get(f, [])
+        if all(any(_keeps_no_less(k, bad) for bad in failed.get(f, ())) for k in members):
+            rejected[f.label()] = leanest[f][1]
+        else:
+            unexplored.append(f.label())
+    return fits, rejected, unexplored, n_estimates
+
+
+def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,
+          offload, recompute=RECOMPUTE):
+    """(families, their candidates fastest first, rejected {family: why}): a family is
+    rejected whole when the batch does not split over its dp or its states alone overflow."""
+    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
+    pool = []
+    for f in families:
+        if batch % f.dp:
+            rejected[f.label()] = (f"global batch {batch} does not split over dp {f.dp}: "
+                                   f"choose a multiple of {f.dp}")
+            continue
+        bound = _states_bound(counts, f)
+        if bound > usable:
+            rejected[f.label()] = (f"model states alone need {fmt_bytes(bound)} per GPU > "
+                                   f"{fmt_bytes(usable)} usable")
+            continue
+        pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch, recompute)
+    # fastest first; ties: the larger micro-batch
+    pool.sort(key=lambda k: (round(k.time.total, 9), -k.micro_batch))
+    return families, pool, rejected
+
+
+def _why_not(k, usable: int, host_usable: int | None, ranks_per_node: int) -> str | None:
+    """Why an estimated candidate does not fit (GPU memory, or an offload's pinned host
+    memory per node), or None when it fits."""
+    total = k.estimate.total
+    if total > usable:
+        return (f"{fmt_bytes(total)} per GPU > {fmt_bytes(usable)} usable at micro-batch "
+                f"{k.micro_batch}, recompute {k.recipe.recompute} ({_largest(k.estimate)})")
+    host = ranks_per_node * k.estimate.details.get("host memory", 0)
+    if host_usable is not None and host > host_usable:
+        ranks = f"{ranks_per_node} rank{'s' if ranks_per_node > 1 else ''}"
+        return (f"{fmt_bytes(host)} of pinned host memory per node ({ranks}) > "
+                f"{fmt_bytes(host_usable)} usable (host_ram, --host-ram)")
+    return None
+
+
+def _largest(e: Estimate) -> str:
+    """The largest category at the peak, for a rejection's reason."""
+    key = max(CATEGORIES, key=lambda k: getattr(e, k))
+    return f"largest: {CATEGORIES[key]} {fmt_bytes(getattr(e, key))}, peak in the {e.peak_phase}"

@@ -1,0 +1,166 @@
+"""A stated model of one training step's time: compute at an assumed MFU, plus communication.
+
+Simple on purpose, every assumption returned in words (``assumptions``) for the planner to
+print. Compute is the "6 N D" rule of Kaplan et al. (2020) over the active parameters
+(DeepSeek-V3's MoE: 37B of 671B), divided by the GPUs' dense bf16 peak times an assumed MFU.
+Collectives are rings: an all-reduce of S bytes over n ranks sends 2 (n - 1) / n S per rank, a
+reduce-scatter or all-gather (n - 1) / n S (Patarasuk and Yuan, 2009); ZeRO's 2 Psi / 3 Psi
+(Rajbhandari et al., 2020); Megatron-LM's tensor parallelism all-reduces b s h activations
+twice in each layer's forward and twice in its backward (Shoeybi et al., 2019); the pipeline
+idles for ``labkit.pipeline_bubble``; expert parallelism sends each token's top-k rows out and
+back (all_to_all) in the forward and again in the backward (DeepSeek-V3, section 3.2). Nothing
+overlaps: the parts add up (``StepTime.total``); ``StepTime.overlapped`` is the other end, what
+frameworks can hide under compute hidden, so a ranking can be checked against both.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from labkit.parallel.data.zero import zero_messages
+from labkit.predict.papers import pipeline_bubble
+
+MFU = 0.4            # model FLOPs utilisation assumed for the matmuls
+# extra work of each recompute policy, in units of 2 N D (one forward pass)
+RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.125, "full": 1.0}
+STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the wire
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step, by part (``total`` is their sum: no overlap)."""
+
+    compute: float
+    bubble: float
+    dp: float
+    tp: float
+    pp: float
+    ep: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.bubble + self.dp + self.tp + self.pp + self.ep
+                + self.offload)
+
+    @property
+    def overlapped(self) -> float:
+        """Seconds with every collective frameworks overlap hidden under the compute, as far as
+        it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
+        pipeline's sends and expert parallel's all-to-all (DualPipe). Tensor parallel's
+        all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies."""
+        hidden = self.dp + self.pp + self.ep
+        return (self.compute + self.bubble + self.tp + self.offload
+                + max(0.0, hidden - self.compute))
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def ring(n: int, nbytes: float, collective: str) -> float:
+    """Bytes one rank sends in a ring collective over n ranks."""
+    share = (n - 1) / n
+    return nbytes * (2 * share if collective == "all-reduce" else share)
+
+
+def _data_parallel_bytes(zero_stage: int, m: int, ranks: int, grads: int, frozen: int = 0) -> float:
+    """What one rank sends per step to average ``grads`` bytes over ``ranks``: DDP's all-reduce,
+    or ZeRO's reduce-scatter of the gradients and all-gather of the updated weights (stages 2-3
+    keep only a gradient shard: a reduce-scatter per micro-batch; stage 3 gathers the weights,
+    a ``frozen`` base too, before each forward and backward)."""
+    if zero_stage == 0:
+        return ring(ranks, grads, "all-reduce")
+    scatters, gathers = zero_messages(zero_stage, m)
+    return (scatters * ring(ranks, grads, "reduce-scatter")
+            + gathers * ring(ranks, grads + (frozen if zero_stage == 3 else 0), "all-gather"))
+
+
+def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden: int,
+              top_k: int, seq: int, global_batch: int, micro: int, dp: int, tp: int, pp: int,
+              ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
+              recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
+              stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
+              frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES) -> StepTime:
+    """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
+    busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
+    ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
+    ``frozen_bytes`` each (QLoRA's NF4: about half a byte)."""
+    tokens = global_batch * seq
+    m = global_batch // (dp * micro)                    # micro-batches per step on a rank
+    passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
+    compute = (2 + passes) * active_params * tokens / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    bubble = 0.0
+    if pp > 1:
+        idle = pipeline_bubble(pp, m, schedule, v)
+        bubble = compute * idle / (1 - idle)
+    intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
+    # ranks are placed tp innermost, then ep inside dp, then pp (Megatron-LM's order)
+    dp_bw = intra if tp * dp <= gpus_per_node else inter
+    # without ep the routed experts are replicated like every other weight: their gradients
+    # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
+    grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
+    sent = _data_parallel_bytes(zero_stage, m, dp, grads, frozen_params * frozen_bytes)
+    if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
+        sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
+    dp_time = sent / dp_bw if dp > 1 else 0.0
+    layer_rows = micro * seq * hidden * STREAM_BYTES    # one micro-batch's b s h activations
+    forwards = 2 if recompute == "full" else 1
+    tp_time = 0.0
+    if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
+        tp_time = (2 * forwards + 2) * stage_layers * m * ring(tp, layer_rows, "all-reduce") / intra
+    pp_time = 0.0
+    if pp > 1:            # one activation out and one gradient back per micro-batch
+        pp_bw = inter if gpus // pp >= gpus_per_node else intra
+        pp_time = 2 * m * layer_rows / tp / pp_bw
+    ep_time = 0.0
+    if ep > 1:            # dispatch and combine, forward (and recomputed) and backward
+        ep_bw = intra if tp * ep <= gpus_per_node else inter
+        rows = layer_rows * top_k * (ep - 1) / ep
+        ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
+    offload_time = 0.0
+    if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
+        shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
+        up = 2 * m if zero_stage == 3 else 1
+        frozen = frozen_params / dp if zero_stage == 3 else 0
+        offload_time = ((shard * (1 + up) * STREAM_BYTES + frozen * up * frozen_bytes)
+                        / (gpu.pcie_gbps * 1e9))
+    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time)
+
+
+def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
+    """What ``step_time`` assumes, in words, with the numbers it used."""
+    return [
+        f"compute: (6 + recompute) x active parameters (less the input embedding, a lookup) x "
+        f"tokens / (GPUs x {gpu.bf16_tflops:g} TFLOP/s bf16 dense x MFU {mfu:g}); attention's "
+        f"s^2 FLOPs are not counted (10-20% more at 4096 tokens for a model of hidden 2048)",
+        "MFU is the same for every layout: it does not fall with tp's smaller matmuls, small "
+        "expert GEMMs or grouped-GEMM MoE kernels (real MoE fine-tuning often runs well under "
+        "0.4), so layouts that split small matrices look better than they are",
+        "recompute adds forward work: full 2 N D (8/6 of the step), selective an eighth of a "
+        "forward (assumed); LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
+        "NF4 dequantisation is not counted)",
+        "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
+        "ties go to the larger micro-batch (better utilisation in practice, not modelled)",
+        f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
+        f"wire; {gpu.intra_node_gbps:g} GB/s per GPU inside a node of {gpus_per_node}, "
+        f"{gpu.inter_node_gbps:g} GB/s across nodes; a group uses the slower link when it "
+        f"spans nodes (ranks placed tp, then ep inside dp, then pp)",
+        "data parallel: the gradients (the routed experts' too, unless ep splits them) "
+        "all-reduced once per step (DDP, ZeRO-0), or reduce-scattered - once per step with "
+        "ZeRO-1, once per micro-batch with ZeRO-2/3, which keep only a shard - and the weights "
+        "all-gathered once (ZeRO-1/2) or before each micro-batch's forward and backward (ZeRO-3); "
+        "with ep, each expert shard's by the same rule over its dp / ep copies",
+        "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
+        "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
+        "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "
+        "of b s h / tp per micro-batch between stages",
+        "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
+        "the forward and the backward (again with full recompute), balanced routing",
+        f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s "
+        "(theoretical); the host's optimizer step is not counted (ZeRO-Offload's bottleneck: "
+        "about 30 bytes of DRAM traffic per parameter); the planner checks the host memory it "
+        "needs apart (host_ram)",
+        "the ranking adds compute, bubble and every collective (nothing overlaps); real "
+        "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
+        "dp, pp and ep communication hidden under compute (tp's and offload's stay exposed): "
+        "the two ends of what a framework does",
+    ]

@@ -1,0 +1,389 @@
+"""Attention three ways, and why the tiled one reads less memory (lab 07).
+
+- ``naive_attention``: softmax(q k^T / sqrt(d)) v written out: the (B, H, T, T) probabilities
+  are made in memory and autograd keeps them for the backward pass.
+- ``tiled_attention``: FlashAttention's online softmax (Dao et al. 2022; the loop order of
+  FlashAttention-2, Dao 2023) in plain PyTorch, as a ``torch.autograd.Function`` taking what
+  SDPA takes (any leading dims, any number of keys, grouped kv heads). Queries and
+  keys are taken a block at a time with a running max and sum; the forward pass keeps only
+  q, k, v, the output and one log-sum-exp per row, and the backward pass recomputes the
+  probabilities block by block.
+- "sdpa": ``F.scaled_dot_product_attention``, PyTorch's fused kernel (``labkit.transformer.model``'s
+  default), which keeps the same tensors as the tiled one.
+
+``hbm_accesses`` counts what each reads and writes in GPU memory (the paper's Theorem 2) for
+the on-chip memory of real GPUs (``SRAM_PER_SM``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from labkit.core.recipe import ATTENTION_IMPLS  # noqa: F401  (the vocabulary lives in the core)
+from labkit.core.units import check_choice, check_positive, dtype_bytes
+
+
+# ---- naive: the (T, T) matrix in memory -------------------------------------------------------
+def repeat_kv(x, groups: int):
+    """(B, Hkv, T, d) -> (B, Hkv * groups, T, d): each key/value head copied for its queries."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def naive_attention(q, k, v, causal: bool = True):
+    """softmax(q k^T / sqrt(d) + mask) v, every matrix made in memory.
+
+    q: (B, H, T, d); k, v: (B, Hkv, Tk, d) with Hkv dividing H (grouped-query attention: the
+    key and value heads are repeated). Causal: query i sees keys 0..i (top-left, as SDPA).
+    Autograd keeps the probabilities (B, H, T, Tk) - in fp32 and a bf16 copy under autocast -
+    the repeated k and v, and q.
+    """
+    H, T, d, Tk = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
+    _check_heads(H, k.shape[1])
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])      # (B, H, Tk, d)
+    # scale the scores, not q: a scaled copy of q would be kept for the backward pass too
+    scores = (q @ k.transpose(-2, -1)) * d ** -0.5                          # (B, H, T, Tk)
+    if causal:     # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
+        scores = scores + torch.full((T, Tk), float("-inf"), dtype=scores.dtype,
+                                     device=scores.device).triu(1)            # (T, Tk)
+    # under autocast the softmax runs in fp32, as CUDA's autocast runs it (CPU's would leave
+    # it in bf16): a CPU step then keeps what a GPU step keeps, fp32 probabilities and the
+    # bf16 copy the next matmul makes of them
+    fp32 = torch.float32 if torch.is_autocast_enabled(q.device.type) else None
+    probs = scores.softmax(dim=-1, dtype=fp32)                                 # (B, H, T, Tk)
+    return probs @ v                                                           # (B, H, T, dv)
+
+
+def _check_heads(heads: int, kv_heads: int) -> None:
+    if heads % kv_heads:
+        raise ValueError(f"kv heads ({kv_heads}) must divide query heads ({heads}): choose "
+                         f"kv_heads among the divisors of {heads}")
+
+
+# ---- tiled: online softmax, block by block ----------------------------------------------------
+def _check_shapes(q, k, v) -> None:
+    """A ValueError naming the fix for q, k, v the tiled core cannot take."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.dim() == k.dim() == v.dim() >= 2:
+        raise ValueError(f"q, k and v must be (..., T, d) with as many dims each, got {shapes}: "
+                         f"give k and v q's dims (unsqueeze the missing ones)")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim (their last), got {shapes}: "
+                         f"project them to the same d")
+    if k.shape[-2] != v.shape[-2] or k.shape[-2] == 0:
+        raise ValueError(f"k and v must hold the same number of keys, one or more, got {shapes}: "
+                         f"give one value per key")
+    if q.dim() == 2:
+        return
+    if k.shape[-3] != v.shape[-3]:
+        raise ValueError(f"k and v must have as many heads, got {shapes}: give each key head "
+                         f"its value head")
+    _check_heads(q.shape[-3], k.shape[-3])
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        raise ValueError(f"q, k and v must have the same dims before the heads, got {shapes}: "
+                         f"expand k and v to q's leading dims {tuple(q.shape[:-3])}")
+
+
+def _as_4d(x):
+    """(..., H, T, d) -> (B, H, T, d), every leading dim in B (a view where strides allow);
+    (T, d) -> (1, 1, T, d); a (B, H, T, d) tensor is returned as it is."""
+    return x.flatten(0, -4) if x.dim() >= 4 else x.view((1,) * (4 - x.dim()) + x.shape)
+
+
+def _query_block(q, start: int, end: int, groups: int, dtype):
+    """q's rows start..end of every head, in ``dtype``, grouped under their key/value head:
+    (B, H, T, d) -> (B, Hkv, groups * rows, d), so one matmul with k (B, Hkv, cols, d) serves
+    a whole group of query heads (no repeated k or v)."""
+    B, H, _, d = q.shape
+    block = q[:, :, start:end].to(dtype)                                       # (B, H, rows, d)
+    return block.reshape(B, H // groups, groups * (end - start), d)
+
+
+def _future(start: int, end: int, k_start: int, k_end: int, groups: int, device):
+    """(groups * rows, cols) bool: True where query row i would see a key past i (causal mask,
+    top-left aligned)."""
+    rows = torch.arange(start, end, device=device).repeat(groups)              # (groups * rows,)
+    cols = torch.arange(k_start, k_end, device=device)                         # (cols,)
+    return rows[:, None] < cols[None, :]
+
+
+def _ungroup(x, groups: int):
+    """(B, Hkv, groups * rows, w) -> (B, H, rows, w): back to one row block per query head."""
+    B, Hkv, n, w = x.shape
+    return x.reshape(B, Hkv * groups, n // groups, w)
+
+
+class TiledAttention(torch.autograd.Function):
+    """FlashAttention's forward and backward passes (Algorithms 1 and 2 of FlashAttention-2)
+    in PyTorch: every block in fp32 (fp64 for fp64 inputs), never a (T_q, T_k) matrix, never
+    repeated key/value heads. Takes what ``tiled_attention`` takes.
+
+    Keeps for backward: q, k, v, the output O (in q's dtype) and the log-sum-exp of each row
+    (B, H, T_q) in the blocks' dtype - what SDPA's flash kernel keeps.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, block: int):
+        _check_shapes(q, k, v)
+        inputs, shape = (q, k, v), (*q.shape[:-1], v.shape[-1])                # (..., T_q, dv)
+        q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)      # (B, H, T_q, d), (B, Hkv, T_k, d or dv)
+        B, H, Tq, _ = q.shape
+        Hkv, Tk, dv = k.shape[1], k.shape[2], v.shape[-1]
+        g, scale = H // Hkv, q.shape[-1] ** -0.5
+        work = torch.promote_types(q.dtype, torch.float32)           # the blocks' dtype
+        out = q.new_empty(B, Tq, H, dv)         # (B, T_q, H, dv): wo's layout, so no copy later
+        lse = q.new_empty(B, H, Tq, dtype=work)                                  # (B, H, T_q)
+        with torch.autocast(q.device.type, enabled=False):     # the blocks compute in `work`
+            for i in range(0, Tq, block):
+                i_end = min(i + block, Tq)
+                qi = _query_block(q, i, i_end, g, work) * scale            # (B, Hkv, g*rows, d)
+                row_max = qi.new_full(qi.shape[:-1], float("-inf"))        # (B, Hkv, g*rows)
+                row_sum = qi.new_zeros(qi.shape[:-1])                      # (B, Hkv, g*rows)
+                acc = qi.new_zeros(*qi.shape[:-1], dv)                     # (B, Hkv, g*rows, dv)
+                for j in range(0, min(i_end, Tk) if causal else Tk, block):  # causal: no key
+                    j_end = min(j + block, Tk)                               # past the last row
+                    kj = k[:, :, j:j_end].to(work)                         # (B, Hkv, cols, d)
+                    vj = v[:, :, j:j_end].to(work)                         # (B, Hkv, cols, dv)
+                    s = qi @ kj.transpose(-2, -1)                          # (B, Hkv, g*rows, cols)
+                    if causal and j_end > i:                                 # the diagonal block
+                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
+                    new_max = torch.maximum(row_max, s.amax(dim=-1))
+                    p = torch.exp(s - new_max[..., None])                  # (B, Hkv, g*rows, cols)
+                    rescale = torch.exp(row_max - new_max)    # what the old sums were counted in
+                    row_sum = row_sum * rescale + p.sum(dim=-1)
+                    acc = acc * rescale[..., None] + p @ vj
+                    row_max = new_max
+                o = _ungroup(acc / row_sum[..., None], g)                  # (B, H, rows, dv)
+                out[:, i:i_end] = o.transpose(1, 2)
+                lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
+        out = out.transpose(1, 2).view(shape)                # (B, H, T_q, dv) as (..., T_q, dv)
+        ctx.save_for_backward(*inputs, out, lse)
+        ctx.causal, ctx.block = causal, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        shapes = q.shape, k.shape, v.shape
+        q, k, v, out, grad_out = (_as_4d(t) for t in (q, k, v, out, grad_out))
+        causal, block = ctx.causal, ctx.block
+        B, H, Tq, _ = q.shape
+        Tk, g, scale = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5
+        work = lse.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            # D = rowsum(dO * O): the softmax's backward needs it once per row
+            delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)                # (B, H, T_q)
+            dq = torch.zeros(q.shape, dtype=work, device=q.device)              # (B, H, T_q, d)
+            dk = torch.zeros(k.shape, dtype=work, device=k.device)            # (B, Hkv, T_k, d)
+            dv = torch.zeros(v.shape, dtype=work, device=v.device)           # (B, Hkv, T_k, dv)
+            for j in range(0, Tk, block):                # each key block once, as in the paper
+                j_end = min(j + block, Tk)
+                kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
+                vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
+                for i in range(j if causal else 0, Tq, block):  # causal: the rows that see it
+                    i_end = min(i + block, Tq)
+                    qi = _query_block(q, i, i_end, g, work)                # (B, Hkv, g*rows, d)
+                    doi = _query_block(grad_out, i, i_end, g, work)        # (B, Hkv, g*rows, dv)
+                    lse_i = _query_block(lse[..., None], i, i_end, g, work)     # (.., g*rows, 1)
+                    delta_i = _query_block(delta[..., None], i, i_end, g, work)  # (.., g*rows, 1)
+                    s = (qi @ kj.transpose(-2, -1)) * scale                # (B, Hkv, g*rows, cols)
+                    if causal and j_end > i:
+                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
+                    p = torch.exp(s - lse_i)                  # the forward's probabilities again
+                    dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi     # summed over the group
+                    ds = p * (doi @ vj.transpose(-2, -1) - delta_i)      # softmax's backward
+                    dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
+                    dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None)
+
+
+def tiled_attention(q, k, v, causal: bool = True, block: int = 128):
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)``'s result,
+    ``block`` queries by ``block`` keys at a time.
+
+    q: (..., H, T_q, d); k, v: (..., Hkv, T_k, d) with Hkv dividing H, or all three (T, d).
+    Returns (..., H, T_q, dv).
+    Causal: query i sees keys 0..i (top-left, as SDPA; FlashAttention-2's kernel: bottom-right).
+    """
+    check_positive("block (queries and keys per tile)", block)
+    return TiledAttention.apply(q, k, v, causal, block)
+
+
+# ---- measured: one core's forward + backward ------------------------------------------------
+def core(impl: str, block: int = 128):
+    """The causal attention function ``impl`` names: q, k, v (B, H, T, d) -> (B, H, T, d)."""
+    check_choice("attention implementation", impl, ATTENTION_IMPLS)
+    if impl == "naive":
+        return naive_attention
+    if impl == "tiled":
+        return lambda q, k, v: tiled_attention(q, k, v, block=block)
+    return lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v,
+                                                                              is_causal=True)
+
+
+def core_inputs(seq: int, heads: int = 8, head_dim: int = 64, dtype=torch.float32,
+                device="cpu"):
+    """q, k, v (1, H, T, d) leaves and the output's gradient, seeded."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, heads, seq, head_dim, generator=g).to(device, dtype)
+                     for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
+
+
+def core_peak_bytes(impl: str, seq: int, heads: int = 8, head_dim: int = 64,
+                    dtype=torch.float32, device="cpu", block: int = 128) -> int:
+    """Peak bytes one forward + backward of ``impl`` adds to its inputs (q, k, v and the
+    output's gradient), measured by ``labkit.training.track.MemoryTracker``; exact on the CPU."""
+    from labkit.training.track import MemoryTracker
+
+    q, k, v, grad = core_inputs(seq, heads, head_dim, dtype, device)
+    with MemoryTracker(timeline=False) as mt:
+        for t in (q, k, v, grad):        # counted from the start: a view of an untracked
+            mt.tag(t, "other")            # input (as tiling takes) would count it later
+        before = mt.current
+        mt.reset_peak()
+        core(impl, block)(q, k, v).backward(grad)
+    return mt.peak - before
+
+
+# ---- the paper's count of GPU-memory (HBM) accesses --------------------------------------------
+@dataclass(frozen=True)
+class Sram:
+    """On-chip memory of one GPU: per streaming multiprocessor (SM), and how many SMs."""
+
+    sms: int
+    per_sm: int           # bytes: L1 cache and shared memory together (the paper's "SRAM")
+    shared_per_sm: int    # bytes of it a kernel may use as shared memory, at most
+
+
+KiB = 1024
+# A100: "192KB of on-chip SRAM per each of 108 streaming multiprocessors" (FlashAttention
+# paper, section 2.1); of it up to 164 KB shared memory per SM (NVIDIA Ampere tuning guide,
+# "Unified Shared Memory/L1/Texture Cache"). H100 SXM5: 132 SMs with 256 KB of combined L1
+# and shared memory each, up to 228 KB of it shared (NVIDIA Hopper tuning guide; Modal's GPU
+# glossary, "L1 data cache": 256 KiB per SM x 132 SMs). H200: the same GH100 chip and SMs as
+# the H100 SXM, with more and faster HBM (141 GB HBM3e).
+SRAM_PER_SM = {
+    "A100": Sram(sms=108, per_sm=192 * KiB, shared_per_sm=164 * KiB),
+    "H100 SXM": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
+    "H200": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
+}
+
+
+LOOP_ORDERS = ("fa2", "fa1")      # query blocks outside (FlashAttention-2, labkit's), or keys
+
+
+def fitted_block(d: int, sram_bytes: int, bytes_per_number: int = 2) -> int:
+    """The largest square block of B rows whose Q_i, K_j, V_j, O_i (B x d each) and scores
+    (B x B) fit in ``sram_bytes`` of on-chip memory: 4Bd + B^2 <= M numbers."""
+    on_chip = sram_bytes // bytes_per_number                                # M, in numbers
+    return max(1, math.isqrt(4 * d * d + on_chip) - 2 * d)      # (B + 2d)^2 <= M + 4d^2
+
+
+def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2,
+                 loop_order: str = "fa2", block: int | None = None) -> int:
+    """Numbers one head's *forward* attention reads and writes in GPU memory (HBM), counted as
+    the algorithms of Dao et al. move them: a model (no causal skipping, no L2 cache, the
+    backward pass not counted). Theorem 2 of FlashAttention (2022) states them as
+    Theta(N d + N^2) and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
+
+    "naive" (the paper's Algorithm 0): read Q, K, write S (2Nd + N^2); read S, write P (2N^2);
+    read P, V, write O (N^2 + 2Nd): 4Nd + 4N^2, whatever the SRAM.
+    "tiled", in square blocks of B rows (``block``; None: ``fitted_block``, the largest that
+    fits the M = sram_bytes / bytes_per_number numbers on chip; real kernels use 64-128):
+    - ``loop_order="fa2"`` (FlashAttention-2 (2023), Algorithm 1; the order labkit's
+      ``TiledAttention`` and ``flash_triton`` run): each of the T_r = ceil(N / B) query
+      blocks reads its Q_i once, streams all of K and V, and writes O_i and its log-sum-exp
+      once: Nd + T_r 2Nd + Nd + N. The ratio to naive tends to 2B / d.
+    - ``loop_order="fa1"`` (FlashAttention, Algorithm 1): K and V are read once (2Nd); for
+      each of the T_c = ceil(N / B) key blocks every query block reads Q_i, O_i, l_i, m_i
+      and writes O_i, l_i, m_i: 2Nd + T_c (3Nd + 4N). The ratio tends to 4B / 3d.
+    """
+    check_choice("attention implementation (for HBM accesses)", impl, ("naive", "tiled"))
+    check_choice("loop order", loop_order, LOOP_ORDERS)
+    for name, value in (("n", n), ("d", d), ("sram_bytes", sram_bytes),
+                        ("bytes_per_number", bytes_per_number)):
+        check_positive(name, value)
+    if impl == "naive":
+        return 4 * n * d + 4 * n * n
+    block = fitted_block(d, sram_bytes, bytes_per_number) if block is None else \
+        check_positive("block", block)
+    passes = math.ceil(n / block)                                            # T_r (or T_c)
+    if loop_order == "fa1":
+        return 2 * n * d + passes * (3 * n * d + 4 * n)
+    return 2 * n * d + passes * 2 * n * d + n
+
+
+# ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them against the
+# tracker)
+TILE = 128                       # queries and keys per tile of the tiled core (core()'s default)
+CORE_DTYPE = "bf16"              # the core's q, k, v, output and gradients (its tiles: fp32)
+
+
+@dataclass(frozen=True)
+class CoreBytes:
+    """One layer's attention core (batch 1, MHA, bf16), beyond its inputs q, k, v (and dO):
+    the tensors it keeps for the backward pass, and those alive at its forward + backward
+    peak, by name, in bytes."""
+
+    impl: str
+    kept: dict
+    at_peak: dict
+
+    @property
+    def kept_total(self) -> int:
+        return sum(self.kept.values())
+
+    @property
+    def peak(self) -> int:
+        return sum(self.at_peak.values())
+
+
+def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
+                         block: int = TILE) -> CoreBytes:
+    """What ``labkit.transformer.attention.core(impl)`` keeps and holds at its peak, by formula: the
+    kept tensors are ``labkit.predict.layers``' terms for the core less q, k, v; the backward pass
+    adds the gradients. The bytes ``MemoryTracker`` counts when q, k, v are views of (1, T, H, d)
+    projections, as in a model (tiled: ``seq`` a multiple of ``block``, two tiles or more)."""
+    check_choice("attention implementation", impl, ATTENTION_IMPLS)
+    for name, value in (("seq", seq), ("heads", heads), ("head_dim", head_dim),
+                        ("block (queries and keys per tile)", block)):
+        check_positive(name, value)
+    T, H, d = seq, heads, head_dim
+    size = dtype_bytes(CORE_DTYPE)
+    unit = T * H * d * size                                # one (1, H, T, d) bf16 tensor
+    # layers' terms: "q, k, v and <the output>" (of which only the output is not an input
+    # here), then the log-sum-exp (sdpa, tiled) or the (T, T) probabilities (naive)
+    from labkit.predict.layers import (Dtypes,  # layers -> recipe -> this module
+                                       attention_core_saved)
+    terms = attention_core_saved(Dtypes.of(CORE_DTYPE), H, H, d, impl)
+    kept = {"attention output (wo's input)": unit}
+    kept.update({t.name: t.bytes(1, T) for t in terms if not t.name.startswith("q, ")})
+    if impl == "naive":             # the softmax's backward: P, dP and dS (T, T) per head
+        probabilities = kept["attention probabilities (T x T per head)"]
+        return CoreBytes(impl, kept, {
+            **kept, "gradients of the probabilities and scores (dP, dS)": 2 * probabilities,
+            "gradient of v": unit})
+    if impl == "sdpa":              # the fused backward kernel writes dq, dk, dv at once
+        return CoreBytes(impl, kept, {**kept, "gradients of q, k, v": 3 * unit})
+    # tiled (labkit.transformer.attention.TiledAttention.backward): fp32 gradients filled tile by
+    # tile, one tile's q, dO, k, v in fp32, and either the end (the gradients cast to bf16 beside
+    # the last tile's S, P, dS) or a tile inside the loop (5 tiles: S, P, dS and two temporaries)
+    b = min(block, T)
+    tile = H * b * b * 4                                   # (1, H, b, b) fp32
+    common = {**kept, "D = rowsum(dO * O) (fp32)": 4 * H * T,
+              "gradients of q, k, v in fp32 (filled tile by tile)": 2 * 3 * unit,
+              "one tile's q, dO, k, v in fp32": 4 * b * H * d * 4}
+    end = {"gradients cast back to bf16": 3 * unit, "last tile's S, P, dS (fp32)": 3 * tile}
+    inside = {"tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
+    return CoreBytes(impl, kept, {**common, **max(end, inside, key=lambda m: sum(m.values()))})
+
+
+def hbm_ratio(seq: int, head_dim: int, gpu: str) -> float:
+    """Standard attention's HBM reads and writes over FlashAttention's for one head's forward
+    pass (``labkit.transformer.attention.hbm_accesses``) with one SM's on-chip memory of ``gpu``."""
+    sram = SRAM_PER_SM[gpu].per_sm
+    return (hbm_accesses(seq, head_dim, sram, "naive")
+            / hbm_accesses(seq, head_dim, sram, "tiled"))

@@ -1,0 +1,443 @@
+"""One readable decoder-only transformer built from any ``ModelConfig``.
+
+LLaMA-style blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA) and
+DeepSeek's two changes: multi-head latent attention (MLA, DeepSeek-V2 paper, section 2.1)
+and mixture-of-experts MLPs with shared and routed experts (DeepSeekMoE paper).
+Builds on fake tensors at full scale (671B DeepSeek-V3 included) for memory measurement.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils.checkpoint
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+from labkit.core.config import ModelConfig
+from labkit.core.units import check_choice
+from labkit.transformer.attention import ATTENTION_IMPLS, naive_attention, tiled_attention
+from labkit.transformer.grouped_mm import grouped_linear, grouped_mm  # noqa: F401 - re-exported
+from labkit.transformer.loss import chunked_cross_entropy
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA's and DeepSeek's reference code
+    writes it: normalise in fp32, cast back to x's dtype, then scale by the weight. In bf16
+    it keeps the normalised x in bf16 (F.rms_norm would keep it in fp32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding tables (Su et al., 2021), shared by every layer."""
+
+    def __init__(self, dim: int, max_seq: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        angles = torch.outer(torch.arange(max_seq, dtype=torch.float32), inv_freq)  # (S, dim/2)
+        angles = torch.cat([angles, angles], dim=-1)                                # (S, dim)
+        # non-persistent: rebuilt from the config, never saved in a checkpoint
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        """Rotate x of shape (B, heads, T, dim) by its position along T."""
+        T = x.shape[-2]
+        return rotate(x, self.cos[:T], self.sin[:T])                               # tables (T, dim)
+
+
+class PackedRotary(nn.Module):
+    """The rotary tables gathered once at ``position_ids`` (B, T): positions restart in each
+    document of a packed row."""
+
+    def __init__(self, rope: Rotary, position_ids):
+        super().__init__()
+        self.cos = rope.cos[position_ids].unsqueeze(1)                             # (B, 1, T, dim)
+        self.sin = rope.sin[position_ids].unsqueeze(1)
+
+    def forward(self, x):
+        return rotate(x, self.cos, self.sin)
+
+
+def rotate(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
+
+
+def document_mask(doc_ids, dtype):
+    """(B, T) document ids -> additive (B, 1, T, T) mask: 0 where query i may see key j (same
+    document, j <= i), -inf elsewhere. Made once per forward and shared by every layer: given
+    a bool mask, SDPA would make and keep a float copy of it in each layer."""
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal                 # (B, T, T)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)                  # (B, 1, T, T)
+
+
+def cu_seqlens(doc_ids) -> tuple[int, ...]:
+    """(B, T) document ids -> where each document starts in the B*T tokens laid end to end, and
+    B*T: flash-attn's ``cu_seqlens``. A row's padding (id -1) is one more run, as in the mask."""
+    B, T = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)                          # (B, T)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return tuple(starts.flatten().nonzero().flatten().tolist()) + (B * T,)
+
+
+class Varlen(tuple):
+    """``cu_seqlens`` passed where a mask goes: attention runs document by document, no mask."""
+
+
+def _documents(offsets, T: int):
+    """(row, start, end) of each document in its row, from offsets into the B*T tokens."""
+    for start, end in zip(offsets[:-1], offsets[1:]):                 # never across rows
+        yield start // T, start % T, end - start // T * T
+
+
+def _causal(q, k, v):
+    """One document's causal attention: q (1, H, L, d), k and v (1, Hkv, L, d) -> (1, H, L, dv).
+    Four dimensions: with three, the CPU's SDPA falls back to the math path (an L x L matrix)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class VarlenAttention(torch.autograd.Function):
+    """Causal attention inside each document of packed rows with no (T, T) mask: one SDPA call
+    per document, written into one output. flash-attn's ``flash_attn_varlen_func`` (given
+    ``cu_seqlens``) and FlexAttention's document block mask do it in one kernel on a GPU.
+
+    Keeps q, k and v (the output is wo's input, kept anyway), as the varlen kernel does, but not
+    its log-sum-exp per row (B*H*T fp32): the backward runs each document's attention again.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets):
+        B, H, T, _ = q.shape
+        out = q.new_empty(B, T, H, v.shape[-1])                        # (B, T, H, dv): wo's layout
+        for r, a, b in _documents(offsets, T):
+            out[r:r + 1, a:b] = _causal(*(t[r:r + 1, :, a:b] for t in (q, k, v))).transpose(1, 2)
+        ctx.save_for_backward(q, k, v)
+        ctx.offsets = offsets
+        return out.transpose(1, 2)                                     # (B, H, T, dv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for r, a, b in _documents(ctx.offsets, q.shape[2]):
+            piece = [t[r:r + 1, :, a:b].detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                y = _causal(*piece)                                     # (1, H, L, dv)
+            for g, d in zip(torch.autograd.grad(y, piece, grad[r:r + 1, :, a:b]), grads):
+                d[r:r + 1, :, a:b] = g
+        return *grads, None
+
+
+# the attention core every attention layer runs: "sdpa", "naive" or "tiled"
+# (labkit.transformer.attention)
+_attention = "sdpa"
+
+
+@contextlib.contextmanager
+def use_attention(impl: str):
+    """Run labkit models' attention core as ``impl`` inside the block: "sdpa" (the default),
+    "naive" (the (T, T) matrix kept) or "tiled" (labkit's online softmax). Put the backward
+    pass inside it too: blocks that recompute run their forward again there."""
+    global _attention
+    check_choice("attention", impl, ATTENTION_IMPLS)
+    previous, _attention = _attention, impl
+    try:
+        yield
+    finally:
+        _attention = previous
+
+
+def attention_core(q, k, v, mask=None):
+    """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel (no (T, T) matrix is kept),
+    or the implementation ``use_attention`` chose.
+
+    q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
+    ``mask``: for packed rows, a dense ``document_mask`` or ``Varlen`` offsets (no mask).
+    """
+    if mask is not None and _attention != "sdpa":
+        raise ValueError(f"attention {_attention!r} runs plain causal rows; packed rows (doc_ids) "
+                         f"attend through 'sdpa': leave the attention at 'sdpa' for them")
+    if isinstance(mask, Varlen):
+        return VarlenAttention.apply(q, k, v, mask)
+    if _attention == "naive":
+        return naive_attention(q, k, v)
+    if _attention == "tiled":
+        return tiled_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head (kv_heads == heads), grouped-query or multi-query (kv_heads == 1) attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        # Qwen3: each head's q and k normalised before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, rope: Rotary, mask=None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.wq(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.wk(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
+        # q (B, H, T, d), k (B, Hkv, T, d)
+        y = attention_core(rope(q), rope(k), v, mask)                            # (B, H, T, d)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention: keys and values come from one small latent.
+
+    Per token the KV cache holds only the latent (kv_lora_rank) and one shared RoPE key
+    (qk_rope_dim), instead of 2 x heads x head_dim numbers.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, qk = cfg.heads, cfg.qk_head_dim
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.hidden, H * qk, bias=False)
+        self.wkv_a = nn.Linear(cfg.hidden, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * cfg.v_head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x, rope: Rotary, mask=None):
+        c, (B, T, _) = self.cfg, x.shape
+        H, nope, rdim, vdim = c.heads, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
+        q = q.view(B, T, H, nope + rdim).transpose(1, 2)                        # (B, H, T, qk)
+        q_nope, q_rope = q.split([nope, rdim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([c.kv_lora_rank, rdim], dim=-1)    # (B, T, r), (B, T, rdim)
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, T, H, nope + vdim).transpose(1, 2)
+        k_nope, v = kv.split([nope, vdim], dim=-1)                                # (B, H, T, nope|v)
+        k_rope = rope(k_rope.unsqueeze(1)).expand(B, H, T, rdim)                 # one key head, shared
+        q = torch.cat([q_nope, rope(q_rope)], dim=-1)                             # (B, H, T, qk)
+        k = torch.cat([k_nope, k_rope], dim=-1)                                   # (B, H, T, qk)
+        # the fused kernels want one head width: pad v to qk and drop the padding after
+        v = F.pad(v, (0, nope + rdim - vdim))                                     # (B, H, T, qk)
+        y = attention_core(q, k, v, mask)[..., :vdim]                             # (B, H, T, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * vdim))                 # (B, T, hidden)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP and the shared experts."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w_gate = nn.Linear(hidden, ffn, bias=False)
+        self.w_up = nn.Linear(hidden, ffn, bias=False)
+        self.w_down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts stacked into three (E, out, in) weights, run as grouped matmuls on tokens
+    sorted by expert (as production MoE kernels hold them); slice e is expert e's weight."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int):
+        super().__init__()
+        E, h, f = experts, hidden, ffn
+        self.w_gate = nn.Parameter(torch.empty(E, f, h).normal_(std=0.02))     # (E, f, h)
+        self.w_up = nn.Parameter(torch.empty(E, f, h).normal_(std=0.02))       # (E, f, h)
+        self.w_down = nn.Parameter(torch.empty(E, h, f).normal_(std=0.02))     # (E, h, f)
+
+    def forward(self, x, counts: list[int]):
+        """x (N, hidden): the first counts[0] rows go to expert 0, the next counts[1] to 1, ..."""
+        gate = grouped_linear(x, self.w_gate, counts)                            # (N, f)
+        up = grouped_linear(x, self.w_up, counts)                                # (N, f)
+        return grouped_linear(F.silu(gate) * up, self.w_down, counts)           # (N, h)
+
+    def expert(self, e: int, x):
+        """Expert e alone on x (..., hidden): a SwiGLU on views of its weights."""
+        return F.linear(F.silu(F.linear(x, self.w_gate[e])) * F.linear(x, self.w_up[e]),
+                        self.w_down[e])
+
+
+class MoE(nn.Module):
+    """Shared experts for every token plus top_k of routed_experts chosen by a router.
+
+    Tokens are sorted by expert so that each expert's tokens are contiguous rows, which
+    ``RoutedExperts`` runs as one grouped matmul per weight. On fake tensors the routing is
+    unknown, so tokens are assumed spread evenly over the experts (what a load-balancing loss
+    aims at).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, h, f = cfg.routed_experts, cfg.hidden, cfg.moe_ffn
+        self.routed_experts, self.top_k = E, cfg.top_k
+        self.router = nn.Linear(h, E, bias=False)
+        # DeepSeek-V3's balancing rule moves the bias by the experts' load, not by a gradient
+        # (top-k has none): frozen, as Hugging Face's buffer e_score_correction_bias
+        self.router_bias = (nn.Parameter(torch.zeros(E), requires_grad=False)
+                            if cfg.router_bias else None)
+        self.experts = RoutedExperts(E, h, f)
+        self.shared = SwiGLU(h, cfg.shared_experts * f) if cfg.shared_experts else None
+
+    def route(self, x):
+        """(N, hidden) -> expert weights (N, k) and expert ids (N, k)."""
+        scores = F.softmax(self.router(x), dim=-1, dtype=torch.float32)         # (N, E)
+        choice = scores if self.router_bias is None else scores + self.router_bias
+        expert_ids = choice.topk(self.top_k, dim=-1).indices                      # (N, k)
+        return scores.gather(-1, expert_ids), expert_ids
+
+    def tokens_per_expert(self, expert_ids) -> list[int]:
+        E = self.routed_experts
+        if isinstance(expert_ids, FakeTensor):      # no data: balanced routing
+            n = expert_ids.numel()
+            return [n // E + (e < n % E) for e in range(E)]
+        return torch.bincount(expert_ids.flatten(), minlength=E).tolist()
+
+    def forward(self, x):
+        B, T, h = x.shape
+        x = x.reshape(B * T, h)                                                   # (N, h)
+        weights, expert_ids = self.route(x)                                       # (N, k)
+        order = expert_ids.flatten().argsort()                                    # (N*k,)
+        token = order // self.top_k                                               # token of each slot
+        x_sorted = x[token]                                                       # (N*k, h)
+        out = self.experts(x_sorted, self.tokens_per_expert(expert_ids))          # (N*k, h)
+        y_sorted = out * weights.flatten()[order, None].to(x.dtype)               # (N*k, h)
+        y = torch.zeros_like(x).index_add(0, token, y_sorted.to(x.dtype))        # (N, h)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.view(B, T, h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MoE(cfg) if layer >= cfg.dense_layers else SwiGLU(cfg.hidden, cfg.ffn)
+
+    def forward(self, x, rope: Rotary, mask=None):
+        x = x + self.attn(self.attn_norm(x), rope, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final RMSNorm -> LM head; ``forward`` returns the loss.
+
+    ``recompute[i]`` (set by ``labkit.transformer.checkpointing``): 0 / False keeps block i's
+    activations; n >= 1 (True = 1) recomputes blocks i .. i+n-1 as one unit from block i's input in
+    the backward pass (the blocks it covers are then skipped in the list). ``loss_chunk``: None
+    computes the (B*T, vocab) logits at once; n runs the head and the loss n tokens at a time
+    (``labkit.transformer.loss``).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.rope = Rotary(cfg.rope_dim, cfg.max_seq, cfg.rope_theta)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.recompute = [False] * cfg.layers      # per block: keep activations or recompute
+        self.checkpoint_options = {}                # extra torch.utils.checkpoint arguments
+        self.loss_chunk = None                      # tokens per chunk of the loss, or None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """Normal(0, 0.02) weights (GPT-2 / LLaMA practice), ones for norms."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+            elif "router_bias" in name or name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def run_blocks(self, x, first: int, last: int, rope, mask=None):
+        """Blocks first .. last - 1 in order: the unit one checkpoint recomputes."""
+        for block in self.blocks[first:last]:
+            x = block(x, rope, mask)
+        return x
+
+    def forward(self, tokens, targets=None, position_ids=None, doc_ids=None, varlen=False):
+        """tokens, targets: (B, T) int64. Returns the mean next-token loss, or logits if no targets.
+
+        Packed rows (``labkit.training.batching``) pass ``position_ids`` and ``doc_ids`` (B, T):
+        each token then attends only within its document, at its position in that document, through
+        one dense (B, 1, T, T) mask, or with ``varlen=True`` document by document (no mask).
+        """
+        if varlen and doc_ids is None:
+            raise ValueError("varlen=True attends within documents: pass doc_ids (B, T) too")
+        if tokens.shape[1] > self.cfg.max_seq:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq="
+                             f"{self.cfg.max_seq}; build the model with a larger max_seq")
+        x = self.embed(tokens)                                                    # (B, T, hidden)
+        rope = self.rope if position_ids is None else PackedRotary(self.rope, position_ids)
+        mask = None
+        if doc_ids is not None and varlen:
+            mask = Varlen(cu_seqlens(doc_ids))                                    # B*T offsets
+        elif doc_ids is not None:        # in the dtype attention computes in (bf16 under autocast)
+            dtype = (torch.get_autocast_dtype(x.device.type)
+                     if torch.is_autocast_enabled(x.device.type) else x.dtype)
+            mask = document_mask(doc_ids, dtype)                                 # (B, 1, T, T)
+        i = 0
+        while i < len(self.blocks):
+            span = int(self.recompute[i])      # 0: keep; n: blocks i .. i+n-1 recompute as one
+            if span:
+                x = torch.utils.checkpoint.checkpoint(self.run_blocks, x, i, i + span, rope, mask,
+                                                      use_reentrant=False,
+                                                      **self.checkpoint_options)
+            else:
+                x = self.run_blocks(x, i, i + 1, rope, mask)
+            i += max(span, 1)
+        if targets is not None and self.loss_chunk:    # no (B*T, vocab) logits: labkit.transformer.loss
+            return chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight,
+                                         targets.flatten(), self.loss_chunk)
+        logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)
+        if targets is None:
+            return logits
+        # the loss in fp32 whatever the compute dtype: log-softmax over a large vocab needs it
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> Transformer:
+    """A ``Transformer`` with parameters of ``dtype``; call under FakeTensorMode for full scale.
+
+    The default dtype is set while building rather than converting after, because
+    ``module.to(dtype)`` cannot swap parameters of fake tensors.
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            return Transformer(cfg)
+    finally:
+        torch.set_default_dtype(previous)
