@@ -383,7 +383,8 @@ def _as_flags(message: str, options: set) -> str:
 
 def _course(args) -> int:
     """doctor --course: one line per check and a verdict (or JSON); 1 when a check fails."""
-    from labkit.course.doctor import SMOKE_BUDGET_S, SMOKE_NOTEBOOK, course_report  # changes nothing
+    # changes nothing on the host: it reads, and runs one notebook in a scratch folder
+    from labkit.course.doctor import SMOKE_BUDGET_S, SMOKE_NOTEBOOK, course_report
     if not args.no_smoke and not args.json:
         print(f"running {SMOKE_NOTEBOOK.name} at SCALE=\"ci\" as a smoke run (budget "
               f"{SMOKE_BUDGET_S:.0f} s) ...", file=sys.stderr, flush=True)

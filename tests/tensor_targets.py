@@ -11,7 +11,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from labkit.core.config import preset
-from labkit.parallel.tensor.comm import CommCounter, gather_from_sequence, my_tokens
+from labkit.parallel.comm import CommCounter
+from labkit.parallel.tensor.comm import gather_from_sequence, my_tokens
 from labkit.parallel.tensor.tensor_parallel import (STYLES, ParallelAttention, ParallelSwiGLU,
                                                     parallelize, parallelize_block,
                                                     tensor_parallel_step,

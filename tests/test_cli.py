@@ -179,7 +179,7 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
 
 def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.transformer.checkpointing import RECOMPUTE_POLICIES
-    from labkit.parallel.pipeline.pipeline_parallel import SCHEDULES
+    from labkit.core.recipe import SCHEDULES
     from labkit.course.plan import RECOMPUTE, TRAINABLE
     from labkit.core.gpus import GPUS
     from labkit.core.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS

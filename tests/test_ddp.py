@@ -1,15 +1,15 @@
-"""DDP (labkit.parallel.data.ddp) on a real 2-rank gloo cluster: every rank holds all the states
-plus gradient buckets of exactly the gradients' bytes, and trains like one process on all the
-rows."""
+"""DDP (labkit.parallel.data.ddp) on a real 2-rank gloo cluster: every rank holds all the
+states plus gradient buckets of exactly the gradients' bytes, and trains like one process on
+all the rows."""
 import pytest
 import torch
 
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.predict.layers import lora_weights
 from labkit.parallel.data.ddp import (bucket_bytes, ddp_step, ddp_steps, extra_bytes, grads_held,
                                       one_process_step)
+from labkit.predict.layers import lora_weights
 
 N = 2
 TINY_GRAD_BYTES = 125_248 * 4            # tiny's parameters, fp32

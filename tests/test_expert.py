@@ -1,7 +1,7 @@
-"""Expert parallelism (labkit.parallel.expert.expert_parallel) on 2 and 4 local gloo ranks, tiny-moe
-(8 routed experts, top 2, 2 MoE layers): each rank holds E/ep experts and exactly the bytes
-labkit.predict.layers gives it, trains like one process on all the rows, and a skewed router loads
-one rank."""
+"""Expert parallelism (labkit.parallel.expert.expert_parallel) on 2 and 4 local gloo ranks,
+tiny-moe (8 routed experts, top 2, 2 MoE layers): each rank holds E/ep experts and exactly the
+bytes labkit.predict.layers gives it, trains like one process on all the rows, and a skewed
+router loads one rank."""
 import pytest
 import torch
 

@@ -45,7 +45,7 @@ def test_the_own_scripts_snippet_runs_as_a_script(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("line", [l for l in command_lines() if "--course" not in l])
 def test_each_command_line_runs(line):
-    """(doctor --course is run by tests/test_course_check.py; it takes a smoke run)"""
+    """(doctor --course is run by tests/test_doctor.py; it takes a smoke run)"""
     out = subprocess.run([sys.executable, *shlex.split(line)[1:]], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]

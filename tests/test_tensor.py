@@ -7,12 +7,13 @@ import torch.nn.functional as F
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.tensor.comm import CommCounter, my_tokens
+from labkit.parallel.comm import CommCounter
+from labkit.parallel.tensor.comm import my_tokens
 from labkit.parallel.tensor.tensor_parallel import STYLES, parallelize, parallelize_block
 from labkit.predict.layers import block_weights, embedding_weights, head_weights, layer_saved
 from labkit.quantisation.lora import apply_lora
-from labkit.transformer.model import Block, Transformer
 from labkit.quantisation.quant import LoRALinear
+from labkit.transformer.model import Block, Transformer
 from tensor_targets import (BATCH, CFG, LORA_RANK, MEMORY_SEQ, PARTS, SEQ, SMALL_SEQ, compare,
                             fresh_model, logits_and_targets, lora, lora_model, part, run_model,
                             run_part, shard_of, tokens, train_one_process)
@@ -183,7 +184,7 @@ def test_bytes_sent_by_one_training_step(ranks):
 # ---- memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 4])
 def test_rank_holds_exactly_the_estimates_block_parameters(n):
-    """Per rank: the sharded projections' 1/N and whole norms, as labkit.predict.layers counts them."""
+    """Per rank: the sharded projections' 1/N and whole norms, as predict.layers counts them."""
     expected = 4 * sum(w.local(n) for w in block_weights(CFG, False))          # fp32
     for rank in range(n):
         block = Block(CFG, 0)

@@ -1,4 +1,5 @@
-"""ZeRO stages 1, 2 and 3 (labkit.parallel.data.zero_step) on a real gloo cluster equal one process."""
+"""ZeRO stages 1, 2 and 3 (labkit.parallel.data.zero_step) on a real gloo cluster equal one
+process."""
 import pytest
 import torch
 

@@ -8,9 +8,11 @@ Precisions (bytes per parameter of weights, gradients, each optimizer-state numb
 | ------------------------- | ------- | ----- | ----- | ------ | ---------------------------- |
 | fp32                      | 4       | 4     | 4     | -      |                              |
 | bf16                      | 2       | 2     | 2     | -      | "pure" bf16                  |
-| bf16-master, fp16-master  | 2       | 2     | 4     | 4      | the ZeRO paper's "mixed precision":
-2 + 2 + 12 with AdamW | | bf16-mixed, fp16-mixed    | 4       | 4     | 4     | -      | autocast
-(PyTorch Lightning's names): + 2-byte weight copies, their own category |
+| bf16-master, fp16-master  | 2       | 2     | 4     | 4      | ZeRO's "mixed precision"     |
+| bf16-mixed, fp16-mixed    | 4       | 4     | 4     | -      | autocast: + 2-byte copies    |
+
+bf16-master is the ZeRO paper's 2 + 2 + 12 bytes with AdamW. The mixed names are PyTorch
+Lightning's; autocast's 16-bit weight copies are their own category.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 DEVICES = ("cuda", "cpu")
 TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # the pipeline schedules the estimate models
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # the pipeline schedules modelled
 WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
 FINE_TUNING = ("all", "lora", "qlora")   # what a user asks for: the planner's and CLI's words
 
@@ -36,7 +38,8 @@ def fine_tuning_fields(name: str) -> dict:
     return dict(trainable="all" if name == "all" else "lora",
                 weight_format="nf4" if name == "qlora" else None)
 LORA_TARGETS = ("all-linear",)
-ATTENTION_IMPLS = ("sdpa", "naive", "tiled")   # labkit.transformer.attention's cores: fused, (T, T), online
+# the attention cores of labkit.transformer.attention: fused, (T, T) probabilities, online softmax
+ATTENTION_IMPLS = ("sdpa", "naive", "tiled")
 # optimizer-state numbers kept per parameter, and the bytes of one when not the precision's
 STATE_NUMBERS = {"adamw": 2, "sgd": 0, "sgd-momentum": 1, "adamw-8bit": 2}
 EIGHT_BIT = {"adamw-8bit"}
@@ -111,8 +114,9 @@ class Recipe:
     ``loss_chunk``: None computes the (tokens, vocab)
     logits at once; n runs the LM head and the loss n tokens at a time
     (``labkit.transformer.loss``).
-    ``attention``: the attention core (``labkit.transformer.attention``): "sdpa" (PyTorch's fused kernel),
-    "naive" (keeps the (T, T) probabilities) or "tiled" (labkit's online softmax).
+    ``attention``: the attention core (``labkit.transformer.attention``): "sdpa" (PyTorch's
+    fused kernel), "naive" (keeps the (T, T) probabilities) or "tiled" (labkit's online
+    softmax).
     ``autocast_cache``: torch.autocast keeps its bf16 cast of every fp32 leaf weight that
     trains until the autocast region ends (its default); False is ``torch.autocast(...,
     cache_enabled=False)``, each matmul casting anew (what FSDP's bf16 ``param_dtype`` also

@@ -11,7 +11,7 @@ and working folder live in a temporary folder that is removed afterwards.
     print(report.text()); report.ready            # ready: no check failed
     check_packages(version=fake_version)          # a simulated missing package, in the tests
 
-The versions come from pyproject.toml (tests/test_course_check.py keeps the two equal), the
+The versions come from pyproject.toml (tests/test_doctor.py keeps the two equal), the
 packages from the notebooks' imports.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Matplotlib figures every lab shows: the peak's breakdown, the memory timeline of one step,
-and predicted vs measured (shared pieces in ``plot_base``, lab 08's in ``plot_host``). Each returns
-a ``Figure`` that pyplot does not keep open: display it or save it; nothing accumulates when a
-notebook or a test draws hundreds."""
+and predicted vs measured (shared pieces in ``plot_base``, lab 08's in ``plot_host``). Each
+returns a ``Figure`` that pyplot does not keep open: display it or save it; nothing
+accumulates when a notebook or a test draws hundreds."""
 from __future__ import annotations
 
 import re
@@ -263,8 +263,10 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     (``unit``: what its times count, e.g. "seconds")."""
     spans = [span for stage in timeline.stages for span in stage]
     if not spans:
-        raise ValueError("the timeline has no ops: pass labkit.parallel.pipeline.schedules.simulate(...) "
-                         "or labkit.parallel.pipeline.pipeline_parallel.measure_schedules(...)[i].timeline")
+        raise ValueError("the timeline has no ops: pass "
+                         "labkit.parallel.pipeline.schedules.simulate(...) or "
+                         "labkit.parallel.pipeline.pipeline_parallel.measure_schedules(...)[i]"
+                         ".timeline")
     t0 = min(float(span.start) for span in spans)
     makespan = max(float(span.end) for span in spans) - t0
     split = any(span.op.kind == "W" for span in spans)
@@ -431,8 +433,7 @@ def _place_labels(ax, rows, highlight, fontsize: float = 8):
 
 def course_savings_figure(rows, title: str | None = None):
     """One bar per technique: the share of the per-GPU peak it removed, in its own regime
-    (``labkit.course.savings.course_savings``), labelled with its lab and the bytes before ->
-    after."""
+    (``labkit.course.savings.course_savings``), labelled with its lab and bytes before -> after."""
     if not rows:
         raise ValueError("nothing to plot: pass labkit.course.savings.course_savings()")
     fig, ax = new_figure(9, 0.9 + 0.5 * len(rows))

@@ -9,8 +9,8 @@ stream, frames, time_us). A block's frame names what the tracker said it is ("fo
 activations"), so hovering over it in the viewer says so.
 
     snap = snapshot(replay(tracker.events))
-    save_snapshot(snap, "step.pickle")   # python -m torch.cuda._memory_viz trace_plot step.pickle
-    -o step.html
+    save_snapshot(snap, "step.pickle")
+    # then: python -m torch.cuda._memory_viz trace_plot step.pickle -o step.html
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ bytes per parameter, sharded by ZeRO), what autograd saves in each layer
 (``labkit.predict.layers``), autocast's weight copies, the transient gradients and the optimizer's
 temporaries. The byte rules it reads are torch-free and load no mechanism (tests/test_imports.py
 checks it): ``core.recipe`` (precisions), ``layers`` (the model), ``core.recompute`` (the
-policies), ``core.formats`` (NF4, 8-bit AdamW), ``parallel.data.zero``,
+policies), ``formats`` (NF4, 8-bit AdamW), ``parallel.data.zero``,
 ``parallel.pipeline.schedules`` (pipeline stages) and ``parallel.expert.compose`` (expert
 parallelism inside data parallelism).
 
@@ -42,11 +42,11 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     torch.device): whose defaults (AdamW is foreach on "cuda", a for-loop on "cpu"); a real GPU
     adds its CUDA context, allocator rounding and library workspaces.
     With ``pp`` > 1 the device reported is the busiest stage. ``loss_chunk``: tokens per chunk
-    of a chunked loss (``labkit.transformer.loss``), None for the full logits. ``attention``: the
-    core (``labkit.transformer.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1 the device
-    is one of the dp ranks under balanced routing (``labkit.parallel.expert.compose``); a skewed
-    router loads one rank more (``labkit.parallel.expert.expert_parallel.routing_imbalance``
-    measures it).
+    of a chunked loss (``labkit.transformer.loss``), None for the full logits. ``attention``:
+    the core (``labkit.transformer.attention``: "sdpa", "naive" or "tiled"). With ``ep`` > 1
+    the device is one of the dp ranks under balanced routing
+    (``labkit.parallel.expert.compose``); a skewed router loads one rank more
+    (``labkit.parallel.expert.expert_parallel.routing_imbalance`` measures it).
     ``zero_stage=3`` models labkit's ZeroOptimizer (one unit gathered at a time) for full
     fine-tuning, and FSDP2 (its backward prefetch and held all-gather outputs) under LoRA, the
     only way LoRA shards its base; FSDP2 holds up to ~4% more than the first (lab 09 checks).

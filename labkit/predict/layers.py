@@ -232,9 +232,8 @@ class Dtypes:
 
 def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
     """``labkit.transformer.model.RMSNorm`` keeps x in fp32 (x itself, or its fp32 copy), rstd
-    (fp32), and the normalised x in x's dtype for the weight's product: 8w + 4 in fp32, 6w + 4 in
-    bf16.
-    A frozen weight needs no gradient, so autograd keeps no normalised x: 4w + 4."""
+    (fp32), and the normalised x in x's dtype for the weight's product: 8w + 4 in fp32,
+    6w + 4 in bf16. A frozen weight needs no gradient, so autograd keeps no normalised x: 4w + 4."""
     return 4 * width + 4 + (0 if frozen else input_bytes * width)
 
 

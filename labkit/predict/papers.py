@@ -12,8 +12,8 @@ from labkit.core.units import check_choice
 from labkit.parallel.data import zero
 
 # Korthikanti et al.'s policies. Their "selective" recomputes the attention core (softmax,
-# dropout, the attention matrix); labkit's "selective" (``labkit.transformer.checkpointing``) is
-# op-level.
+# dropout, the attention matrix); labkit's "selective" (``labkit.transformer.checkpointing``)
+# is op-level.
 RECOMPUTE = ("none", "attention-core", "full")
 
 

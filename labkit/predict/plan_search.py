@@ -7,19 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.core.config import ModelConfig
-from labkit.core.formats import nf4_bits_per_param
 from labkit.core.gpus import GPU
 from labkit.core.recipe import Layout, Recipe, fine_tuning_fields, state_bytes
 from labkit.core.units import CATEGORIES, fmt_bytes
 from labkit.parallel.data.zero import per_rank
 from labkit.parallel.pipeline.schedules import chunk_layers, in_flight
 from labkit.predict import Estimate, estimate
+from labkit.predict.formats import nf4_bits_per_param
 from labkit.predict.layers import (block_weights, count_params, embedding_weights, head_weights,
                                    layer_saved)
 from labkit.predict.steptime import StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # gpipe: 1f1b's bubble, more memory
+# (schedule, chunks per stage) the search tries; not GPipe: 1F1B's bubble with more memory
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
 
@@ -209,7 +210,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     per_rank_batch = batch // f.dp
     lora = f.trainable != "all"
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
-    schedules = SCHEDULES if f.pp > 1 else (("1f1b", 1),)
+    schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     active = counts.active
     out = []
     for schedule, v in schedules:

@@ -1,16 +1,17 @@
 """The model states of one pipeline stage's step, and ZeRO's buckets, shards and gathers: a
 mixin of ``step._Step``, reading what its ``__init__`` sets. Weights, gradients and optimizer
-state by the recipe's bytes per parameter, each unit sharded over its ranks (``parallel.zero``;
-with ep, the experts' unit over their dp / ep copies); what each collective sends."""
+state by the recipe's bytes per parameter, each unit sharded over its ranks
+(``parallel.data.zero``; with ep, the experts' unit over their dp / ep copies); what each
+collective sends."""
 from __future__ import annotations
 
-from labkit.core.formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes, nf4_bits_per_param,
-                                 step_temporary_bytes)
 from labkit.core.recipe import STATE_NUMBERS, compute_bytes
 from labkit.core.recompute import plan
 from labkit.core.units import HOST
 from labkit.parallel.data import zero
 from labkit.parallel.expert import compose
+from labkit.predict.formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_bytes,
+                                    nf4_bits_per_param, step_temporary_bytes)
 from labkit.predict.layers import block_weights, lora_targets
 from labkit.predict.terms import Tensor, _total
 
@@ -242,8 +243,8 @@ class States:
                       staged * number if self.staged else 0)
 
     def _expert_messages(self) -> dict[str, int]:
-        """What one of the dp ranks sends per step (``parallel.compose``): its all_to_alls for
-        each micro-batch (rows in the stream's dtype out, the experts' outputs back in the
+        """What one of the dp ranks sends per step (``parallel.expert.compose``): its all_to_alls
+        for each micro-batch (rows in the stream's dtype out, the experts' outputs back in the
         matmuls'; the forward's again for each MoE block recomputed: labkit's selective policy
         keeps no all_to_all), the replicated gradients all-reduced over every rank, its
         experts' over their dp copies (or ZeRO's reduce-scatters and all-gathers), once."""

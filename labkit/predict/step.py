@@ -86,7 +86,7 @@ class _Step(States, Moments):
                               [sum(w.local(tp, ep) for w in ws if w.trains) for ws in self.blocks])
 
     def _zero_units(self):
-        """ZeRO over dp > 1 ranks works on flat units (``parallel.zero.units``): the rest of
+        """ZeRO over dp > 1 ranks works on flat units (``parallel.data.zero.units``): the rest of
         the model (embedding, final norm, LM head), then each block; stage 1: the whole model."""
         c, layout = self.c, self.L
         tp, ep = layout.tp, layout.ep
@@ -98,7 +98,7 @@ class _Step(States, Moments):
         # (the root unit - embedding, final norm, LM head - is frozen); stage 3 (FSDP) gathers
         # every parameter of a unit, LoRA's frozen base too
         # with ep, the experts' parameters form units of their own, sharded over their dp / ep
-        # copies (``parallel.zero_step``'s experts; Megatron's distributed optimizer, FSDP
+        # copies (``parallel.data.zero_step``'s experts; Megatron's distributed optimizer, FSDP
         # over experts): stage 1 one, from stage 2 one per MoE block. Units: (elements, ranks)
         experts = [sum(w.local(tp, ep) for w in ws if w.copies > 1) if ep > 1 else 0
                    for ws in self.blocks]

@@ -19,9 +19,9 @@ from labkit.predict import estimate
 
 @dataclass(frozen=True)
 class Saving:
-    """One regime: the peak per device with a change, against the baseline's at the same batch x
-    seq. ``moment``: where the changed step's peak falls ("optimizer step", "backward: layer
-    31")."""
+    """One regime: the peak per device with a change, against the baseline's at the same
+    batch x seq. ``moment``: where the changed step's peak falls ("optimizer step",
+    "backward: layer 31")."""
 
     label: str
     batch: int

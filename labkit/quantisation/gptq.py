@@ -150,8 +150,7 @@ def quantize_weight(method: str, weight: torch.Tensor,
                     inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """(dequantised weight, stored bytes) of one weight by a scheme named as in ``METHODS``;
     "rtn intB gG" / "gptq intB gG" take any bits B in 2..8 and group G; "2:4 fp16" and
-    "low-rank 25% fp16" (``labkit.quantisation.compress``) store fewer values instead of fewer
-    bits."""
+    "low-rank 25% fp16" (``labkit.quantisation.compress``) store fewer values, not fewer bits."""
     weight = weight.detach().float()
     if method.startswith(("2:4", "low-rank")):
         return compress_weight(method, weight)
@@ -166,7 +165,8 @@ def quantize_weight(method: str, weight: torch.Tensor,
     match = re.fullmatch(r"(rtn|gptq) int(\d+) g(\d+)", method)
     if match is None:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS} (any bits and group "
-                         "in 'rtn int3 g128' / 'gptq int3 g128', or labkit.quantisation.compress.METHODS)")
+                         "in 'rtn int3 g128' / 'gptq int3 g128', or "
+                         "labkit.quantisation.compress.METHODS)")
     kind, bits, group = match[1], int(match[2]), int(match[3])
     if kind == "rtn":
         q = rtn_quantize(weight, bits, group)

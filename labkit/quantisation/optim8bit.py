@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.core.formats import (BLOCK, CHUNK, LOOKUP_BYTES, MAP_BYTES, MIN_8BIT_SIZE,  # noqa: F401
-                                 eight_bit_state_bytes as state_bytes, step_temporary_bytes)
 from labkit.core.units import check_positive
+from labkit.predict.formats import (BLOCK, CHUNK, LOOKUP_BYTES, MAP_BYTES,  # noqa: F401
+                                    MIN_8BIT_SIZE, eight_bit_state_bytes as state_bytes,
+                                    step_temporary_bytes)
 from labkit.training.track import MemoryTracker
 
 EXPONENT_BITS = 7          # the dynamic map spans 7 decades: 1e-6 ... 1

@@ -142,9 +142,9 @@ class Layer:
 
 
 def trained_layer() -> Layer:
-    """``mlp.w_up`` of block 0 of the trained ``small`` model (labkit.quantisation.gptq), on the
-    inputs it gets from the calibration rows: real weights and activations (~10 s the first
-    time)."""
+    """``mlp.w_up`` of block 0 of the trained ``small`` model (labkit.quantisation.gptq), on
+    the inputs it gets from the calibration rows: real weights and activations (~10 s the
+    first time)."""
     from labkit.quantisation.gptq import layer_inputs, trained_small
     trained = trained_small()
     linear = trained.model.blocks[0].mlp.w_up

@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.core.formats import nf4_bits_per_param  # noqa: F401
 from labkit.core.units import check_choice, check_positive
+from labkit.predict.formats import nf4_bits_per_param  # noqa: F401
 
 SCHEMES = ("absmax", "zero-point")
 GRANULARITIES = ("tensor", "channel", "block")

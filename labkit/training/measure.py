@@ -149,8 +149,9 @@ def _build(setup: _Setup, precision: str, recompute: str, loss_chunk: int | None
     if loss_chunk is not None:
         if not isinstance(model, Transformer):
             raise ValueError(f"loss_chunk={loss_chunk} applies to labkit's model only; give "
-                             f"another module a chunked loss through loss_fn (labkit.transformer.loss."
-                             f"chunked_cross_entropy) and leave loss_chunk None")
+                             f"another module a chunked loss through loss_fn "
+                             f"(labkit.transformer.loss.chunked_cross_entropy) and leave "
+                             f"loss_chunk None")
         model.loss_chunk = loss_chunk
     if trainable == "lora":
         from labkit.quantisation.lora import apply_lora
@@ -226,9 +227,9 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     ranks is measured on them (``labkit.parallel``).
 
     ``device``: whose step it is, "cuda" ("cuda:1", a torch.device) or "cpu". A real step runs
-    there (default: ``device()``, or where a given module is). A fake step runs on CPU fake tensors
-    - shapes and bytes real, no memory used, labkit's MoE routing balanced - with that device's
-    defaults (default "cuda": AdamW foreach), because fake CUDA tensors cannot run on a
+    there (default: ``device()``, or where a given module is). A fake step runs on CPU fake
+    tensors - shapes and bytes real, no memory used, labkit's MoE routing balanced - with that
+    device's defaults (default "cuda": AdamW foreach), because fake CUDA tensors cannot run on a
     CPU-only build; what a real GPU adds (CUDA context, allocator rounding, library
     workspaces) is not in it. ``warmup`` creates the optimizer state first: a steady-state step.
     ``events=True`` keeps the tracker's log of storages made and freed (``.events``), which

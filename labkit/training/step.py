@@ -47,16 +47,6 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
 
 
-def autocast_copies(*tensors):
-    """The tensors as autocast hands them to a matmul: copies in its dtype while it is on (the
-    copies autograd then saves), else themselves. For ops autocast does not know (custom ones)."""
-    where = tensors[0].device.type
-    if not torch.is_autocast_enabled(where):
-        return tensors
-    dtype = torch.get_autocast_dtype(where)
-    return tuple(t.to(dtype) for t in tensors)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the same storage), any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t    # torch.distributed not imported
@@ -132,8 +122,7 @@ class StepResult:
 def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scaler=None,
                tracker=None, loss_factor: float = 1.0, offload: bool = False,
                clip_norm: float | None = None, autocast_cache: bool = True) -> StepResult:
-    """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases marked on
-    ``tracker``.
+    """forward -> backward -> optimizer step -> zero_grad(set_to_none), phases on ``tracker``.
 
     ``loss_factor`` multiplies the loss before backward (lab 02 shrinks gradients with it);
     the loss reported is the model's own. ``offload`` keeps what autograd saves in pinned

@@ -1,7 +1,7 @@
 """Training runs of the course's models: a loss curve (``train``), the time of a step
 (``time_step``) and 8-bit against fp32 AdamW (``compare_with_adamw``). One step's mechanism
-- precisions, optimizers, ``train_step`` - is ``labkit.training.step``, whose names import from here
-  too.
+- precisions, optimizers, ``train_step`` - is ``labkit.training.step``, whose names import
+from here too.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from labkit.predict import estimate
 from labkit.quantisation.lora import apply_lora
 from labkit.quantisation.optim8bit import (BLOCK, MAP_BYTES, AdamW8bit, optimizer_state_bytes,
                                            state_bytes)
-from labkit.training.step import (MasterWeights, StepResult, autocast_copies,  # noqa: F401
-                                  autocast_dtype, bigram_corpus, device, make_optimizer,
-                                  param_dtype, train_step)
+from labkit.training.step import (MasterWeights, StepResult, autocast_dtype,  # noqa: F401
+                                  bigram_corpus, device, make_optimizer, param_dtype, train_step)
 from labkit.transformer.checkpointing import apply_recompute
 from labkit.transformer.model import build_model
 
@@ -30,8 +29,8 @@ def train(cfg, steps: int = 50, precision: str = "fp32", batch: int = 8, seq: in
           lr: float = 3e-3, seed: int = 0, scaler=None, loss_factor: float = 1.0,
           progress: bool = True, trainable: str = "all", lora_rank: int = 16,
           weight_format: str | None = None) -> list[float]:
-    """A short real training run of ``labkit.transformer.model`` on ``bigram_corpus``; the loss per
-    step.
+    """A short real training run of ``labkit.transformer.model`` on ``bigram_corpus``; the
+    loss per step.
 
     Same seed, same initial weights and batches for every precision, so curves compare.
     ``scaler`` (a GradScaler or labkit's DynamicLossScaler) is used for fp16. AdamW ignores

@@ -1,2 +1,2 @@
-"""The model: one readable transformer, its attention cores and loss, recomputation, LoRA's
-host, generation with a KV cache. Mechanisms: they import the core and the estimate."""
+"""The model: one readable transformer, its attention cores (SDPA, naive, tiled, Triton) and
+chunked loss, recomputation, generation with a KV cache and a paged cache."""

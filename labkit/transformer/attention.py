@@ -23,6 +23,7 @@ import torch
 
 from labkit.core.recipe import ATTENTION_IMPLS  # noqa: F401  (the vocabulary lives in the core)
 from labkit.core.units import check_choice, check_positive, dtype_bytes
+from labkit.predict.layers import Dtypes, attention_core_saved
 
 
 # ---- naive: the (T, T) matrix in memory -------------------------------------------------------
@@ -316,8 +317,7 @@ def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: i
     return 2 * n * d + passes * 2 * n * d + n
 
 
-# ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them against the
-# tracker)
+# ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them) ----------
 TILE = 128                       # queries and keys per tile of the tiled core (core()'s default)
 CORE_DTYPE = "bf16"              # the core's q, k, v, output and gradients (its tiles: fp32)
 
@@ -356,8 +356,6 @@ def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
     unit = T * H * d * size                                # one (1, H, T, d) bf16 tensor
     # layers' terms: "q, k, v and <the output>" (of which only the output is not an input
     # here), then the log-sum-exp (sdpa, tiled) or the (T, T) probabilities (naive)
-    from labkit.predict.layers import (Dtypes,  # layers -> recipe -> this module
-                                       attention_core_saved)
     terms = attention_core_saved(Dtypes.of(CORE_DTYPE), H, H, d, impl)
     kept = {"attention output (wo's input)": unit}
     kept.update({t.name: t.bytes(1, T) for t in terms if not t.name.startswith("q, ")})

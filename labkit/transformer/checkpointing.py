@@ -1,5 +1,4 @@
-"""Activation recomputation ("checkpointing") policies applied to a
-``labkit.transformer.model.Transformer``.
+"""Activation recomputation ("checkpointing") policies applied to labkit's ``Transformer``.
 
 A recomputed unit keeps only its input for the backward pass and runs its forward again
 there (Chen et al., 2016, "Training Deep Nets with Sublinear Memory Cost"). The policies:

@@ -18,10 +18,9 @@ and registers, so the (T_q, T_k) scores never reach GPU memory (HBM):
 
 Conventions as ``labkit.transformer.attention``: (B, H, T, d) tensors, grouped key/value heads,
 causal = top-left aligned as SDPA (query i sees keys 0..i). Every tile multiplies in the inputs'
-dtype and accumulates in fp32; fp32 inputs multiply in full fp32 ("ieee", not Triton's default
-tf32).
-Production kernels also fold log2(e) into the scale and use exp2, and skip the causal mask off
-the diagonal; this one keeps exp and one mask so that it reads as the paper.
+dtype and accumulates in fp32; fp32 inputs multiply in full fp32 ("ieee", not Triton's
+default tf32). Production kernels also fold log2(e) into the scale and use exp2, and skip the
+causal mask off the diagonal; this one keeps exp and one mask so that it reads as the paper.
 
 Triton is optional (``pip install -e ".[triton]"``); no labkit module but this one imports it.
 On a CPU, Triton's interpreter runs the kernels on CPU tensors (fp32 and fp16; slow, for small
@@ -301,7 +300,8 @@ def _check(q, k, v, causal, block_m: int, block_n: int) -> None:
     """ImportError without triton; a ValueError naming the fix for what the kernels can't take."""
     if triton is None:
         raise ImportError(f"flash_attention needs Triton: {INSTALL} (or pip install "
-                          f"'triton>=3.9'); labkit.transformer.attention.tiled_attention needs nothing")
+                          f"'triton>=3.9'); labkit.transformer.attention.tiled_attention needs "
+                          "nothing")
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if not q.dim() == k.dim() == v.dim() == 4:
         raise ValueError(f"q, k and v must be (B, H, T, d), got {shapes}: reshape them "
@@ -317,7 +317,8 @@ def _check(q, k, v, causal, block_m: int, block_n: int) -> None:
                          f"query and one key or more, got {shapes}: give one value per key")
     if not q.shape[3] == k.shape[3] == v.shape[3] or q.shape[3] not in HEAD_DIMS:
         raise ValueError(f"the kernels take one head dim for q, k and v among {HEAD_DIMS}, got "
-                         f"{shapes}: use labkit.transformer.attention.tiled_attention for other head dims")
+                         f"{shapes}: use labkit.transformer.attention.tiled_attention for other "
+                         "head dims")
     if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
         raise ValueError(f"q, k and v must share one dtype among fp32, bf16 and fp16, got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}: cast them (.to(torch.bfloat16))")

@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from labkit.training.step import autocast_copies
+
+def autocast_copies(*tensors):
+    """The tensors as autocast hands them to a matmul: copies in its dtype while it is on (the
+    copies autograd then saves), else themselves. For ops autocast does not know (custom ones)."""
+    where = tensors[0].device.type
+    if not torch.is_autocast_enabled(where):
+        return tensors
+    dtype = torch.get_autocast_dtype(where)
+    return tuple(t.to(dtype) for t in tensors)
+
 
 @torch.library.custom_op("labkit::grouped_mm", mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

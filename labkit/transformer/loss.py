@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from labkit.core.units import check_positive
-from labkit.training.step import autocast_copies
+from labkit.transformer.grouped_mm import autocast_copies
 
 
 def _chunk_logits(hidden, weight):
@@ -132,7 +132,7 @@ def measure_loss(tokens: int, hidden: int, vocab: int, chunk: int | None = None,
         inputs = mt.current
         mt.reset_peak()
         with mt.phase("forward"), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            if chunk is None:                  # labkit.transformer.model's path: the logits, then fp32
+            if chunk is None:                  # the model's own path: the logits, then fp32
                 logits = F.linear(h, w)                                          # (N, V)
                 loss = F.cross_entropy(logits.float(), targets)
                 del logits

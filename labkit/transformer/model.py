@@ -418,7 +418,7 @@ class Transformer(nn.Module):
             else:
                 x = self.run_blocks(x, i, i + 1, rope, mask)
             i += max(span, 1)
-        if targets is not None and self.loss_chunk:    # no (B*T, vocab) logits: labkit.transformer.loss
+        if targets is not None and self.loss_chunk:    # no (B*T, vocab) logits (loss.py)
             return chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight,
                                          targets.flatten(), self.loss_chunk)
         logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)

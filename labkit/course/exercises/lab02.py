@@ -85,7 +85,8 @@ def _mixed_saves_a_quarter():
     "02-half-inference-saving",
     question="""Predict, then measure: the course model `small` after model.half(), one forward
 pass under torch.no_grad() that returns the logits, batch 2 x 256 tokens. What percentage of
-the fp32 peak does it save? Measure with labkit.quantisation.precision.inference_peak (half=True / False).""",
+the fp32 peak does it save? Measure with labkit.quantisation.precision.inference_peak
+(half=True / False).""",
     unit="percent",
     hint="Which tensors of the forward pass are not in the weights' dtype after model.half()? "
          "Without the loss, hardly any: the logits are fp16 too.",

@@ -57,7 +57,8 @@ schedule. At most how many micro-batches' activations does the first stage hold 
 micro-batch for each it starts: stage 0 holds min(m, p) = {answer:g}, whatever m beyond p.
 GPipe runs all forward passes first: {gpipe:g} in flight, {ratio:g}x as many
 (in_flight(0, 8, 32, "gpipe")). For LLaMA-2-7B at 1 x 4096 tokens per micro-batch, stage 0's
-{layers} layers save {per_mb:.2f} GiB per micro-batch (bf16-master, labkit.predict.layers.layer_saved):
+{layers} layers save {per_mb:.2f} GiB per micro-batch (bf16-master,
+labkit.predict.layers.layer_saved):
 {one_f_one_b:.1f} GiB under 1F1B, {all_forward:.1f} GiB under GPipe. The last stage holds
 only 1 under 1F1B (in_flight(7, 8, 32) = {last:g}).""",
 )
@@ -115,11 +116,12 @@ def _bubble_m():
 routed expert of every MoE layer per GPU. How many routed-expert parameters does one GPU hold?""",
     unit="billion parameters",
     hint="Routed experts per GPU: routed_experts / 256 per MoE layer; each is a SwiGLU MLP of "
-         "3 x hidden x moe_ffn. Check with labkit.parallel.expert.expert_parallel.rank_params(cfg, 256).",
+         "3 x hidden x moe_ffn. Check with "
+         "labkit.parallel.expert.expert_parallel.rank_params(cfg, 256).",
     solution="""{E} routed experts / 256 = {per_rank} per GPU in each of {layers} MoE layers, each
 3 x {h} x {f} = {expert:,} parameters: {routed:,} = {answer:.2f} billion
-(labkit.parallel.expert.expert_parallel.rank_params). With mixed-precision AdamW (bf16-master, 16 bytes per
-parameter) their model states take {routed_gib:.1f} GiB per GPU; the replicated rest
+(labkit.parallel.expert.expert_parallel.rank_params). With mixed-precision AdamW
+(bf16-master, 16 bytes per parameter) their model states take {routed_gib:.1f} GiB per GPU; the replicated rest
 (attention, the {dense} dense MLPs, shared experts, routers, norms, embedding, head:
 {replicated:.2f} billion) adds {replicated_gib:.1f} GiB. From ep = 64 on the replicated rest is most
 of a GPU's model states, and no ep divides it: DeepSeek-V3 (on 80 GB H800s) pairs 64-way expert

@@ -7,7 +7,7 @@ from labkit.predict.layers import count_params
 
 
 def _model_weights(c) -> list:
-    """Every parameter tensor of the model ``c`` describes (``labkit.predict.layers``), in model order."""
+    """Every parameter tensor of the model ``c`` describes (``predict.layers``), in model order."""
     from labkit.predict.layers import block_weights, embedding_weights, head_weights
     return (embedding_weights(c) + head_weights(c)
             + [w for i in range(c.layers) for w in block_weights(c, i >= c.dense_layers)])
@@ -21,7 +21,8 @@ scales that each keep one fp32 scale of their own. How many bits per parameter i
 overheads included? Give three decimals.""",
     unit="bits per parameter", rtol=1e-4,
     hint="4 bits of code, plus each scale's bits divided by the weights it serves: an 8-bit scale "
-         "per 64 weights, an fp32 scale per 64 x 256 weights. labkit.quantisation.quant.nf4_bits_per_param.",
+         "per 64 weights, an fp32 scale per 64 x 256 weights. "
+         "labkit.quantisation.quant.nf4_bits_per_param.",
     solution="""4 + 8/64 + 32/(64 x 256) = {answer:.10g} bits per parameter (QLoRA's 4.127), against
 4 + 32/64 = {plain:g} without double quantisation: the scales' overhead falls from {plain_over:.3f}
 to {dq_over:.3f} bits (labkit.quantisation.quant.nf4_bits_per_param(64, double_quant=...)).
@@ -92,8 +93,8 @@ fewer than 4096 numbers keep fp32 moments. How much memory does its state take f
 LLaMA-2-7B's parameters? Give two decimals.""",
     unit="GiB", rtol=1e-3,
     hint="Per parameter tensor of n numbers: 2 x (n + 4 ceil(n / 256)) bytes, or 8n under 4096 "
-         "numbers. Sum labkit.quantisation.optim8bit.state_bytes(w.numel) over labkit.predict.layers' "
-         "embedding_weights, head_weights and block_weights.",
+         "numbers. Sum labkit.quantisation.optim8bit.state_bytes(w.numel) over "
+         "labkit.predict.layers' embedding_weights, head_weights and block_weights.",
     solution="""{tensors} parameter tensors; {small} of them are under {min8} numbers (a norm gain
 holds {h}). Codes 2 x 1 byte + absmax 2 x 4/{block} bytes = {per:.6g} bytes per parameter:
 {bytes:,} bytes = {answer:.2f} GiB, against fp32 AdamW's 8 bytes per parameter, {fp32:.2f} GiB

@@ -89,7 +89,8 @@ all heads. How many bytes does one token's cache take, over all of its layers, i
     solution="""({r} + {rope}) x {layers} layers x 2 bytes = {answer:,} bytes per token
 (lk.kv_cache_bytes("deepseek-v2", seq=1)). Multi-head attention with the same {heads} heads of
 d_h = {d} caches 2 x {heads} x {d} = {mha_per_layer:,} numbers per layer: {mha:,} bytes per token,
-{ratio:.1f}x as much; MLA saves {saved:.1%} (labkit.transformer.generate.mla_reduction("deepseek-v2")). In
+{ratio:.1f}x as much; MLA saves {saved:.1%}
+(labkit.transformer.generate.mla_reduction("deepseek-v2")). In
 the paper's units MLA caches {in_head_dims} d_h per layer, as much as GQA with {groups:g}
 groups. One sequence of {seq} tokens: {mla_seq:.2f} GiB with MLA, {mha_seq:.1f} GiB with MHA.""",
 )

@@ -16,8 +16,8 @@ pages)? Give one decimal; the solution says whether Docker's default /dev/shm ho
     solution="""one batch is 64 x 3 x 224 x 224 x 4 B = {batch:,} B ({pages:,} pages of 4 KiB);
 {workers} workers x prefetch {prefetch} = {in_flight} in flight, plus 2 held by the loop: {alive}
 batches, {needed:,} B = {answer:.1f} MiB (labkit.host.shm.shm_needed): it does not fit Docker's
-default 64 MiB ({times:.1f}x). A safe flag for one rank: ``{flag}`` (labkit.host.shm.docker_shm_flag:
-twice the need, as a power of two); with N ranks in the container pass ranks=N, and nccl=True
+default 64 MiB ({times:.1f}x). A safe flag for one rank: ``{flag}``
+(labkit.host.shm.docker_shm_flag: twice the need, as a power of two); with N ranks in the container pass ranks=N, and nccl=True
 when they talk over NCCL.""",
 )
 def _shm_image_loader():

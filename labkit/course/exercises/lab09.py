@@ -13,8 +13,8 @@ few A100-80GB GPUs (1, 2, 4, 8, ...) does the planner find a layout that fits it
 memory (the card less 10% headroom)?""",
     unit="GPUs", rtol=0,
     hint="First the paper bound: the states take 16 bytes per parameter, and ZeRO or tensor "
-         "parallelism splits them; then ask labkit.course.plan.plan(..., offload=False) whether that "
-         "many GPUs also hold the activations.",
+         "parallelism splits them; then ask labkit.course.plan.plan(..., offload=False) whether "
+         "that many GPUs also hold the activations.",
     solution="""the model states alone are 16 B x {params:,} = {states:.1f} GiB, more than the
 {usable:.1f} GiB one card may use, so at least two GPUs are needed. On {answer} GPUs the
 fastest layout that fits is "{best}" at {total:.1f} GiB per GPU

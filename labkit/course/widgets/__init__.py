@@ -2,7 +2,7 @@
 
     from labkit.course import widgets
     widgets.memory_panel()     # pick a model and a step, see the predicted breakdown;
-                                  # a button measures the same step on fake tensors
+                               # a button measures the same step on fake tensors
     widgets.states_panel()     # lab 01: bytes per parameter of each state, sharded by ZeRO
     widgets.recompute_panel()  # lab 03: a checkpointing policy's memory and recompute cost
     widgets.zero_panel()       # lab 04: ZeRO stage and GPUs -> each rank's memory, measured

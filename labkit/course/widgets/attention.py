@@ -42,7 +42,7 @@ class AttentionResult(PanelResult):
     hbm: dict | None = None              # GPU -> standard / FlashAttention HBM accesses
     batch: int = 1
     context: int = 0
-    kind: str = ""                       # labkit.transformer.generate.attention_kind: MHA, GQA, MQA, MLA
+    kind: str = ""                       # MHA, GQA, MQA or MLA (generate.attention_kind)
     cache: int = 0                       # labkit.kv_cache_bytes(config, batch, context)
     mha_cache: int = 0
 

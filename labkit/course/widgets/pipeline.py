@@ -40,7 +40,7 @@ class PipelineResult(PanelResult):
     layout: Layout | None = None
     seq: int = 2048
     timeline: schedules.PipelineTimeline | None = None
-    bubble: float = 0.0                   # labkit.predict.papers.pipeline_bubble: the paper's formula
+    bubble: float = 0.0                   # the paper's formula (papers.pipeline_bubble)
     in_flight: list | None = None         # per stage, micro-batches whose activations it keeps
 
     @property

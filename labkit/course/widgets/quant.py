@@ -101,7 +101,8 @@ def _check_quant_setting(scheme: str, bits: int, block, double_quant: bool) -> N
 
 def _quantize(scheme: str, bits: int, block, double_quant: bool,
               weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(dequantised weight, stored bytes) of one setting, by labkit.quantisation.quant or labkit.quantisation.gptq."""
+    """(dequantised weight, stored bytes) of one setting, by labkit.quantisation's ``quant`` or
+    ``gptq``."""
     if scheme.startswith("int8"):
         granularity = block if block in INT8_GRANULARITIES else "block"
         q = quantize_int8(weight, scheme.removeprefix("int8 "), granularity,

@@ -15,7 +15,7 @@ from labkit.parallel.data import zero
 from labkit.predict import Estimate, estimate
 
 
-# each state's field in ``recipe.StateBytes`` -> its name in ``parallel.zero`` and its label
+# each state's field in ``core.recipe.StateBytes`` -> its name in ``parallel.data.zero``, its label
 STATES = {"weights": ("params", "weights"), "grads": ("grads", "gradients"),
           "optimizer": ("optimizer", "optimizer state")}
 
@@ -64,8 +64,9 @@ def _states(e: Estimate) -> int:
 def states_report(model: str, *, precision: str, optimizer: str, zero_stage: int, gpus: int,
                   seq: int = 2048, batch: int = 1) -> StatesResult:
     """Bytes per parameter of each state with ZeRO ``zero_stage`` over ``gpus`` data-parallel
-    GPUs (``recipe.state_bytes`` split as ``parallel.zero`` splits it), and the step's estimate
-    per GPU (CUDA defaults) beside one GPU without ZeRO; an impossible setting is explained."""
+    GPUs (``core.recipe.state_bytes`` split as ``parallel.data.zero`` splits it), and the
+    step's estimate per GPU (CUDA defaults) beside one GPU without ZeRO; an impossible setting
+    is explained."""
     try:
         cfg = preset(model)
         layout = Layout(dp=gpus, zero_stage=zero_stage)

@@ -1,7 +1,7 @@
 """Data parallelism of our own, for any ``nn.Module``: the mechanism of PyTorch's
-``DistributedDataParallel`` in one file (Li et al., "PyTorch Distributed", VLDB 2020; picotron's
-``data_parallel/``). ``labkit.parallel.data.ddp`` measures torch's own; the tests check the two
-equal.
+``DistributedDataParallel`` in one file (Li et al., "PyTorch Distributed", VLDB 2020;
+picotron's ``data_parallel/``). ``labkit.parallel.data.ddp`` measures torch's own; the tests
+check the two equal.
 
 Every rank holds the whole model and trains it on its own rows. The copies stay equal because
 they start equal and every rank steps with the same gradient, the mean over the N ranks:

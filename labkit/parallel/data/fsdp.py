@@ -15,8 +15,8 @@ its forward and again before its backward; the root's (embedding, final norm, LM
 gathered from the start of the forward to the end of the backward. A rank holds its shards,
 the root and the block being computed - and in the backward pass one more: FSDP2 prefetches
 the next block's all-gather as each block's backward starts (labkit's stage 3 gathers one at
-a time, and so does the estimate: one block below FSDP2). The tracker counts a DTensor by its local
-shard and FSDP2's gathered parameters (freed with ``resize_(0)``) as parameters
+a time, and so does the estimate: one block below FSDP2). The tracker counts a DTensor by its
+local shard and FSDP2's gathered parameters (freed with ``resize_(0)``) as parameters
 (``FSDP2Parameters``).
 
 At full scale ``fake_fsdp2_peak`` runs one FSDP2 step of a 7B or MoE model on fake tensors
@@ -232,8 +232,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
     master and moments of the shards (2 + 2 + 12 bytes per parameter / N). FSDP2's own
     ``MixedPrecisionPolicy`` instead keeps fp32 shards and casts each to bf16 before the
     all-gather (it gathers bf16 too), its gradient shards fp32: 4 + 4 + 8, the same 16.
-    ``cross_check`` runs one more step under torch's
-    ``FSDPMemTracker`` and returns its peak too. Returns a dict: ``peak``, ``by_category``,
+    ``cross_check`` runs one more step under torch's ``FSDPMemTracker`` and returns its peak
+    too. Returns a dict: ``peak``, ``by_category``,
     ``peak_phase``, ``param_bytes`` (this rank's shards), ``seconds``.
     """
     from labkit.training.measure import _batch, _build, _Setup, init_optimizer_state

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from labkit.parallel.comm import CommCounter
 from labkit.parallel.data.zero_step import FlatShard
-from labkit.parallel.tensor.comm import CommCounter
 
 __all__ = ["NOT_ELEMENTWISE", "ShardedOptimizer"]
 

@@ -76,7 +76,7 @@ def new_groups(ctx, ep: int) -> tuple:
 
 # ---- byte rules (labkit.estimate) ---------------------------------------------------------------
 def rank_params(cfg: ModelConfig, ep: int) -> tuple[int, int]:
-    """(routed-expert parameters, all the others) on one of ``ep`` ranks, from labkit.predict.layers."""
+    """(routed-expert parameters, all the others) on one of ``ep`` ranks (predict.layers)."""
     experts_per_rank(cfg, ep)
     routed = cfg.moe_layers * sum(w.local(ep=ep) for w in mlp_weights(cfg, True) if w.copies > 1)
     blocks = [w for i in range(cfg.layers) for w in block_weights(cfg, i >= cfg.dense_layers)]

@@ -47,11 +47,11 @@ from labkit.core.config import ModelConfig, preset
 from labkit.core.recipe import Layout, state_bytes
 from labkit.core.units import check_positive
 from labkit.parallel.cluster import RankContext, run
+from labkit.parallel.comm import CommCounter
 from labkit.parallel.data.zero_step import ZeroOptimizer
 from labkit.parallel.expert.compose import (dp_degree, experts_per_rank, new_groups,  # noqa: F401
                                             permutation_bytes, rank_params, shard_kept_bytes)
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
-from labkit.parallel.tensor.comm import CommCounter
 from labkit.quantisation.lora import apply_lora
 from labkit.training.step import make_optimizer, param_dtype, train_step
 from labkit.training.track import MemoryTracker, activations_per_module

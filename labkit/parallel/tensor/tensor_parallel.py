@@ -53,10 +53,11 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from labkit.core.config import ModelConfig, preset
+from labkit.parallel.comm import CommCounter
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
-from labkit.parallel.tensor.comm import (CommCounter, all_gather_tokens, copy_to_parallel,
-                                         reduce_from_parallel, reduce_scatter_to_sequence,
-                                         reduce_scatter_tokens, sum_grad_over_ranks)
+from labkit.parallel.tensor.comm import (all_gather_tokens, copy_to_parallel, reduce_from_parallel,
+                                         reduce_scatter_to_sequence, reduce_scatter_tokens,
+                                         sum_grad_over_ranks)
 from labkit.quantisation.lora import apply_lora
 from labkit.quantisation.quant import LoRALinear
 from labkit.training.step import make_optimizer, param_dtype, train_step
@@ -441,8 +442,8 @@ def parallelize(model: Transformer, ctx, sp: bool = False) -> CommCounter:
     loss stay the model's own (``F.cross_entropy``), as ``labkit.estimate`` counts them at tp=1.
     """
     if type(model) is not Transformer:
-        raise ValueError(f"parallelize splits a labkit.transformer.model.Transformer (build_model), got "
-                         f"{type(model).__name__}")
+        raise ValueError(f"parallelize splits a labkit.transformer.model.Transformer "
+                         f"(build_model), got {type(model).__name__}")
     check_tp(model.cfg, ctx.world_size)
     comm = CommCounter(ctx.group, world=ctx.world_size, rank=ctx.rank)
     model.embed = VocabParallelEmbedding(model.embed, comm, sp)

@@ -19,8 +19,7 @@ def nf4_bits_per_param(block: int = 64, double_quant: bool = True, dq_block: int
     return 4 + 8 / block + 32 / (block * dq_block)
 
 
-# ---- 8-bit AdamW (labkit.quantisation.optim8bit.AdamW8bit)
-# ----------------------------------------------------
+# ---- 8-bit AdamW (labkit.quantisation.optim8bit.AdamW8bit) -------------------------------
 def eight_bit_state_bytes(numel: int, block: int = BLOCK,
                           min_8bit_size: int = MIN_8BIT_SIZE) -> int:
     """Bytes of AdamW8bit's two moments for one parameter of ``numel`` numbers (no maps)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit.__main__ import main
-from labkit.course import doctor as course_check
+from labkit.course import doctor
 from labkit.course.doctor import (INSTALL, MIN_DISK, MIN_MEMORY, REQUIREMENTS, SMOKE_NOTEBOOK,
                                   STATUSES, Check, CourseReport, check_cpus, check_disk, check_gpu,
                                   check_memory, check_packages, check_python, smoke_result,
@@ -142,7 +142,7 @@ def test_the_checked_versions_are_the_ones_pyproject_declares():
     dev = {packaging.Requirement(line).name for line in extras["dev"]}
     assert {r.name for r in REQUIREMENTS if r.extra == "dev"} - dev == {"gpu-memory-labs",
                                                                        "nbclient"}
-    assert project["requires-python"] == ">=" + ".".join(map(str, course_check.MIN_PYTHON))
+    assert project["requires-python"] == ">=" + ".".join(map(str, doctor.MIN_PYTHON))
 
 
 def test_every_package_a_notebook_or_labkit_imports_is_checked():
@@ -304,7 +304,7 @@ def test_the_verdict_counts_the_failures_and_warnings_do_not_block():
 
 def test_doctor_course_exits_1_when_a_check_fails(capsys, monkeypatch):
     failing = CourseReport([Check("ipywidgets", "fail", "not installed", INSTALL)])
-    monkeypatch.setattr(course_check, "course_report", lambda smoke: failing)
+    monkeypatch.setattr(doctor, "course_report", lambda smoke: failing)
     assert main(["doctor", "--course", "--no-smoke"]) == 1
     assert capsys.readouterr().out.rstrip().endswith("1 problem: fix it before the workshop")
     assert main(["doctor", "--course", "--no-smoke", "--json"]) == 1
