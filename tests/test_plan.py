@@ -1,5 +1,6 @@
 """The planner keeps what fits, says why the rest fails, ranks by a stated time model, and its
 top choice's memory matches a fake-tensor run."""
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from labkit.__main__ import main
 from labkit.core.gpus import GPU, GPUS, GiB, gpu, gpu_from_json
 from labkit.course import plan as plan_module
 from labkit.course.plan import plan
+from labkit.predict.steptime import HOST_STEP_BYTES, step_time
 
 SMALL = dict(gpus=1, seq=256)
 
@@ -238,6 +240,25 @@ def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
     (tmp_path / "a6000.json").write_text(text)
     assert gpu(str(tmp_path / "a6000.json")) == mine
     assert plan("llama-2-7b", mine, 1, seq=1024, trainable="qlora", top=1).gpu == mine
+    assert mine.host_gbps == 76.8                                   # the default: a DGX H100's
+    assert gpu(text[:-1] + ', "host_gbps": 40}').host_gbps == 40
+
+
+def test_an_offloaded_step_pays_the_hosts_adamw_at_its_dram_bandwidth():
+    """ZeRO-Offload's CPU step streams 28 bytes per parameter of this rank's shard through the
+    node's DRAM: halve the bandwidth and the step takes that much longer, nothing else moves."""
+    fast, slow = GPUS["h100-80gb"], dataclasses.replace(GPUS["h100-80gb"], host_gbps=38.4)
+    shape = dict(gpus=8, gpus_per_node=8, active_params=7 * 10**9, hidden=4096, top_k=0,
+                 seq=4096, global_batch=8, micro=1, dp=8, tp=1, pp=1, ep=1, zero_stage=3,
+                 schedule="1f1b", v=1, recompute="full", lora=False, rank_params=7 * 10**9,
+                 rank_expert_params=0, stage_layers=32, stage_moe_layers=0)
+    kept = step_time(fast, offload=False, **shape)
+    a, b = step_time(fast, offload=True, **shape), step_time(slow, offload=True, **shape)
+    host = HOST_STEP_BYTES * 7 * 10**9 / 8 / 1e9                   # bytes of DRAM traffic / 1e9
+    assert (a.host_step, b.host_step) == pytest.approx((host / 76.8, host / 38.4), rel=1e-12)
+    assert b.total - a.total == pytest.approx(host / 38.4 - host / 76.8, rel=1e-12)
+    assert a.offload == b.offload > 0 and kept.offload == kept.host_step == 0
+    assert (a.compute, a.dp) == (kept.compute, kept.dp)
 
 
 @pytest.mark.parametrize("text, fix", [

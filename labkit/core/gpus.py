@@ -3,7 +3,8 @@
 The planner (``labkit.course.plan``) reads four numbers per GPU: its memory, its dense bf16 tensor
 throughput (no 2:4 sparsity), the bandwidth one GPU has to the others in its node (NVLink,
 or PCIe where there is none) and to other nodes (InfiniBand / RoCE, one NIC per GPU as in
-NVIDIA's DGX/HGX systems), each per direction, and its host link (PCIe) for offloading.
+NVIDIA's DGX/HGX systems), each per direction, and for offloading its host link (PCIe), the
+host memory and the host memory bandwidth a node has per GPU.
 Describe your own with ``GPU(...)``, or as JSON (``gpu_from_json``; the command line's ``--gpu``).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ class GPU:
     inter_node_gbps: float
     pcie_gbps: float = 32.0
     host_ram_per_gpu: int = 256 * 2**30    # bytes of host memory a node has per such GPU
+    host_gbps: float = 76.8                # the node's DRAM bandwidth (GB/s) per such GPU
 
     def __post_init__(self):
         for field in ("memory", "host_ram_per_gpu"):
@@ -37,7 +39,8 @@ class GPU:
                                  f"{value!r}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"GPU name must be a non-empty string, got {self.name!r}")
-        for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
+        for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps",
+                      "host_gbps"):
             value = getattr(self, field)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not 0 < value < math.inf):
@@ -76,16 +79,23 @@ class GPU:
 #     other rows, a practical maximum (DeepEP's README), about 80% of the 200 GB/s datasheet
 #     figure - and InfiniBand 50 GB/s, the line rate of its 400 Gb/s NIC as for the H100. Its
 #     memory (81,559 MiB) and host memory per GPU are assumed as for the H100 SXM / DGX H100.
+# Host memory bandwidth per GPU (ZeRO-Offload's CPU optimizer step streams its states through
+# it): the node's CPUs' theoretical DRAM bandwidth over its 8 GPUs. DGX A100: two AMD EPYC
+# 7742, 8 channels of DDR4-3200 each (409.6 GB/s: 51.2 per GPU); DGX H100 / H200: two Xeon
+# Platinum 8480C, 8 channels of DDR5-4800 each (614.4 GB/s: 76.8); DGX B200: two Xeon Platinum
+# 8570, 8 channels of DDR5-5600 (716.8 GB/s: 89.6). The L4 (g2-standard-96: Cascade Lake, 2 x 6
+# channels of DDR4-2933, 281.6 GB/s: 35.2) and the workstation cards (8 channels of DDR4-3200
+# shared by 4 GPUs: 51.2) are assumptions.
 GPUS = {g.name: g for g in (
-    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB),
-    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB),
-    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
-    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB),
-    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB),
-    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB),
-    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB),
-    GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB),
-    GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB),
+    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB, 51.2),
+    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB, 51.2),
+    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 76.8),
+    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB, 76.8),
+    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 76.8),
+    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB, 89.6),
+    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB, 35.2),
+    GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB, 51.2),
+    GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB, 51.2),
 )}
 
 
@@ -128,7 +138,8 @@ def gpu(name: str | GPU) -> GPU:
 
 def gpu_from_json(text_or_path: str) -> GPU:
     """A ``GPU`` from JSON text or a ``.json`` file: ``memory_gib`` (and ``host_ram_per_gpu_gib``)
-    in GiB, the other fields as ``GPU``'s (``pcie_gbps`` and the host memory optional)."""
+    in GiB, the other fields as ``GPU``'s (``pcie_gbps``, ``host_gbps`` and the host memory
+    optional)."""
     if not isinstance(text_or_path, str):
         raise ValueError(f"a GPU as JSON is a string (the text or a file's path), got "
                          f"{type(text_or_path).__name__}")
@@ -160,7 +171,7 @@ def gpu_from_json(text_or_path: str) -> GPU:
                         f"memory_gib, host_ram_per_gpu_gib)",
             missing and f"missing {missing}") if part)
         raise ValueError(f"the GPU's JSON: {said}; it needs {sorted(required)} (optional: "
-                         f"pcie_gbps, host_ram_per_gpu_gib), e.g. '{JSON_EXAMPLE}'")
+                         f"pcie_gbps, host_ram_per_gpu_gib, host_gbps), e.g. '{JSON_EXAMPLE}'")
     for key in ("memory_gib", "host_ram_per_gpu_gib"):
         if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], (int, float))
                             or not 1 / GiB <= spec[key] < math.inf):

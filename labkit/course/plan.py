@@ -215,7 +215,7 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"fits without",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
-        f"CPU optimizer step is not timed",
+        f"CPU optimizer step timed (below)",
         "searched: tp in powers of 2 inside a node (with sequence parallelism), pp in powers "
         "of 2 up to the layers, schedules 1f1b / interleaved (v 2) / zb-h1 (as labkit's "
         "executor runs it: a deferred W keeps its micro-batch's whole graph; one that keeps "

@@ -23,11 +23,15 @@ MFU = 0.4            # model FLOPs utilisation assumed for the matmuls
 # extra work of each recompute policy, in units of 2 N D (one forward pass)
 RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.125, "full": 1.0}
 STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the wire
+# DRAM traffic of ZeRO-Offload's CPU AdamW step per parameter: read the fp32 master, m and v
+# and the bf16 gradient, write the three fp32 back and the bf16 weight (4 + 4 + 4 + 2 + 12 + 2)
+HOST_STEP_BYTES = 28
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds of one optimizer step, by part (``total`` is their sum: no overlap)."""
+    """Seconds of one optimizer step, by part (``total`` is their sum: no overlap): ``offload``
+    is the PCIe copies of ZeRO-Offload, ``host_step`` its CPU optimizer step."""
 
     compute: float
     bubble: float
@@ -36,20 +40,22 @@ class StepTime:
     pp: float
     ep: float
     offload: float
+    host_step: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.dp + self.tp + self.pp + self.ep
-                + self.offload)
+                + self.offload + self.host_step)
 
     @property
     def overlapped(self) -> float:
         """Seconds with every collective frameworks overlap hidden under the compute, as far as
         it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
         pipeline's sends and expert parallel's all-to-all (DualPipe). Tensor parallel's
-        all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies."""
+        all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies and
+        its host step."""
         hidden = self.dp + self.pp + self.ep
-        return (self.compute + self.bubble + self.tp + self.offload
+        return (self.compute + self.bubble + self.tp + self.offload + self.host_step
                 + max(0.0, hidden - self.compute))
 
     def as_dict(self) -> dict:
@@ -116,14 +122,16 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         ep_bw = intra if tp * ep <= gpus_per_node else inter
         rows = layer_rows * top_k * (ep - 1) / ep
         ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
-    offload_time = 0.0
+    offload_time = host_time = 0.0
     if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
         shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
         up = 2 * m if zero_stage == 3 else 1
         frozen = frozen_params / dp if zero_stage == 3 else 0
         offload_time = ((shard * (1 + up) * STREAM_BYTES + frozen * up * frozen_bytes)
                         / (gpu.pcie_gbps * 1e9))
-    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time)
+        # the host's AdamW over the shard, bound by the node's DRAM bandwidth per GPU
+        host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9)
+    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time)
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
@@ -156,9 +164,12 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
         f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s "
-        "(theoretical); the host's optimizer step is not counted (ZeRO-Offload's bottleneck: "
-        "about 30 bytes of DRAM traffic per parameter); the planner checks the host memory it "
-        "needs apart (host_ram)",
+        f"(theoretical), then the host's AdamW step over this rank's shard at "
+        f"{HOST_STEP_BYTES} bytes of DRAM traffic per parameter and {gpu.host_gbps:g} GB/s per "
+        f"GPU (the node's theoretical DRAM bandwidth: a vectorised CPU Adam as DeepSpeed's "
+        f"comes near it; torch's foreach AdamW on a CPU is several times slower, "
+        f"benchmarks/cpu_adam.py), not overlapped with the GPU's work (ZeRO-Offload's delayed "
+        f"update would hide it); the planner checks the host memory it needs apart (host_ram)",
         "the ranking adds compute, bubble and every collective (nothing overlaps); real "
         "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
         "dp, pp and ep communication hidden under compute (tp's and offload's stay exposed): "
