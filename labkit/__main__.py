@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -74,12 +75,26 @@ def _gpu(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _float(text: str) -> float:
+    """The number ``text`` says, or -1.0 when it says none (out of every range asked)."""
+    try:
+        return float(text)
+    except ValueError:
+        return -1.0
+
+
+def _gbps(text: str) -> float:
+    """--host-gbps: a positive finite number of GB/s."""
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"give GB/s as a positive number (e.g. 409.6), not "
+                                         f"{text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """--headroom: a fraction in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
+    value = _float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a fraction of the GPU's memory in [0, 1) "
                                          f"such as 0.1, got {text!r}")
@@ -235,6 +250,9 @@ def _plan_options(pla: argparse.ArgumentParser) -> None:
     pla.add_argument("--host-ram", type=COUNT, metavar="GIB",
                      help="host memory per node in GiB, for ZeRO-Offload (default: the GPU "
                           "type's per-GPU share times the GPUs on a node, e.g. 2048 for 8 H100s)")
+    pla.add_argument("--host-gbps", type=_gbps, metavar="GB/S",
+                     help="host memory bandwidth per node in GB/s, for ZeRO-Offload's CPU step "
+                          "(default: the GPU type's per-GPU share times the GPUs on a node)")
     pla.add_argument("--top", type=COUNT, default=10, help="how many fitting layouts to rank")
     pla.add_argument("--verify", type=COUNT_OR_ZERO, default=0,
                      help="check the top K on fake tensors where a fake run applies")
@@ -268,7 +286,8 @@ def _run(args) -> str:
                       trainable=tuple(dict.fromkeys(args.trainable)),
                       recompute=tuple(dict.fromkeys(args.recompute)), top=args.top,
                       verify=args.verify, progress=not args.json,
-                      host_ram=args.host_ram and args.host_ram * 2**30)
+                      host_ram=args.host_ram and args.host_ram * 2**30,
+                      host_gbps=args.host_gbps)
         return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
     if args.command == "presets":
         return _presets(args.json)

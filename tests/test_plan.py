@@ -10,7 +10,7 @@ from labkit.__main__ import main
 from labkit.core.gpus import GPU, GPUS, GiB, gpu, gpu_from_json
 from labkit.course import plan as plan_module
 from labkit.course.plan import plan
-from labkit.predict.steptime import HOST_STEP_BYTES, step_time
+from labkit.predict.steptime import step_time
 
 SMALL = dict(gpus=1, seq=256)
 
@@ -240,25 +240,43 @@ def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
     (tmp_path / "a6000.json").write_text(text)
     assert gpu(str(tmp_path / "a6000.json")) == mine
     assert plan("llama-2-7b", mine, 1, seq=1024, trainable="qlora", top=1).gpu == mine
-    assert mine.host_gbps == 76.8                                   # the default: a DGX H100's
+    assert mine.host_gbps == 70.4                                   # the default: a DGX H100's
     assert gpu(text[:-1] + ', "host_gbps": 40}').host_gbps == 40
 
 
 def test_an_offloaded_step_pays_the_hosts_adamw_at_its_dram_bandwidth():
-    """ZeRO-Offload's CPU step streams 28 bytes per parameter of this rank's shard through the
-    node's DRAM: halve the bandwidth and the step takes that much longer, nothing else moves."""
-    fast, slow = GPUS["h100-80gb"], dataclasses.replace(GPUS["h100-80gb"], host_gbps=38.4)
+    """ZeRO-Offload's CPU step streams 36 bytes per parameter of this rank's trainable shard
+    (DeepSpeed's fp32 gradient copy included) through its share of the node's DRAM at 80% of
+    the theoretical bandwidth; the frozen base is not stepped; it is never hidden by overlap."""
+    h100 = GPUS["h100-80gb"]
+    half = dataclasses.replace(h100, host_gbps=h100.host_gbps / 2)
     shape = dict(gpus=8, gpus_per_node=8, active_params=7 * 10**9, hidden=4096, top_k=0,
-                 seq=4096, global_batch=8, micro=1, dp=8, tp=1, pp=1, ep=1, zero_stage=3,
-                 schedule="1f1b", v=1, recompute="full", lora=False, rank_params=7 * 10**9,
-                 rank_expert_params=0, stage_layers=32, stage_moe_layers=0)
-    kept = step_time(fast, offload=False, **shape)
-    a, b = step_time(fast, offload=True, **shape), step_time(slow, offload=True, **shape)
-    host = HOST_STEP_BYTES * 7 * 10**9 / 8 / 1e9                   # bytes of DRAM traffic / 1e9
-    assert (a.host_step, b.host_step) == pytest.approx((host / 76.8, host / 38.4), rel=1e-12)
-    assert b.total - a.total == pytest.approx(host / 38.4 - host / 76.8, rel=1e-12)
+                 seq=4096, global_batch=8, micro=1, dp=4, tp=2, pp=1, ep=1, zero_stage=3,
+                 schedule="1f1b", v=1, recompute="full", lora=False, rank_params=3 * 10**9,
+                 rank_expert_params=10**9, stage_layers=32, stage_moe_layers=0)
+    kept = step_time(h100, offload=False, **shape)
+    a, b = step_time(h100, offload=True, **shape), step_time(half, offload=True, **shape)
+    shard = (3 * 10**9 + 10**9) / 4                     # this tp rank's share, over dp 4
+    assert a.host_step == pytest.approx(36 * shard / (70.4e9 * 0.8), rel=1e-12)
+    assert b.host_step == pytest.approx(2 * a.host_step, rel=1e-12)
     assert a.offload == b.offload > 0 and kept.offload == kept.host_step == 0
-    assert (a.compute, a.dp) == (kept.compute, kept.dp)
+    assert (a.compute, a.dp, a.tp) == (kept.compute, kept.dp, kept.tp)
+    assert a.total - kept.total == pytest.approx(a.offload + a.host_step, rel=1e-12)
+    assert a.overlapped - kept.overlapped == pytest.approx(a.offload + a.host_step, rel=1e-12)
+    frozen = step_time(h100, offload=True, **{**shape, "lora": True}, frozen_params=10**10)
+    assert frozen.host_step == a.host_step              # LoRA's base is gathered, not stepped
+    one = step_time(h100, offload=True, **{**shape, "zero_stage": 1})
+    assert one.host_step == a.host_step and one.offload < a.offload   # stage 3 gathers more
+
+
+def test_host_bandwidth_is_the_nodes_shared_by_its_ranks():
+    p = plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, host_ram=512 * GiB, top=1)
+    wide = plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, host_ram=512 * GiB, top=1,
+                host_gbps=4 * 51.2)                      # one card alone on a workstation's DRAM
+    assert p.fits[0].layout.offload and wide.fits[0].layout == p.fits[0].layout
+    assert wide.fits[0].time.host_step == pytest.approx(p.fits[0].time.host_step / 4)
+    with pytest.raises(ValueError, match="host_gbps is the node's DRAM bandwidth"):
+        plan("tiny", "a100-80gb", 1, host_gbps=float("nan"))
 
 
 @pytest.mark.parametrize("text, fix", [

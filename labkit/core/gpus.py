@@ -29,7 +29,7 @@ class GPU:
     inter_node_gbps: float
     pcie_gbps: float = 32.0
     host_ram_per_gpu: int = 256 * 2**30    # bytes of host memory a node has per such GPU
-    host_gbps: float = 76.8                # the node's DRAM bandwidth (GB/s) per such GPU
+    host_gbps: float = 70.4                # the node's DRAM bandwidth (GB/s) per such GPU
 
     def __post_init__(self):
         for field in ("memory", "host_ram_per_gpu"):
@@ -81,18 +81,18 @@ class GPU:
 #     memory (81,559 MiB) and host memory per GPU are assumed as for the H100 SXM / DGX H100.
 # Host memory bandwidth per GPU (ZeRO-Offload's CPU optimizer step streams its states through
 # it): the node's CPUs' theoretical DRAM bandwidth over its 8 GPUs. DGX A100: two AMD EPYC
-# 7742, 8 channels of DDR4-3200 each (409.6 GB/s: 51.2 per GPU); DGX H100 / H200: two Xeon
-# Platinum 8480C, 8 channels of DDR5-4800 each (614.4 GB/s: 76.8); DGX B200: two Xeon Platinum
-# 8570, 8 channels of DDR5-5600 (716.8 GB/s: 89.6). The L4 (g2-standard-96: Cascade Lake, 2 x 6
-# channels of DDR4-2933, 281.6 GB/s: 35.2) and the workstation cards (8 channels of DDR4-3200
-# shared by 4 GPUs: 51.2) are assumptions.
+# 7742, 8 channels of DDR4-3200 each (409.6 GB/s: 51.2 per GPU); DGX H100 / H200 / B200: two
+# Xeon Platinum (8480C; 8570), 8 channels each holding 2 TB as two DIMMs per channel, which run
+# at DDR5-4400 (563.2 GB/s: 70.4). The L4 (g2-standard-96: Cascade Lake, 2 x 6 channels of
+# DDR4-2933, 281.6 GB/s: 35.2) and the workstation cards (8 channels of DDR4-3200 shared by 4
+# GPUs: 51.2) are assumptions. The step-time model derates them (steptime.HOST_EFFICIENCY).
 GPUS = {g.name: g for g in (
     GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB, 51.2),
     GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB, 51.2),
-    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 76.8),
-    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB, 76.8),
-    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 76.8),
-    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB, 89.6),
+    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4),
+    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB, 70.4),
+    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4),
+    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB, 70.4),
     GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB, 35.2),
     GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB, 51.2),
     GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB, 51.2),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from labkit.core.config import ModelConfig, preset
 from labkit.core.gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
@@ -139,7 +139,7 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
          global_batch: int | None = None, headroom: float = HEADROOM,
          trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
          advice: bool = True, progress: bool = False, host_ram: int | None = None,
-         recompute=RECOMPUTE) -> Plan:
+         recompute=RECOMPUTE, host_gbps: float | None = None) -> Plan:
     """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
 
     ``model``: a preset name, a ``ModelConfig`` or a Hugging Face config; ``gpu``: a name in
@@ -151,6 +151,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     times the GPUs on a node); ZeRO-Offload's pinned states of a node's ranks must fit in
     HOST_USABLE of it. ``recompute``: the policies to search (a name or several of
     RECOMPUTE; LoRA and QLoRA are run with checkpointing, so every one by default).
+    ``host_gbps``: GB/s of host memory bandwidth per node (default: the GPU type's
+    ``host_gbps`` times the GPUs on a node), shared by the node's ranks' CPU optimizer steps.
     """
     start = time.perf_counter()
     c = _model(model)
@@ -178,7 +180,13 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     host_ram = (g.host_ram_per_gpu * min(gpus, gpus_per_node) if host_ram is None
                 else check_positive("host_ram", host_ram))
     host_usable = int(host_ram * HOST_USABLE)
-    # ZeRO-Offload only when nothing fits on the devices: its host-side step is not modelled
+    if host_gbps is not None:             # the node's bandwidth, shared by its ranks
+        if isinstance(host_gbps, bool) or not isinstance(host_gbps, (int, float)) \
+                or not 0 < host_gbps < math.inf:
+            raise ValueError(f"host_gbps is the node's DRAM bandwidth in GB/s, a positive "
+                             f"number (e.g. 409.6), got {host_gbps!r}")
+        g = replace(g, host_gbps=host_gbps / min(gpus, gpus_per_node))
+    # ZeRO-Offload only when nothing fits on the devices: it is never faster
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
                                             trainable, False, top, recompute=recompute)
     if not fits and offload:
@@ -281,7 +289,8 @@ def _overlap_check(fits: list) -> str:
         return ""
     first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
                                                  -fits[i].micro_batch, fits[i].estimate.total))
-    hidden = ("with dp, pp and ep communication hidden under compute (tp's stays exposed)")
+    hidden = ("with dp, pp and ep communication hidden under compute (tp's, offload's and the "
+              "host step stay exposed)")
     if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
         first = 0                     # no more than 1% faster: a tie the model cannot break
     if first == 0:

@@ -23,9 +23,13 @@ MFU = 0.4            # model FLOPs utilisation assumed for the matmuls
 # extra work of each recompute policy, in units of 2 N D (one forward pass)
 RECOMPUTE_EXTRA = {"none": 0.0, "selective": 0.125, "full": 1.0}
 STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the wire
-# DRAM traffic of ZeRO-Offload's CPU AdamW step per parameter: read the fp32 master, m and v
-# and the bf16 gradient, write the three fp32 back and the bf16 weight (4 + 4 + 4 + 2 + 12 + 2)
-HOST_STEP_BYTES = 28
+# DRAM traffic of ZeRO-Offload's CPU AdamW step per parameter, as DeepSpeed runs it: the CPU
+# reads the fp32 master, m, v and gradient (cast to fp32 on the GPU before the copy) and writes
+# back master, m, v and the 16-bit weight (16 + 14); the copies write the gradient into DRAM
+# and read the weight out (4 + 2). torch's fp32 AdamW alone touches 28 (16 read, 12 written).
+HOST_STEP_BYTES = 36
+HOST_EFFICIENCY = 0.8        # of the theoretical DRAM bandwidth a streaming kernel reaches
+OFFLOAD_GRAD_BYTES = 4       # gradient shards cross PCIe in fp32 (DeepSpeed's offload)
 
 
 @dataclass(frozen=True)
@@ -127,10 +131,10 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
         up = 2 * m if zero_stage == 3 else 1
         frozen = frozen_params / dp if zero_stage == 3 else 0
-        offload_time = ((shard * (1 + up) * STREAM_BYTES + frozen * up * frozen_bytes)
-                        / (gpu.pcie_gbps * 1e9))
-        # the host's AdamW over the shard, bound by the node's DRAM bandwidth per GPU
-        host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9)
+        offload_time = ((shard * (OFFLOAD_GRAD_BYTES + up * STREAM_BYTES)
+                         + frozen * up * frozen_bytes) / (gpu.pcie_gbps * 1e9))
+        # the host's AdamW over the shard, bound by this rank's share of the node's DRAM
+        host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time)
 
 
@@ -163,15 +167,18 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "of b s h / tp per micro-batch between stages",
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
-        f"offload: gradient shards down and weight shards up over PCIe at {gpu.pcie_gbps:g} GB/s "
-        f"(theoretical), then the host's AdamW step over this rank's shard at "
-        f"{HOST_STEP_BYTES} bytes of DRAM traffic per parameter and {gpu.host_gbps:g} GB/s per "
-        f"GPU (the node's theoretical DRAM bandwidth: a vectorised CPU Adam as DeepSpeed's "
-        f"comes near it; torch's foreach AdamW on a CPU is several times slower, "
-        f"benchmarks/cpu_adam.py), not overlapped with the GPU's work (ZeRO-Offload's delayed "
-        f"update would hide it); the planner checks the host memory it needs apart (host_ram)",
+        f"offload: fp32 gradient shards down and bf16 weight shards up over PCIe at "
+        f"{gpu.pcie_gbps:g} GB/s (theoretical), then the host's AdamW over this rank's shard "
+        f"(host_step): {HOST_STEP_BYTES} bytes of DRAM traffic per parameter as DeepSpeed runs "
+        f"it, at {HOST_EFFICIENCY:.0%} of {gpu.host_gbps:g} GB/s, this GPU's share of the node's "
+        f"theoretical DRAM bandwidth (host_gbps, --host-gbps). That assumes a vectorised CPU "
+        f"Adam (DeepSpeed's, or torch's fused=True); torch's CPU default, a for-loop, and its "
+        f"foreach are several times slower (benchmarks/cpu_adam.py). Not overlapped with the "
+        f"GPUs' work: the ZeRO-Offload paper's one-step delayed update, not in DeepSpeed's "
+        f"default path, would hide it. The planner checks the host memory apart (host_ram)",
         "the ranking adds compute, bubble and every collective (nothing overlaps); real "
         "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
-        "dp, pp and ep communication hidden under compute (tp's and offload's stay exposed): "
+        "dp, pp and ep communication hidden under compute (tp's, offload's and the host step "
+        "stay exposed): "
         "the two ends of what a framework does",
     ]
