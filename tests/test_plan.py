@@ -410,18 +410,23 @@ def test_advice_from_a_part_of_a_node_tries_whole_nodes_after_it():
     assert not p.fits and p.advice and "8 x" in p.advice[0]
 
 
-def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp():
+def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp_or_splits_it():
     """The commonest large fine-tuning layout: LoRA with FSDP on 8 x 80 GB (replicas cannot
     hold the 128 GiB base). Checked on fake tensors: FSDP2 over 8, 24.48 GiB vs 23.80 estimated
-    then (+2.8%), 24.45 GiB (+0.1%) since FSDP2's held all-gather outputs are counted."""
-    p = plan("llama-2-70b", "a100-80gb", 8, seq=2048, trainable="lora", top=3)
-    best = p.fits[0]
-    assert best.family.zero_stage == 3 and best.layout == lk.Layout(dp=8, zero_stage=3)
-    assert best.label().startswith("LoRA, frozen base sharded (FSDP2), dp 8")
-    assert best.estimate.total < p.usable and best.time.dp > 0      # the base is gathered
+    then (+2.8%), 24.45 GiB (+0.1%) since FSDP2's held all-gather outputs are counted. Split
+    by tp 4 (NeMo's and Megatron's way) the activations fit without recomputation: faster."""
+    p = plan("llama-2-70b", "a100-80gb", 8, seq=2048, trainable="lora", top=None)
+    fsdp = next(k for k in p.fits if k.family.zero_stage == 3)
+    assert fsdp.layout == lk.Layout(dp=8, zero_stage=3) and fsdp.recipe.recompute == "full"
+    assert fsdp.label().startswith("LoRA, frozen base sharded (FSDP2), dp 8")
+    assert fsdp.estimate.total < p.usable and fsdp.time.dp > 0      # the base is gathered
     # FSDP2's peak: the last block's copy-out beside two all-gather outputs (24.48 GiB measured)
-    assert best.estimate.details["peak moment"] == "forward: gather of layer 79"
+    assert fsdp.estimate.details["peak moment"] == "forward: gather of layer 79"
     assert "model states alone" in p.rejected["LoRA, one GPU per replica, dp 8"]
+    best = p.fits[0]
+    assert best.label().startswith("LoRA, base split by tp 4, pp 1, dp 2")
+    assert best.recipe.recompute == "none" and best.time.tp > 0
+    assert best.time.total < fsdp.time.total and best.time.overlapped < fsdp.time.overlapped
 
 
 def test_overlap_hides_dp_pp_and_ep_under_compute_but_not_tp():
@@ -453,3 +458,13 @@ def test_qlora_of_a_70b_on_two_24_gb_cards_offloads_its_fsdp_sharded_base():
     assert best.layout == lk.Layout(dp=2, zero_stage=3, offload=True)
     assert best.recipe.weight_format == "nf4" and best.recipe.recompute == "full"
     assert "GiB usable" in p.rejected["QLoRA, frozen base sharded (FSDP2), dp 2"]
+
+
+def test_adapters_train_on_a_base_split_by_tp_pp_or_ep_but_nf4_is_never_tp_split():
+    from labkit.predict.plan_search import _families
+    families, _ = _families(lk.preset("deepseek-v2-lite"), 8, 8, ("lora", "qlora"), False)
+    split = {(f.trainable, f.tp, f.pp, f.ep, f.dp) for f in families if f.zero_stage == 0}
+    assert ("lora", 2, 1, 1, 4) in split and ("lora", 1, 2, 2, 4) in split
+    assert ("qlora", 1, 1, 8, 8) in split and ("qlora", 1, 4, 1, 2) in split
+    assert not any(t == "qlora" and tp > 1 for t, tp, *_ in split)   # bitsandbytes has no TP
+    assert all(tp * pp * dp == 8 for _, tp, pp, _, dp in split)

@@ -215,12 +215,13 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
         f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
-        f"recompute {' / '.join(recompute)}, over dp only: each GPU a replica (DDP over the "
-        f"adapters), or the frozen base sharded by FSDP2 (QLoRA's NF4 codes and scales as "
-        f"bytes, as bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward "
-        f"prefetch and held all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, "
-        f"one unit gathered at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing "
-        f"fits without",
+        f"recompute {' / '.join(recompute)}: each GPU a replica (DDP over the adapters); the "
+        f"frozen base sharded over dp by FSDP2 (QLoRA's NF4 codes and scales as bytes, as "
+        f"bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward prefetch and held "
+        f"all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, one unit gathered "
+        f"at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing fits without; or "
+        f"the base split by tp (LoRA only: Megatron's parallel adapters; bitsandbytes' NF4 has "
+        f"no tensor-parallel layers), pp or ep, the adapters replicated over the rest",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step timed (below)",
@@ -232,7 +233,7 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
         f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
         f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
-        f"LoRA with tp, pp or ep",
+        f"LoRA's base split and sharded at once",
         *assumptions(g, gpus_per_node),
     ]
 

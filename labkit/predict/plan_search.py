@@ -42,6 +42,9 @@ class Family:
         if self.trainable != "all" and self.zero_stage == 3:
             where = "offloaded to the host" if self.offload else "sharded"
             return f"{what}, frozen base {where} (FSDP2), dp {self.dp}"
+        if self.trainable != "all" and self.tp * self.pp * self.ep > 1:
+            return (f"{what}, base split by tp {self.tp}, pp {self.pp}"
+                    + (f", ep {self.ep}" if self.ep > 1 else "") + f", dp {self.dp}")
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
@@ -89,6 +92,7 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
             out.append(Family(what, gpus, 0, False, 1, 1, 1))       # NF4) sharded by FSDP2
             if gpus > 1:
                 out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]]
+            out += _split_adapters(c, what, gpus, gpus_per_node)
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
             for pp in _powers_of_two(min(gpus // tp, c.layers)):
@@ -111,6 +115,19 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
         else:
             families.append(f)
     return families, impossible
+
+
+def _split_adapters(c: ModelConfig, what: str, gpus: int, gpus_per_node: int) -> list[Family]:
+    """LoRA's frozen base split by tp (inside a node; Megatron's parallel adapters), pp or ep
+    (MoE), the adapters replicated over the dp that is left. QLoRA's NF4 base is not split by
+    tp: bitsandbytes' 4-bit weights have no tensor-parallel layers."""
+    out = []
+    for tp in _powers_of_two(min(gpus, gpus_per_node) if what == "lora" else 1):
+        for pp in _powers_of_two(min(gpus // tp, c.layers)):
+            for ep in _powers_of_two(min(gpus // (tp * pp), c.routed_experts or 1)):
+                if tp * pp * ep > 1 and gpus % (tp * pp) == 0:
+                    out.append(Family(what, gpus // (tp * pp), 0, False, tp, pp, ep))
+    return out
 
 
 def _impossible(c: ModelConfig, f: Family, gpus_per_node: int) -> str | None:
@@ -228,10 +245,9 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
             m = per_rank_batch // micro
             if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
                 continue
-            layout = (Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload) if lora else
-                      Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
-                             sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
-                             schedule=schedule, virtual_stages=v, ep=f.ep))
+            layout = Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
+                            sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
+                            schedule=schedule, virtual_stages=v, ep=f.ep)
             for r in recomputes:
                 t = step_time(gpu, gpus=gpus, gpus_per_node=gpus_per_node, active_params=active,
                               hidden=c.hidden, top_k=c.top_k, seq=seq, global_batch=batch,
