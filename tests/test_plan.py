@@ -423,10 +423,13 @@ def test_lora_of_a_70b_model_on_8_gpus_shards_its_frozen_base_with_fsdp_or_split
     # FSDP2's peak: the last block's copy-out beside two all-gather outputs (24.48 GiB measured)
     assert fsdp.estimate.details["peak moment"] == "forward: gather of layer 79"
     assert "model states alone" in p.rejected["LoRA, one GPU per replica, dp 8"]
+    assert not any(k.family.zero_stage == 3 and k.recipe.recompute == "none" for k in p.fits)
     best = p.fits[0]
-    assert best.label().startswith("LoRA, base split by tp 4, pp 1, dp 2")
+    assert best.label().startswith("LoRA, base split by tp 4, dp 2")
     assert best.recipe.recompute == "none" and best.time.tp > 0
+    assert best.layout == lk.Layout(dp=2, tp=4, sp=True)           # the split reaches the estimate
     assert best.time.total < fsdp.time.total and best.time.overlapped < fsdp.time.overlapped
+    assert all(k.layout.schedule != "zb-h1" for k in p.fits)      # no weight-gradient work
 
 
 def test_overlap_hides_dp_pp_and_ep_under_compute_but_not_tp():
@@ -460,11 +463,14 @@ def test_qlora_of_a_70b_on_two_24_gb_cards_offloads_its_fsdp_sharded_base():
     assert "GiB usable" in p.rejected["QLoRA, frozen base sharded (FSDP2), dp 2"]
 
 
-def test_adapters_train_on_a_base_split_by_tp_pp_or_ep_but_nf4_is_never_tp_split():
+def test_lora_trains_on_a_base_split_by_tp_pp_or_ep_and_qlora_over_dp_only():
     from labkit.predict.plan_search import _families
-    families, _ = _families(lk.preset("deepseek-v2-lite"), 8, 8, ("lora", "qlora"), False)
+    families, _ = _families(lk.preset("deepseek-v2-lite"), 16, 8, ("lora", "qlora"), False)
     split = {(f.trainable, f.tp, f.pp, f.ep, f.dp) for f in families if f.zero_stage == 0}
-    assert ("lora", 2, 1, 1, 4) in split and ("lora", 1, 2, 2, 4) in split
-    assert ("qlora", 1, 1, 8, 8) in split and ("qlora", 1, 4, 1, 2) in split
-    assert not any(t == "qlora" and tp > 1 for t, tp, *_ in split)   # bitsandbytes has no TP
-    assert all(tp * pp * dp == 8 for _, tp, pp, _, dp in split)
+    assert ("lora", 2, 1, 1, 8) in split and ("lora", 1, 2, 2, 8) in split
+    assert ("lora", 8, 2, 1, 1) in split and not any(tp > 8 for _, tp, *_ in split)
+    assert {s for s in split if s[0] == "qlora"} == {("qlora", 1, 1, 1, 16)}    # replicas
+    assert all(tp * pp * dp == 16 and dp % ep == 0 for _, tp, pp, ep, dp in split)
+    p = plan("deepseek-v2-lite", "a100-80gb", 16, seq=2048, trainable="lora", top=None)
+    ep = [k for k in p.fits if k.family.ep > 1]
+    assert ep and all(k.layout.ep == k.family.ep and k.layout.dp == k.family.dp for k in ep)

@@ -219,9 +219,11 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"frozen base sharded over dp by FSDP2 (QLoRA's NF4 codes and scales as bytes, as "
         f"bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward prefetch and held "
         f"all-gather outputs counted; full fine-tuning's ZeRO-3 is labkit's, one unit gathered "
-        f"at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing fits without; or "
-        f"the base split by tp (LoRA only: Megatron's parallel adapters; bitsandbytes' NF4 has "
-        f"no tensor-parallel layers), pp or ep, the adapters replicated over the rest",
+        f"at a time, which FSDP2 exceeds by up to ~4%), offloaded if nothing fits without; or, "
+        f"LoRA only, the bf16 base split by tp, pp (1f1b or interleaved: a frozen base has no "
+        f"weight-gradient work for zb-h1's bubble) or ep, the adapters replicated over the rest, "
+        f"as Megatron's and NeMo's parallel adapters run it (bitsandbytes' NF4 has no tensor-, "
+        f"pipeline- or expert-parallel engine)",
         f"ZeRO-Offload: the pinned states of a node's ranks within {HOST_USABLE:.0%} of its "
         f"{fmt_bytes(host_ram)} of host memory (the rest for the OS and data loaders); its "
         f"CPU optimizer step timed (below)",

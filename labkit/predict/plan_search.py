@@ -43,8 +43,9 @@ class Family:
             where = "offloaded to the host" if self.offload else "sharded"
             return f"{what}, frozen base {where} (FSDP2), dp {self.dp}"
         if self.trainable != "all" and self.tp * self.pp * self.ep > 1:
-            return (f"{what}, base split by tp {self.tp}, pp {self.pp}"
-                    + (f", ep {self.ep}" if self.ep > 1 else "") + f", dp {self.dp}")
+            split = ", ".join(f"{name} {n}" for name, n in
+                              (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if n > 1)
+            return f"{what}, base split by {split}, dp {self.dp}"
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
@@ -92,7 +93,7 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
             out.append(Family(what, gpus, 0, False, 1, 1, 1))       # NF4) sharded by FSDP2
             if gpus > 1:
                 out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]]
-            out += _split_adapters(c, what, gpus, gpus_per_node)
+            out += _split_adapters(c, gpus, gpus_per_node) if what == "lora" else []
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
             for pp in _powers_of_two(min(gpus // tp, c.layers)):
@@ -117,16 +118,17 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
     return families, impossible
 
 
-def _split_adapters(c: ModelConfig, what: str, gpus: int, gpus_per_node: int) -> list[Family]:
-    """LoRA's frozen base split by tp (inside a node; Megatron's parallel adapters), pp or ep
-    (MoE), the adapters replicated over the dp that is left. QLoRA's NF4 base is not split by
-    tp: bitsandbytes' 4-bit weights have no tensor-parallel layers."""
+def _split_adapters(c: ModelConfig, gpus: int, gpus_per_node: int) -> list[Family]:
+    """LoRA's bf16 base split by tp (inside a node), pp or ep (MoE), as Megatron's and NeMo's
+    parallel adapters run it, the adapters replicated over the dp that is left. Not QLoRA:
+    bitsandbytes' NF4 weights have no tensor-, pipeline- or expert-parallel engine there, and
+    FSDP-QLoRA shards over dp (the families above)."""
     out = []
-    for tp in _powers_of_two(min(gpus, gpus_per_node) if what == "lora" else 1):
+    for tp in _powers_of_two(min(gpus, gpus_per_node)):
         for pp in _powers_of_two(min(gpus // tp, c.layers)):
             for ep in _powers_of_two(min(gpus // (tp * pp), c.routed_experts or 1)):
                 if tp * pp * ep > 1 and gpus % (tp * pp) == 0:
-                    out.append(Family(what, gpus // (tp * pp), 0, False, tp, pp, ep))
+                    out.append(Family("lora", gpus // (tp * pp), 0, False, tp, pp, ep))
     return out
 
 
@@ -228,6 +230,8 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     lora = f.trainable != "all"
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
+    if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
+        schedules = tuple(s for s in schedules if s[0] != "zb-h1")
     active = counts.active
     out = []
     for schedule, v in schedules:

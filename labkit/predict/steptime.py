@@ -147,9 +147,11 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "MFU is the same for every layout: it does not fall with tp's smaller matmuls, small "
         "expert GEMMs or grouped-GEMM MoE kernels (real MoE fine-tuning often runs well under "
         "0.4), so layouts that split small matrices look better than they are",
-        "recompute adds forward work: full 2 N D (8/6 of the step), selective an eighth of a "
-        "forward (assumed); LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
-        "NF4 dequantisation is not counted)",
+        "recompute adds forward work: full 2 N D (8/6 of a full fine-tuning step, 6/4 of "
+        "LoRA's), selective an eighth of a forward (assumed); checkpointing every k-th layer "
+        "is not searched; LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
+        "NF4 dequantisation is not counted), and their adapters' own collectives (their "
+        "gradients' all-reduce, their tensor-parallel messages) are not timed",
         "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
         "ties go to the larger micro-batch (better utilisation in practice, not modelled)",
         f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
