@@ -242,6 +242,7 @@ def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
     assert plan("llama-2-7b", mine, 1, seq=1024, trainable="qlora", top=1).gpu == mine
     assert mine.host_gbps == 70.4                                   # the default: a DGX H100's
     assert gpu(text[:-1] + ', "host_gbps": 40}').host_gbps == 40
+    assert mine.hbm_gbps == 1000 and gpu(text[:-1] + ', "hbm_gbps": 768}').hbm_gbps == 768
 
 
 def test_an_offloaded_step_pays_the_hosts_adamw_at_its_dram_bandwidth():
@@ -474,3 +475,24 @@ def test_lora_trains_on_a_base_split_by_tp_pp_or_ep_and_qlora_over_dp_only():
     p = plan("deepseek-v2-lite", "a100-80gb", 16, seq=2048, trainable="lora", top=None)
     ep = [k for k in p.fits if k.family.ep > 1]
     assert ep and all(k.layout.ep == k.family.ep and k.layout.dp == k.family.dp for k in ep)
+
+
+def test_qlora_pays_for_dequantising_its_nf4_weights_before_every_matmul():
+    """Each NF4 weight is read as 0.52 bytes of codes and scales and written as a bf16 copy (2 B)
+    before the forward, the recomputed forward and the backward matmul, at 80% of HBM speed."""
+    a100 = GPUS["a100-80gb"]
+    shape = dict(gpus=1, gpus_per_node=8, active_params=7 * 10**9, hidden=4096, top_k=0,
+                 seq=2048, global_batch=4, micro=1, dp=1, tp=1, pp=1, ep=1, zero_stage=0,
+                 offload=False, schedule="1f1b", v=1, lora=True, rank_params=0,
+                 rank_expert_params=0, stage_layers=32, stage_moe_layers=0)
+    lora = step_time(a100, recompute="full", **shape)
+    nf4 = {r: step_time(a100, recompute=r, nf4_params=7 * 10**9, **shape)
+           for r in ("none", "full")}
+    per_pass = 4 * 7 * 10**9 * 2.52 / (2039e9 * 0.8)              # 4 micro-batches
+    assert nf4["none"].dequant == pytest.approx(2 * per_pass, rel=1e-12)     # forward, backward
+    assert nf4["full"].dequant == pytest.approx(3 * per_pass, rel=1e-12)     # and the recompute
+    assert lora.dequant == 0 and nf4["full"].compute == lora.compute
+    assert nf4["full"].overlapped - lora.overlapped == pytest.approx(nf4["full"].dequant)
+    p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=2048, trainable=("lora", "qlora"), top=None)
+    assert {k.recipe.weight_format: k.time.dequant > 0 for k in p.fits} == {None: False,
+                                                                          "nf4": True}

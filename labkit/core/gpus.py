@@ -1,10 +1,10 @@
 """A small table of common training GPUs: memory, bf16 throughput and bandwidths (datasheets).
 
-The planner (``labkit.course.plan``) reads four numbers per GPU: its memory, its dense bf16 tensor
-throughput (no 2:4 sparsity), the bandwidth one GPU has to the others in its node (NVLink,
-or PCIe where there is none) and to other nodes (InfiniBand / RoCE, one NIC per GPU as in
-NVIDIA's DGX/HGX systems), each per direction, and for offloading its host link (PCIe), the
-host memory and the host memory bandwidth a node has per GPU.
+The planner (``labkit.course.plan``) reads per GPU: its memory and memory bandwidth, its dense
+bf16 tensor throughput (no 2:4 sparsity), the bandwidth one GPU has to the others in its node
+(NVLink, or PCIe where there is none) and to other nodes (InfiniBand / RoCE, one NIC per GPU
+as in NVIDIA's DGX/HGX systems), each per direction, and for offloading its host link (PCIe),
+the host memory and the host memory bandwidth a node has per GPU.
 Describe your own with ``GPU(...)``, or as JSON (``gpu_from_json``; the command line's ``--gpu``).
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ class GPU:
     pcie_gbps: float = 32.0
     host_ram_per_gpu: int = 256 * 2**30    # bytes of host memory a node has per such GPU
     host_gbps: float = 70.4                # the node's DRAM bandwidth (GB/s) per such GPU
+    hbm_gbps: float = 1000.0               # the GPU's own memory bandwidth (GB/s)
 
     def __post_init__(self):
         for field in ("memory", "host_ram_per_gpu"):
@@ -40,7 +41,7 @@ class GPU:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"GPU name must be a non-empty string, got {self.name!r}")
         for field in ("bf16_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps",
-                      "host_gbps"):
+                      "host_gbps", "hbm_gbps"):
             value = getattr(self, field)
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not 0 < value < math.inf):
@@ -86,16 +87,19 @@ class GPU:
 # at DDR5-4400 (563.2 GB/s: 70.4). The L4 (g2-standard-96: Cascade Lake, 2 x 6 channels of
 # DDR4-2933, 281.6 GB/s: 35.2) and the workstation cards (8 channels of DDR4-3200 shared by 4
 # GPUs: 51.2) are assumptions. The step-time model derates them (steptime.HOST_EFFICIENCY).
+# GPU memory bandwidth (QLoRA dequantises its NF4 weights through it), the datasheets': A100
+# 40GB 1,555 GB/s, 80GB SXM 2,039; H100 / H800 SXM 3,350; H200 4,800; B200 8,000; L4 300;
+# RTX A6000 768; RTX 4090 1,008.
 GPUS = {g.name: g for g in (
-    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB, 51.2),
-    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB, 51.2),
-    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4),
-    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB, 70.4),
-    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4),
-    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB, 70.4),
-    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB, 35.2),
-    GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB, 51.2),
-    GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB, 51.2),
+    GPU("a100-40gb", 40 * GiB, 312.0, 300.0, 25.0, 32.0, 128 * GiB, 51.2, 1555.0),
+    GPU("a100-80gb", 80 * GiB, 312.0, 300.0, 25.0, 32.0, 256 * GiB, 51.2, 2039.0),
+    GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4, 3350.0),
+    GPU("h800-80gb", 81559 * MiB, 989.0, 160.0, 50.0, 64.0, 256 * GiB, 70.4, 3350.0),
+    GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 64.0, 256 * GiB, 70.4, 4800.0),
+    GPU("b200-180gb", 183359 * MiB, 2250.0, 900.0, 50.0, 64.0, 256 * GiB, 70.4, 8000.0),
+    GPU("l4-24gb", 23034 * MiB, 121.0, 32.0, 12.5, 32.0, 48 * GiB, 35.2, 300.0),
+    GPU("a6000-48gb", 49140 * MiB, 154.8, 56.25, 12.5, 32.0, 128 * GiB, 51.2, 768.0),
+    GPU("rtx-4090-24gb", 24564 * MiB, 165.2, 32.0, 12.5, 32.0, 128 * GiB, 51.2, 1008.0),
 )}
 
 
@@ -138,8 +142,8 @@ def gpu(name: str | GPU) -> GPU:
 
 def gpu_from_json(text_or_path: str) -> GPU:
     """A ``GPU`` from JSON text or a ``.json`` file: ``memory_gib`` (and ``host_ram_per_gpu_gib``)
-    in GiB, the other fields as ``GPU``'s (``pcie_gbps``, ``host_gbps`` and the host memory
-    optional)."""
+    in GiB, the other fields as ``GPU``'s (``pcie_gbps``, ``host_gbps``, ``hbm_gbps`` and the
+    host memory optional)."""
     if not isinstance(text_or_path, str):
         raise ValueError(f"a GPU as JSON is a string (the text or a file's path), got "
                          f"{type(text_or_path).__name__}")
@@ -171,7 +175,8 @@ def gpu_from_json(text_or_path: str) -> GPU:
                         f"memory_gib, host_ram_per_gpu_gib)",
             missing and f"missing {missing}") if part)
         raise ValueError(f"the GPU's JSON: {said}; it needs {sorted(required)} (optional: "
-                         f"pcie_gbps, host_ram_per_gpu_gib, host_gbps), e.g. '{JSON_EXAMPLE}'")
+                         f"pcie_gbps, host_ram_per_gpu_gib, host_gbps, hbm_gbps), e.g. "
+                         f"'{JSON_EXAMPLE}'")
     for key in ("memory_gib", "host_ram_per_gpu_gib"):
         if key in spec and (isinstance(spec[key], bool) or not isinstance(spec[key], (int, float))
                             or not 1 / GiB <= spec[key] < math.inf):

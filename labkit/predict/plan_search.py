@@ -227,7 +227,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                 recomputes=RECOMPUTE):
     """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
     per_rank_batch = batch // f.dp
-    lora = f.trainable != "all"
+    lora, qlora = f.trainable != "all", f.trainable == "qlora"
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
@@ -260,8 +260,8 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,
                               stage_moe_layers=moe, frozen_params=frozen,
-                              frozen_bytes=nf4_bits_per_param() / 8 if f.trainable == "qlora"
-                              else 2)
+                              frozen_bytes=nf4_bits_per_param() / 8 if qlora else 2,
+                              nf4_params=frozen if qlora else 0)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out
 

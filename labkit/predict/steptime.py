@@ -30,6 +30,10 @@ STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the w
 HOST_STEP_BYTES = 36
 HOST_EFFICIENCY = 0.8        # of the theoretical DRAM bandwidth a streaming kernel reaches
 OFFLOAD_GRAD_BYTES = 4       # gradient shards cross PCIe in fp32 (DeepSpeed's offload)
+# QLoRA dequantises each NF4 weight before its matmul: it reads the codes and scales (0.52 B)
+# and writes the bf16 weight (2 B) that the matmul then reads, as LoRA's would be read anyway
+DEQUANT_BYTES = 2.52
+HBM_EFFICIENCY = 0.8         # of the GPU's memory bandwidth a streaming kernel reaches
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,12 @@ class StepTime:
     ep: float
     offload: float
     host_step: float = 0.0
+    dequant: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.compute + self.bubble + self.dp + self.tp + self.pp + self.ep
-                + self.offload + self.host_step)
+        return (self.compute + self.dequant + self.bubble + self.dp + self.tp + self.pp
+                + self.ep + self.offload + self.host_step)
 
     @property
     def overlapped(self) -> float:
@@ -59,8 +64,8 @@ class StepTime:
         all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies and
         its host step."""
         hidden = self.dp + self.pp + self.ep
-        return (self.compute + self.bubble + self.tp + self.offload + self.host_step
-                + max(0.0, hidden - self.compute))
+        return (self.compute + self.dequant + self.bubble + self.tp + self.offload
+                + self.host_step + max(0.0, hidden - self.compute))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -89,15 +94,20 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
               recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
               stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
-              frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES) -> StepTime:
+              frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES,
+              nf4_params: int = 0) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
     busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
     ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
-    ``frozen_bytes`` each (QLoRA's NF4: about half a byte)."""
+    ``frozen_bytes`` each (QLoRA's NF4: about half a byte); ``nf4_params``: the frozen weights
+    this rank dequantises for every forward, recomputed forward and backward (QLoRA)."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
     compute = (2 + passes) * active_params * tokens / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    forwards = 2 if recompute == "full" else 1
+    dequant = (forwards + 1) * m * nf4_params * DEQUANT_BYTES / (gpu.hbm_gbps * 1e9
+                                                                  * HBM_EFFICIENCY)
     bubble = 0.0
     if pp > 1:
         idle = pipeline_bubble(pp, m, schedule, v)
@@ -113,7 +123,6 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
     dp_time = sent / dp_bw if dp > 1 else 0.0
     layer_rows = micro * seq * hidden * STREAM_BYTES    # one micro-batch's b s h activations
-    forwards = 2 if recompute == "full" else 1
     tp_time = 0.0
     if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
         tp_time = (2 * forwards + 2) * stage_layers * m * ring(tp, layer_rows, "all-reduce") / intra
@@ -135,7 +144,8 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
                          + frozen * up * frozen_bytes) / (gpu.pcie_gbps * 1e9))
         # the host's AdamW over the shard, bound by this rank's share of the node's DRAM
         host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
-    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time)
+    return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
+                    dequant)
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
@@ -149,9 +159,13 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "0.4), so layouts that split small matrices look better than they are",
         "recompute adds forward work: full 2 N D (8/6 of a full fine-tuning step, 6/4 of "
         "LoRA's), selective an eighth of a forward (assumed); checkpointing every k-th layer "
-        "is not searched; LoRA/QLoRA do 4 N D (no weight gradients of the frozen model; the "
-        "NF4 dequantisation is not counted), and their adapters' own collectives (their "
-        "gradients' all-reduce, their tensor-parallel messages) are not timed",
+        "is not searched; LoRA/QLoRA do 4 N D (no weight gradients of the frozen model), and "
+        "their adapters' own collectives (their gradients' all-reduce, their tensor-parallel "
+        "messages) are not timed",
+        f"QLoRA dequantises every frozen weight before each forward, recomputed forward and "
+        f"backward matmul: {DEQUANT_BYTES:g} bytes of GPU memory traffic per weight (NF4 codes "
+        f"and scales read, the bf16 copy written) at {HBM_EFFICIENCY:.0%} of "
+        f"{gpu.hbm_gbps:g} GB/s (dequant), not overlapped with the matmuls",
         "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
         "ties go to the larger micro-batch (better utilisation in practice, not modelled)",
         f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
