@@ -30,7 +30,7 @@ class GPU:
     pcie_gbps: float = 32.0
     host_ram_per_gpu: int = 256 * 2**30    # bytes of host memory a node has per such GPU
     host_gbps: float = 70.4                # the node's DRAM bandwidth (GB/s) per such GPU
-    hbm_gbps: float = 1000.0               # the GPU's own memory bandwidth (GB/s)
+    hbm_gbps: float = 1000.0               # its memory's GB/s (QLoRA's dequantisation only)
 
     def __post_init__(self):
         for field in ("memory", "host_ram_per_gpu"):

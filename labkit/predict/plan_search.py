@@ -15,7 +15,7 @@ from labkit.parallel.pipeline.schedules import chunk_layers, in_flight
 from labkit.predict import Estimate, estimate
 from labkit.predict.formats import nf4_bits_per_param
 from labkit.predict.layers import (block_weights, count_params, embedding_weights, head_weights,
-                                   layer_saved)
+                                   layer_saved, lora_targets)
 from labkit.predict.steptime import StepTime, step_time
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
@@ -154,12 +154,15 @@ class _Counts:
         # what the step time's compute counts: active parameters less the input embedding
         self.active = count_params(c).active - c.vocab_size * c.hidden
 
-    def stages(self, tp: int, pp: int, ep: int, v: int = 1) -> list[tuple[int, int, int, int]]:
-        """Per stage: (parameters, routed-expert parameters, layers, MoE layers) on one rank."""
+    def stages(self, tp: int, pp: int, ep: int,
+               v: int = 1) -> list[tuple[int, int, int, int, int]]:
+        """Per stage: (parameters, routed-expert parameters, layers, MoE layers, the blocks'
+        linears QLoRA stores in NF4) on one rank."""
         key = (tp, pp, ep, v)
         if key not in self.memo:
             c, out = self.c, []
             blocks = {m: block_weights(c, m) for m in (False, True)}
+            targets = {m: sum(w.local(tp, ep) for w in lora_targets(c, m)) for m in (False, True)}
             for s, chunks in enumerate(chunk_layers(c.layers, pp, v)):
                 layers = [i for chunk in chunks for i in chunk]
                 ws = [w for i in layers for w in blocks[c.is_moe and i >= c.dense_layers]]
@@ -167,7 +170,8 @@ class _Counts:
                 n = sum(w.local(tp, ep) for w in ws)
                 experts = sum(w.local(tp, ep) for w in ws if w.copies > 1)
                 moe = sum(c.is_moe and i >= c.dense_layers for i in layers)
-                out.append((n, experts, len(layers), moe))
+                nf4 = sum(targets[c.is_moe and i >= c.dense_layers] for i in layers)
+                out.append((n, experts, len(layers), moe, nf4))
             self.memo[key] = out
         return self.memo[key]
 
@@ -196,7 +200,7 @@ def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, 
 def _states_bound(counts: _Counts, f: Family) -> int:
     """Bytes per GPU of the busiest stage's model states alone: a lower bound on its peak
     (the optimizer step holds them all)."""
-    return max(sum(_states(counts, f, n, e)) for n, e, _, _ in counts.stages(f.tp, f.pp, f.ep))
+    return max(sum(_states(counts, f, n, e)) for n, e, *_ in counts.stages(f.tp, f.pp, f.ep))
 
 
 def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
@@ -205,7 +209,7 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
     f, L = k.family, k.layout
     v = L.virtual_stages
     worst = 0
-    for s, (n, experts, _, _) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
+    for s, (n, experts, *_) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
         params, grads, opt = _states(counts, f, n, experts)
         acts = 0
         if f.trainable == "all":
@@ -240,7 +244,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
         stages = counts.stages(f.tp, f.pp, f.ep, v)
         # the busiest stage for each kind of work: DeepSeek's first stage has the most layers
         # (its dense ones) but the fewest experts
-        n, experts = max(stages, key=lambda s: s[0])[:2]
+        n, experts, *_, nf4 = max(stages, key=lambda s: s[0])
         layers, moe = max(s[2] for s in stages), max(s[3] for s in stages)
         frozen = 0
         if lora:         # adapters only: their all-reduce is negligible; ZeRO-3 gathers the base
@@ -261,7 +265,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               rank_expert_params=experts, stage_layers=layers,
                               stage_moe_layers=moe, frozen_params=frozen,
                               frozen_bytes=nf4_bits_per_param() / 8 if qlora else 2,
-                              nf4_params=frozen if qlora else 0)
+                              nf4_params=nf4 if qlora else 0)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out
 

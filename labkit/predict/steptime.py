@@ -30,9 +30,11 @@ STREAM_BYTES = 2     # bf16 activations, gradients and gathered weights on the w
 HOST_STEP_BYTES = 36
 HOST_EFFICIENCY = 0.8        # of the theoretical DRAM bandwidth a streaming kernel reaches
 OFFLOAD_GRAD_BYTES = 4       # gradient shards cross PCIe in fp32 (DeepSpeed's offload)
-# QLoRA dequantises each NF4 weight before its matmul: it reads the codes and scales (0.52 B)
-# and writes the bf16 weight (2 B) that the matmul then reads, as LoRA's would be read anyway
-DEQUANT_BYTES = 2.52
+# bitsandbytes dequantises each NF4 weight before its matmul: it writes the double-quantised
+# scales out as fp32 and adds their offset (three passes over 4 B per 64 weights), reads the
+# codes (0.5 B) and the 8-bit scales (1/64 B), and writes the bf16 weight (2 B) the matmul
+# then reads, as it would read LoRA's bf16 weight anyway
+DEQUANT_BYTES = 0.5 + 1 / 64 + 3 * 4 / 64 + 2
 HBM_EFFICIENCY = 0.8         # of the GPU's memory bandwidth a streaming kernel reaches
 
 
@@ -162,10 +164,13 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "is not searched; LoRA/QLoRA do 4 N D (no weight gradients of the frozen model), and "
         "their adapters' own collectives (their gradients' all-reduce, their tensor-parallel "
         "messages) are not timed",
-        f"QLoRA dequantises every frozen weight before each forward, recomputed forward and "
-        f"backward matmul: {DEQUANT_BYTES:g} bytes of GPU memory traffic per weight (NF4 codes "
-        f"and scales read, the bf16 copy written) at {HBM_EFFICIENCY:.0%} of "
-        f"{gpu.hbm_gbps:g} GB/s (dequant), not overlapped with the matmuls",
+        f"QLoRA dequantises every NF4 weight of the blocks before each forward, recomputed "
+        f"forward and backward matmul, as bitsandbytes' unfused path does: {DEQUANT_BYTES:.2f} "
+        f"bytes of GPU memory traffic per weight (codes and scales read, the bf16 copy "
+        f"written) at {HBM_EFFICIENCY:.0%} of {gpu.hbm_gbps:g} GB/s (dequant), not overlapped; "
+        f"its fused 4-bit forward for micro-batches of 1,536 tokens or fewer, and the kernels' "
+        f"launch costs, are not modelled; labkit's own QuantLinear, which goes through fp32, is "
+        f"slower",
         "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
         "ties go to the larger micro-batch (better utilisation in practice, not modelled)",
         f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
