@@ -1,31 +1,27 @@
 """The host's AdamW step, as ZeRO-Offload runs it: how close each of torch's CPU implementations
-comes to the DRAM bandwidth the planner's step-time model assumes (28 bytes per parameter).
+comes to streaming its states at DRAM speed, which the planner's step-time model assumes.
 
     python benchmarks/cpu_adam.py [--millions 50] [--repeats 5] [--threads N]
 
 Prints the median seconds of one step over ``--millions`` fp32 parameters for the for-loop,
 foreach and fused implementations, the nanoseconds per parameter, the DRAM traffic that implies
-at 28 bytes per parameter, and beside it the GB/s of a plain copy (read + write) of the same
-size on this machine.
+at torch's 28 bytes per parameter (fp32: read weight, gradient, m and v; write three back), and
+beside it the GB/s of a plain copy (read + write) of the same size on this machine. The
+planner charges DeepSpeed's step 36 bytes (``steptime.HOST_STEP_BYTES``: its copies too).
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import torch
 
-from labkit.predict.steptime import HOST_STEP_BYTES
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tracker import median_seconds  # noqa: E402  (benchmarks/tracker.py's median timer)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+ADAMW_BYTES = 28        # torch's fp32 AdamW: 16 bytes read, 12 written per parameter
 
 
 def main() -> None:
@@ -50,9 +46,8 @@ def main() -> None:
         optimizer.step()                                           # the moments exist
         seconds = median_seconds(optimizer.step, args.repeats)
         print(f"AdamW {impl:9s} median {seconds * 1e3:7.1f} ms: {seconds / n * 1e9:5.2f} ns per "
-              f"parameter, {HOST_STEP_BYTES * n / seconds / 1e9:5.1f} GB/s at "
-              f"{HOST_STEP_BYTES} B/param ({HOST_STEP_BYTES * n / seconds / 1e9 / copy:.2f}x "
-              f"the copy)")
+              f"parameter, {ADAMW_BYTES * n / seconds / 1e9:5.1f} GB/s at {ADAMW_BYTES} B/param "
+              f"({ADAMW_BYTES * n / seconds / 1e9 / copy:.2f}x the copy)")
 
 
 if __name__ == "__main__":
