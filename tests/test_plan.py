@@ -355,6 +355,8 @@ def test_every_commands_help_prints(capsys, command):
     (["--gpu", "{bad"], "does not parse"),
     (["--gpu", "h100-80gb", "--headroom", "1"], "fraction"),
     (["--gpu", "h100-80gb", "--recompute", "sqrt"], "invalid choice"),
+    (["--gpu", "h100-80gb", "--host-gbps", "nan"], "GB/s as a positive number"),
+    (["--gpu", "h100-80gb", "--host-gbps", "0"], "GB/s as a positive number"),
 ])
 def test_cli_bad_gpu_or_headroom_exits_2_naming_the_fix(capsys, argv, fix):
     assert exit_code(["plan", "--model", "tiny", "--gpus", "1", *argv]) == 2
@@ -368,6 +370,12 @@ def test_cli_host_ram_is_gib_per_node(capsys):
     back = json.loads(capsys.readouterr().out)
     assert back["fits"][0]["layout"]["offload"] is True
     assert any("512.00 GiB of host memory" in a for a in back["assumptions"])
+    assert main(["plan", "--model", "deepseek-v2-lite", "--gpu", "rtx-4090-24gb", "--gpus", "1",
+                 "--seq", "2048", "--top", "1", "--host-ram", "512", "--host-gbps", "204.8",
+                 "--json"]) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert wide["fits"][0]["time"]["host_step"] == pytest.approx(
+        back["fits"][0]["time"]["host_step"] * 51.2 / 204.8)
 
 
 def exit_code(argv) -> int:
