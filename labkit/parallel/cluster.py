@@ -213,7 +213,7 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
     """Call ``fn(ctx, *args, **kwargs)`` on ``world_size`` new processes; one result per rank.
 
     With ``track=True`` each result is a ``Tracked`` with the rank's ``MemoryTracker`` peak.
-    Tensors in results come back on the CPU.
+    Tensors in results come back on the CPU. ``timeout_s`` counts from when every rank has started.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -232,7 +232,6 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
                           timeout=datetime.timedelta(seconds=timeout_s))
     port, procs, readers = store.port, [], {}
     results, pending = [None] * world_size, set(range(world_size))
-    deadline = time.monotonic() + timeout_s
     try:
         for rank in range(world_size):
             reader, writer = start.Pipe(duplex=False)
@@ -243,6 +242,9 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
             writer.close()          # the child holds the only writer: EOF once it is gone
             procs.append(p)
             readers[reader] = rank
+        # counted from here: the first start waits for the forkserver's imports (once per
+        # parent; tens of seconds on a loaded 2-core machine), which are not the ranks' work
+        deadline = time.monotonic() + timeout_s
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
