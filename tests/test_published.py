@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 import labkit as lk
-from labkit.course.published import LLAMA_65B, RUNS, deepseek_v3_own_layout
+from labkit.course.published import (HF_QLORA, LLAMA_65B, RUNS, bytes_per_token,
+                                     deepseek_v3_own_layout, hf_longest_context)
 
 GIB = 2 ** 30
 
@@ -50,3 +51,27 @@ def test_fsdp_qlora_of_a_70b_on_two_24_gb_cards_needs_its_cpu_offload():
     assert run.check()["fits"] and not kept["fits"]
     est = lk.estimate(run.model, run.batch, run.seq, recipe=run.recipe, layout=run.layout)
     assert 17 * GIB < est.details["host memory"] < 22 * GIB
+
+
+def test_where_hf_qlora_ran_out_the_estimate_does_too_and_elsewhere_reaches_longer_sequences():
+    """Unsloth's table of Hugging Face + FA2's longest QLoRA sequence per card: with HF's recipe
+    the estimate runs out of memory on the same cards (the 8B on 8 GiB, the 70B on 48) and
+    elsewhere reaches 1.2-1.5x HF's length. Per token it is HF's less about one fp32 copy of the
+    logits (0.51 MB at 128,256 words), the copy transformers' loss made of the shifted logits."""
+    rows = hf_longest_context()
+    assert len(rows) == 9
+    for r in rows:
+        if r["hf"] is None:
+            assert r["labkit"] == 0, r
+        else:
+            assert 1.0 < r["labkit"] / r["hf"] < 1.5, r
+    hf, est = bytes_per_token(rows)
+    assert 1.0 < (hf - est) / (4 * 128_256) < 1.25
+
+
+def test_hfs_fp32_upcasts_decide_the_70b_on_48_gib():
+    """In bf16 (embeddings, head and adapters as loaded) the 70B's QLoRA fits a 48 GiB card; HF's
+    recipe upcasts them to fp32 and it does not, as HF ran out there."""
+    lean = {(r["model"], r["card_gib"]): r["labkit"]
+            for r in hf_longest_context(replace(HF_QLORA, precision="bf16"))}
+    assert lean[("llama-3-70b", 48)] > 2048

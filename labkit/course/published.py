@@ -4,7 +4,9 @@ The planner is only as good as the estimate under it: each run here is a configu
 authors ran, with the recipe and layout they published, so the estimate must put it under its
 GPU's memory (less the planner's headroom). DeepSeek-V3's own layout (expert parallelism with
 ZeRO-1 over the data-parallel ranks) is estimated apart: it trains in FP8, which labkit does
-not model, so in bf16 it fits only with full recomputation.
+not model, so in bf16 it fits only with full recomputation. Hugging Face's longest QLoRA
+sequences per card (``HF_LONGEST``) are where runs ran out of memory: they show how far the
+estimate falls short of a framework's own copies.
 """
 from __future__ import annotations
 
@@ -119,3 +121,55 @@ def deepseek_v3_own_layout(recomputes=("none", "selective", "full")) -> list[dic
                          states=sum(est.details["model states"].values()),
                          params=est.details["parameters on this device"]))
     return rows
+
+
+# Unsloth's README ("Context length benchmarks", unslothai/unsloth, December 2024): the longest
+# sequence that Hugging Face + FlashAttention-2 trained at batch 1 in QLoRA (NF4, rank-32 LoRA on
+# every linear) on a card of each size in GiB; None: out of memory at any length. Llama 3.1 8B
+# and Llama 3.3 70B have Llama 3's shapes with a 128K context.
+HF_LONGEST = {"llama-3-8b": {8: None, 12: 932, 16: 2551, 24: 5789, 40: 12264, 48: 15502,
+                             80: 28454},
+              "llama-3-70b": {48: None, 80: 6916}}
+
+# Hugging Face's QLoRA as its users run it is labkit's bf16-mixed: prepare_model_for_kbit_training
+# upcasts every weight that is not NF4 (embeddings, head, norms) to fp32, PEFT keeps the adapters
+# in fp32 (autocast_adapter_dtype) and the Trainer's bf16=True computes under autocast. Gradient
+# checkpointing is not stated: without it no 70B step of 6,916 tokens fits (the estimate: 238 GiB).
+HF_QLORA = Recipe("bf16-mixed", recompute="full", trainable="lora", lora_rank=32,
+                  weight_format="nf4")
+
+
+def longest_sequence(model: str | ModelConfig, memory: int, recipe: Recipe,
+                     step: int = 16) -> int:
+    """The longest sequence (batch 1, to ``step`` tokens) whose estimate fits ``memory`` bytes on
+    one GPU, up to the model's ``max_seq``; 0 when ``step`` tokens do not fit."""
+    cfg = preset(model) if isinstance(model, str) else model
+    fits = lambda seq: estimate(cfg, 1, seq, recipe=recipe, device="cuda").total <= memory
+    if not fits(step):
+        return 0
+    lo, hi = 1, cfg.max_seq // step + 1            # in steps: lo fits, hi does not (or is past)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def hf_longest_context(recipe: Recipe = HF_QLORA) -> list[dict]:
+    """Hugging Face's longest QLoRA sequence per card (``HF_LONGEST``) beside the estimate's
+    under ``recipe``, against the card's whole memory (no headroom: the card is where HF ran out)."""
+    rows = []
+    for name, cards in HF_LONGEST.items():
+        cfg = preset(name, max_seq=131072)
+        for gib, hf in cards.items():
+            rows.append(dict(model=name, card_gib=gib, hf=hf,
+                             labkit=longest_sequence(cfg, gib * 2 ** 30, recipe)))
+    return rows
+
+
+def bytes_per_token(rows: list[dict], model: str = "llama-3-8b",
+                    cards: tuple[int, int] = (48, 80)) -> tuple[float, float]:
+    """What one more token of sequence costs between two cards of ``hf_longest_context``'s rows:
+    Hugging Face's (from its longest sequences) and the estimate's."""
+    a, b = (next(r for r in rows if r["model"] == model and r["card_gib"] == gib) for gib in cards)
+    span = (b["card_gib"] - a["card_gib"]) * 2 ** 30
+    return span / (b["hf"] - a["hf"]), span / (b["labkit"] - a["labkit"])
