@@ -1,0 +1,95 @@
+"""What the FullyShardedDataParallel tests run on each rank (spawn imports them by name): the
+DataParallel tests' small models, trained under labkit's FSDP or torch's FSDP2."""
+from __future__ import annotations
+
+import contextlib
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import weakref
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from data_parallel_targets import MODELS, loss_of, make_optimizer, rows
+from labkit.parallel.data import fully_sharded
+from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
+
+
+@dataclass
+class Sharded:
+    """A run's losses (this rank's), its whole weights at the end by name, what each rank kept
+    (parameter elements, its .grad shapes after the last backward) and the weights autograd
+    kept as notes in the last forward."""
+
+    losses: list
+    final: dict
+    kept_numel: int
+    grad_shapes: dict
+    notes: int = 0
+    whole_after_forward: int = 0      # whole weights gathered in the forward still alive after it
+
+
+def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, units=(nn.Linear,),
+          compute_dtype=None, replicate_biases=False, dtype=torch.float64) -> Sharded:
+    """``steps`` steps of ``model_name`` on this rank's rows under ``wrapper`` ("labkit":
+    FullyShardedDataParallel; "torch": FSDP2, ``fully_shard`` on each of ``units``, then the root)."""
+    torch.manual_seed(0)
+    net = MODELS[model_name]().to(dtype)
+    if wrapper == "labkit":
+        replicate = (lambda name, p: name.endswith("bias")) if replicate_biases else None
+        model = FullyShardedDataParallel(net, ctx.group, units=units, replicate=replicate,
+                                         compute_dtype=compute_dtype)
+    else:
+        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
+        for module in net.modules():
+            if module is not net and isinstance(module, units):
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        model = fully_shard(net, mesh=mesh, mp_policy=policy)
+    opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+    losses, notes, alive = [], 0, 0
+    for step in range(steps):
+        inputs, targets = rows(model_name, step, ctx.rank, dtype)
+        with _watch_gathers() as gathered:
+            loss = loss_of(model_name, model, inputs, targets, step, ctx.rank)
+        if wrapper == "labkit":
+            notes, alive = model.notes, sum(ref() is not None for ref in gathered)
+        loss.float().backward()
+        grad_shapes = {n: tuple(p.grad.shape) for n, p in model.named_parameters()
+                       if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    if wrapper == "labkit":
+        final = model.full_state_dict()
+        final = {n: final[n] for n, _ in net.named_parameters()}
+        kept = sum(p.numel() for p in model.parameters())
+    else:
+        final = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+        kept = sum(p.to_local().numel() for p in net.parameters())
+    return Sharded(losses, final, kept, grad_shapes, notes, alive)
+
+
+@contextlib.contextmanager
+def _watch_gathers():
+    """Weak references to every whole weight labkit's FSDP gathers inside the block."""
+    refs, gather = [], fully_sharded._Sharded.gather
+
+    def watched(self, dtype=None):
+        weight = gather(self, dtype)
+        refs.append(weakref.ref(weight))
+        return weight
+    fully_sharded._Sharded.gather = watched
+    try:
+        yield refs
+    finally:
+        fully_sharded._Sharded.gather = gather
+
+
+def train_all(ctx, settings: list[dict]) -> list[Sharded]:
+    """``train(ctx, **s)`` for each of ``settings`` in one process group (one start-up)."""
+    return [train(ctx, **s) for s in settings]
