@@ -5,8 +5,9 @@ from dataclasses import replace
 import pytest
 
 import labkit as lk
-from labkit.course.published import (HF_QLORA, LLAMA_65B, RUNS, bytes_per_token,
-                                     deepseek_v3_own_layout, hf_longest_context)
+from labkit.course.published import (HF_QLORA, LLAMA_3_CONTEXT, LLAMA_65B, RUNS,
+                                     deepseek_v3_own_layout, hf_longest_context,
+                                     longest_sequence, memory_line)
 
 GIB = 2 ** 30
 
@@ -53,25 +54,27 @@ def test_fsdp_qlora_of_a_70b_on_two_24_gb_cards_needs_its_cpu_offload():
     assert 17 * GIB < est.details["host memory"] < 22 * GIB
 
 
-def test_where_hf_qlora_ran_out_the_estimate_does_too_and_elsewhere_reaches_longer_sequences():
-    """Unsloth's table of Hugging Face + FA2's longest QLoRA sequence per card: with HF's recipe
-    the estimate runs out of memory on the same cards (the 8B on 8 GiB, the 70B on 48) and
-    elsewhere reaches 1.2-1.5x HF's length. Per token it is HF's less about one fp32 copy of the
-    logits (0.51 MB at 128,256 words), the copy transformers' loss made of the shifted logits."""
+def test_at_hf_qloras_longest_sequences_the_estimate_is_81_to_93_percent_of_the_card():
+    """A characterisation of a known shortfall (Unsloth's table of Hugging Face's longest QLoRA
+    sequence per card, HF's recipe as labkit reads it): where HF runs out the estimate comes to
+    81-93% of the card, and no length fits where HF fits none. Its fixed bytes agree with HF's
+    line within 5%; per token it is about a fifth short. A fix to the estimate that closes the
+    gap should move these bounds."""
     rows = hf_longest_context()
-    assert len(rows) == 9
     for r in rows:
         if r["hf"] is None:
             assert r["labkit"] == 0, r
         else:
-            assert 1.0 < r["labkit"] / r["hf"] < 1.5, r
-    hf, est = bytes_per_token(rows)
-    assert 1.0 < (hf - est) / (4 * 128_256) < 1.25
+            assert 0.80 < r["at_hf"] / r["card"] < 0.94, r
+            assert r["labkit"] > r["hf"], r
+    line = memory_line(rows)
+    assert line["labkit"]["fixed"] == pytest.approx(line["hf"]["fixed"], rel=0.05)
+    assert 0.75 < line["labkit"]["per_token"] / line["hf"]["per_token"] < 0.82
 
 
-def test_hfs_fp32_upcasts_decide_the_70b_on_48_gib():
-    """In bf16 (embeddings, head and adapters as loaded) the 70B's QLoRA fits a 48 GiB card; HF's
-    recipe upcasts them to fp32 and it does not, as HF ran out there."""
-    lean = {(r["model"], r["card_gib"]): r["labkit"]
-            for r in hf_longest_context(replace(HF_QLORA, precision="bf16"))}
-    assert lean[("llama-3-70b", 48)] > 2048
+def test_hfs_fp32_upcasts_cost_the_70b_the_48_gib_card():
+    """In HF's recipe (fp32 embeddings, head, norms and adapters) no length of the 70B's QLoRA
+    fits 48 GiB; in bf16, the planner's recipe, over 2,048 tokens do."""
+    cfg, card = lk.preset("llama-3-70b", max_seq=LLAMA_3_CONTEXT), 48 * GIB
+    assert longest_sequence(cfg, card, HF_QLORA) == 0
+    assert longest_sequence(cfg, card, replace(HF_QLORA, precision="bf16")) > 2048

@@ -1,12 +1,13 @@
-"""Published training runs that fitted their GPUs, each estimated with its own techniques.
+"""Published training runs, each estimated with its own techniques: runs that fitted their GPUs,
+and where Hugging Face's QLoRA runs out of memory.
 
 The planner is only as good as the estimate under it: each run here is a configuration its
 authors ran, with the recipe and layout they published, so the estimate must put it under its
 GPU's memory (less the planner's headroom). DeepSeek-V3's own layout (expert parallelism with
 ZeRO-1 over the data-parallel ranks) is estimated apart: it trains in FP8, which labkit does
 not model, so in bf16 it fits only with full recomputation. Hugging Face's longest QLoRA
-sequences per card (``HF_LONGEST``) are where runs ran out of memory: they show how far the
-estimate falls short of a framework's own copies.
+sequence per card (``HF_LONGEST``) is where memory runs out: it shows how far the estimate is
+too low as well as too high.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from labkit.core.config import ModelConfig, preset
 from labkit.core.gpus import gpu as gpu_named, usable_memory
 from labkit.core.recipe import Layout, Recipe
 from labkit.predict import estimate
+from labkit.predict.sweep import first
 
 # LLaMA-1 65B (Touvron et al., 2023, Table 2): 80 layers of 8192, 64 heads without GQA, an
 # SwiGLU width of 22016 and 2048-token context; no preset, only this check uses it
@@ -124,17 +126,20 @@ def deepseek_v3_own_layout(recomputes=("none", "selective", "full")) -> list[dic
 
 
 # Unsloth's README ("Context length benchmarks", unslothai/unsloth, December 2024): the longest
-# sequence that Hugging Face + FlashAttention-2 trained at batch 1 in QLoRA (NF4, rank-32 LoRA on
-# every linear) on a card of each size in GiB; None: out of memory at any length. Llama 3.1 8B
-# and Llama 3.3 70B have Llama 3's shapes with a 128K context.
+# sequence that Hugging Face + FlashAttention-2 trains at batch 1 in QLoRA (NF4, rank-32 LoRA on
+# every linear) on a card of each size, taken as GiB; None: out of memory at any length. The 8B's
+# column is one straight line in memory (404.75 tokens per GiB on every interval): fitted, not run
+# on each card. The 70B ran on an 80 GB A100. Llama 3.1 8B and Llama 3.3 70B have Llama 3's shapes
+# with a 128K context (LLAMA_3_CONTEXT).
 HF_LONGEST = {"llama-3-8b": {8: None, 12: 932, 16: 2551, 24: 5789, 40: 12264, 48: 15502,
                              80: 28454},
               "llama-3-70b": {48: None, 80: 6916}}
+LLAMA_3_CONTEXT = 131072
 
-# Hugging Face's QLoRA as its users run it is labkit's bf16-mixed: prepare_model_for_kbit_training
-# upcasts every weight that is not NF4 (embeddings, head, norms) to fp32, PEFT keeps the adapters
-# in fp32 (autocast_adapter_dtype) and the Trainer's bf16=True computes under autocast. Gradient
-# checkpointing is not stated: without it no 70B step of 6,916 tokens fits (the estimate: 238 GiB).
+# Hugging Face's QLoRA as its users run it, in labkit's terms (an assumption: Unsloth's HF script is
+# not published): prepare_model_for_kbit_training upcasts every weight that is not NF4 (embeddings,
+# head, norms) to fp32 and turns on gradient checkpointing, PEFT keeps the adapters in fp32
+# (autocast_adapter_dtype) and the Trainer's bf16=True computes under autocast: bf16-mixed.
 HF_QLORA = Recipe("bf16-mixed", recompute="full", trainable="lora", lora_rank=32,
                   weight_format="nf4")
 
@@ -144,32 +149,35 @@ def longest_sequence(model: str | ModelConfig, memory: int, recipe: Recipe,
     """The longest sequence (batch 1, to ``step`` tokens) whose estimate fits ``memory`` bytes on
     one GPU, up to the model's ``max_seq``; 0 when ``step`` tokens do not fit."""
     cfg = preset(model) if isinstance(model, str) else model
-    fits = lambda seq: estimate(cfg, 1, seq, recipe=recipe, device="cuda").total <= memory
-    if not fits(step):
-        return 0
-    lo, hi = 1, cfg.max_seq // step + 1            # in steps: lo fits, hi does not (or is past)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
-    return lo * step
+
+    def too_long(k: int) -> bool:
+        return estimate(cfg, 1, k * step, recipe=recipe, device="cuda").total > memory
+    k = first(too_long, 0, cfg.max_seq // step)
+    return cfg.max_seq // step * step if k is None else (k - 1) * step
 
 
 def hf_longest_context(recipe: Recipe = HF_QLORA) -> list[dict]:
-    """Hugging Face's longest QLoRA sequence per card (``HF_LONGEST``) beside the estimate's
-    under ``recipe``, against the card's whole memory (no headroom: the card is where HF ran out)."""
+    """Per card of ``HF_LONGEST``: Hugging Face's longest QLoRA sequence, the estimate's under
+    ``recipe``, and the estimate at HF's length (``at_hf``, bytes), against the card's whole
+    memory (no headroom: the card is where HF ran out)."""
     rows = []
     for name, cards in HF_LONGEST.items():
-        cfg = preset(name, max_seq=131072)
+        cfg = preset(name, max_seq=LLAMA_3_CONTEXT)
         for gib, hf in cards.items():
-            rows.append(dict(model=name, card_gib=gib, hf=hf,
+            at_hf = hf and estimate(cfg, 1, hf, recipe=recipe, device="cuda").total
+            rows.append(dict(model=name, card=gib * 2 ** 30, hf=hf, at_hf=at_hf,
                              labkit=longest_sequence(cfg, gib * 2 ** 30, recipe)))
     return rows
 
 
-def bytes_per_token(rows: list[dict], model: str = "llama-3-8b",
-                    cards: tuple[int, int] = (48, 80)) -> tuple[float, float]:
-    """What one more token of sequence costs between two cards of ``hf_longest_context``'s rows:
-    Hugging Face's (from its longest sequences) and the estimate's."""
-    a, b = (next(r for r in rows if r["model"] == model and r["card_gib"] == gib) for gib in cards)
-    span = (b["card_gib"] - a["card_gib"]) * 2 ** 30
-    return span / (b["hf"] - a["hf"]), span / (b["labkit"] - a["labkit"])
+def memory_line(rows: list[dict], model: str = "llama-3-8b",
+                cards: tuple[int, int] = (48, 80)) -> dict:
+    """The straight line memory = fixed + per_token x sequence through two cards (GiB) of
+    ``hf_longest_context``'s rows, for Hugging Face ("hf") and the estimate ("labkit")."""
+    a, b = (next(r for r in rows if r["model"] == model and r["card"] == gib * 2 ** 30)
+            for gib in cards)
+    line = {}
+    for who in ("hf", "labkit"):
+        per_token = (b["card"] - a["card"]) / (b[who] - a[who])
+        line[who] = dict(per_token=per_token, fixed=a["card"] - a[who] * per_token)
+    return line
