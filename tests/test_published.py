@@ -74,7 +74,19 @@ def test_at_hf_qloras_longest_sequences_the_estimate_is_81_to_93_percent_of_the_
 
 def test_hfs_fp32_upcasts_cost_the_70b_the_48_gib_card():
     """In HF's recipe (fp32 embeddings, head, norms and adapters) no length of the 70B's QLoRA
-    fits 48 GiB; in bf16, the planner's recipe, over 2,048 tokens do."""
+    fits 48 GiB; in bf16, on the whole card (no headroom), over 2,048 tokens do."""
     cfg, card = lk.preset("llama-3-70b", max_seq=LLAMA_3_CONTEXT), 48 * GIB
     assert longest_sequence(cfg, card, HF_QLORA) == 0
     assert longest_sequence(cfg, card, replace(HF_QLORA, precision="bf16")) > 2048
+
+
+def test_the_planners_bf16_qlora_plans_are_longer_than_hfs_on_every_card():
+    """The planner plans QLoRA in bf16 within 90% of the card: longer than HF reached on every
+    card, and some length even where HF runs out at any. In HF's recipe, 90% of the card stays
+    within HF's length only where the estimate at HF's length is over 90%: the 8B's 12 GiB and
+    the 70B's 80 GiB."""
+    planner = hf_longest_context(replace(HF_QLORA, precision="bf16"), fraction=0.9)
+    assert all(r["labkit"] > (r["hf"] or 0) for r in planner)
+    hf_recipe = hf_longest_context(fraction=0.9)
+    within = {(r["model"], r["card"] // GIB) for r in hf_recipe if r["hf"] and r["labkit"] <= r["hf"]}
+    assert within == {("llama-3-8b", 12), ("llama-3-70b", 80)}

@@ -19,6 +19,8 @@ from labkit.core.recipe import Layout, Recipe
 from labkit.predict import estimate
 from labkit.predict.sweep import first
 
+GIB = 2 ** 30
+
 # LLaMA-1 65B (Touvron et al., 2023, Table 2): 80 layers of 8192, 64 heads without GQA, an
 # SwiGLU width of 22016 and 2048-token context; no preset, only this check uses it
 LLAMA_65B = preset("llama-2-70b", kv_heads=64, ffn=22016, max_seq=2048).replace(
@@ -128,7 +130,7 @@ def deepseek_v3_own_layout(recomputes=("none", "selective", "full")) -> list[dic
 # Unsloth's README ("Context length benchmarks", unslothai/unsloth, December 2024): the longest
 # sequence that Hugging Face + FlashAttention-2 trains at batch 1 in QLoRA (NF4, rank-32 LoRA on
 # every linear) on a card of each size, taken as GiB; None: out of memory at any length. The 8B's
-# column is one straight line in memory (404.75 tokens per GiB on every interval): fitted, not run
+# column is one straight line in memory (404.7 tokens per GiB on every interval): fitted, not run
 # on each card. The 70B ran on an 80 GB A100. Llama 3.1 8B and Llama 3.3 70B have Llama 3's shapes
 # with a 128K context (LLAMA_3_CONTEXT).
 HF_LONGEST = {"llama-3-8b": {8: None, 12: 932, 16: 2551, 24: 5789, 40: 12264, 48: 15502,
@@ -156,17 +158,17 @@ def longest_sequence(model: str | ModelConfig, memory: int, recipe: Recipe,
     return cfg.max_seq // step * step if k is None else (k - 1) * step
 
 
-def hf_longest_context(recipe: Recipe = HF_QLORA) -> list[dict]:
+def hf_longest_context(recipe: Recipe = HF_QLORA, fraction: float = 1.0) -> list[dict]:
     """Per card of ``HF_LONGEST``: Hugging Face's longest QLoRA sequence, the estimate's under
-    ``recipe``, and the estimate at HF's length (``at_hf``, bytes), against the card's whole
-    memory (no headroom: the card is where HF ran out)."""
+    ``recipe`` within ``fraction`` of the card (1: the whole card, where HF ran out; 0.9: the
+    planner's usable memory), and the estimate at HF's length (``at_hf``, bytes)."""
     rows = []
     for name, cards in HF_LONGEST.items():
         cfg = preset(name, max_seq=LLAMA_3_CONTEXT)
         for gib, hf in cards.items():
             at_hf = hf and estimate(cfg, 1, hf, recipe=recipe, device="cuda").total
-            rows.append(dict(model=name, card=gib * 2 ** 30, hf=hf, at_hf=at_hf,
-                             labkit=longest_sequence(cfg, gib * 2 ** 30, recipe)))
+            rows.append(dict(model=name, card=gib * GIB, hf=hf, at_hf=at_hf,
+                             labkit=longest_sequence(cfg, int(fraction * gib * GIB), recipe)))
     return rows
 
 
@@ -174,7 +176,7 @@ def memory_line(rows: list[dict], model: str = "llama-3-8b",
                 cards: tuple[int, int] = (48, 80)) -> dict:
     """The straight line memory = fixed + per_token x sequence through two cards (GiB) of
     ``hf_longest_context``'s rows, for Hugging Face ("hf") and the estimate ("labkit")."""
-    a, b = (next(r for r in rows if r["model"] == model and r["card"] == gib * 2 ** 30)
+    a, b = (next(r for r in rows if r["model"] == model and r["card"] == gib * GIB)
             for gib in cards)
     line = {}
     for who in ("hf", "labkit"):
