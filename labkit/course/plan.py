@@ -214,7 +214,10 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
-        f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks, "
+        f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
+        f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
+        f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
+        f"such a run with labkit.course.published.HF_QLORA, lab 09), "
         f"recompute {' / '.join(recompute)}: each GPU a replica (DDP over the adapters); the "
         f"frozen base sharded over dp by FSDP2 (QLoRA's NF4 codes and scales as bytes, as "
         f"bitsandbytes' quant_storage lets FSDP do: FSDP-QLoRA; its backward prefetch and held "
