@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from data_parallel_targets import MODELS, loss_of, make_optimizer, rows
-from labkit.parallel.data import fully_sharded
+from labkit.parallel.data import fsdp, fully_sharded
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 
 
@@ -34,9 +34,12 @@ class Sharded:
 
 
 def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, units=(nn.Linear,),
-          compute_dtype=None, replicate_biases=False, dtype=torch.float64) -> Sharded:
+          compute_dtype=None, replicate_biases=False, dtype=torch.float64, accumulate=1,
+          fail_once=False) -> Sharded:
     """``steps`` steps of ``model_name`` on this rank's rows under ``wrapper`` ("labkit":
-    FullyShardedDataParallel; "torch": FSDP2, ``fully_shard`` on each of ``units``, then the root)."""
+    FullyShardedDataParallel; "torch": FSDP2, ``fully_shard`` on each of ``units``, then the
+    root); ``accumulate`` micro-batches per step; ``fail_once``: a forward on rows of the wrong
+    width raises (and is caught) before the second step."""
     torch.manual_seed(0)
     net = MODELS[model_name]().to(dtype)
     if wrapper == "labkit":
@@ -53,12 +56,16 @@ def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, u
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
     losses, notes, alive = [], 0, 0
     for step in range(steps):
-        inputs, targets = rows(model_name, step, ctx.rank, dtype)
-        with _watch_gathers() as gathered:
-            loss = loss_of(model_name, model, inputs, targets, step, ctx.rank)
-        if wrapper == "labkit":
-            notes, alive = model.notes, sum(ref() is not None for ref in gathered)
-        loss.float().backward()
+        if fail_once and step == 1:
+            with contextlib.suppress(RuntimeError):
+                model(torch.zeros(2, 3, dtype=dtype))          # 3 features, not 8: raises
+        for micro in range(accumulate):
+            inputs, targets = rows(model_name, step * accumulate + micro, ctx.rank, dtype)
+            with _watch_gathers() as gathered:
+                loss = loss_of(model_name, model, inputs, targets, step, ctx.rank) / accumulate
+            if wrapper == "labkit":
+                notes, alive = model.notes, sum(ref() is not None for ref in gathered)
+            loss.float().backward()
         grad_shapes = {n: tuple(p.grad.shape) for n, p in model.named_parameters()
                        if p.grad is not None}
         opt.step()
@@ -93,3 +100,8 @@ def _watch_gathers():
 def train_all(ctx, settings: list[dict]) -> list[Sharded]:
     """``train(ctx, **s)`` for each of ``settings`` in one process group (one start-up)."""
     return [train(ctx, **s) for s in settings]
+
+
+def blocks_side_by_side(ctx, model_name: str, seq: int) -> tuple:
+    """labkit's transformer with a unit per block: (FSDP2's ShardStep, labkit FSDP's)."""
+    return fsdp.fsdp2_step(ctx, model_name, 1, seq), fsdp.labkit_fsdp_step(ctx, model_name, 1, seq)

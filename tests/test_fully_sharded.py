@@ -25,6 +25,11 @@ BF16 = dict(compute_dtype=torch.bfloat16, dtype=torch.float32)
 SETTINGS = {
     **{(w, m): dict(model_name=m, wrapper=w) for w in ("labkit", "torch") for m in ("mlp", "frozen")},
     **{(w, "bf16"): dict(model_name="mlp", wrapper=w, **BF16) for w in ("labkit", "torch")},
+    **{(w, "bf16 replicated"): dict(model_name="mlp", wrapper=w, replicate_biases=w == "labkit",
+                                     **BF16) for w in ("labkit", "torch")},
+    **{(w, "accumulate"): dict(model_name="mlp", wrapper=w, accumulate=2)
+       for w in ("labkit", "torch")},
+    ("labkit", "after a failure"): dict(model_name="mlp", fail_once=True),
     ("labkit", "tied"): dict(model_name="tied"),
     ("labkit", "replicated"): dict(model_name="mlp", replicate_biases=True),
     ("labkit", "root only"): dict(model_name="mlp", units=None),
@@ -47,18 +52,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-@pytest.mark.parametrize("case", ["mlp", "frozen", "bf16"])
+@pytest.mark.parametrize("case", ["mlp", "frozen", "bf16", "bf16 replicated", "accumulate"])
 def test_trains_exactly_as_torch_fsdp2(ranks, case):
+    """bf16 replicated: labkit keeps the biases whole and casts them for each use; FSDP2 shards
+    and gathers them in bf16; the same sums either way (two addends, / 2)."""
     for ours, torchs in zip(ranks["labkit", case], ranks["torch", case]):
         assert ours.losses == torchs.losses
         assert max_diff(ours.final, torchs.final) == 0
-        assert ours.kept_numel == torchs.kept_numel           # the same chunks, padding included
+        if case != "bf16 replicated":
+            assert ours.kept_numel == torchs.kept_numel       # the same chunks, padding included
     a, b = ranks["labkit", case]
     assert a.losses != b.losses                               # ... on different rows
 
 
 @pytest.mark.parametrize("case, model", [("mlp", "mlp"), ("frozen", "frozen"), ("tied", "tied"),
-                                         ("replicated", "mlp"), ("root only", "mlp")])
+                                         ("replicated", "mlp"), ("root only", "mlp"),
+                                         ("after a failure", "mlp")])
 def test_trains_as_one_process_on_both_ranks_rows(ranks, case, model):
     one = dp_targets.one_process(model, "adamw", world_size=N)
     a, b = ranks["labkit", case]
@@ -83,7 +92,7 @@ def test_each_rank_keeps_a_chunk_of_every_parameter_and_of_its_gradient(ranks):
     assert not any(n.startswith("module.backbone") for n in frozen.grad_shapes)
 
 
-@pytest.mark.parametrize("case", ["mlp", "bf16", "tied", "root only"])
+@pytest.mark.parametrize("case", ["mlp", "bf16", "tied", "root only", "after a failure"])
 def test_no_whole_weight_outlives_the_forward_autograd_keeps_notes(ranks, case):
     """Two weights are saved for an input's gradient (the MLP's second and third Linear; the tied
     model's mix and head; the first Linear's input needs none): as notes, gathered again in the
@@ -102,6 +111,18 @@ def test_bad_units_are_named(units, match):
 def test_bad_compute_dtype_is_named():
     with pytest.raises(ValueError, match="floating torch.dtype"):
         FullyShardedDataParallel(nn.Linear(2, 2), compute_dtype=torch.int8)
+
+
+# ---- labkit's transformer, a unit per block ------------------------------------------------------
+@pytest.mark.slow
+def test_on_labkits_transformer_it_trains_as_fsdp2_holding_no_more():
+    """`small` at 128 tokens on 2 ranks: the same losses and the same chunks as FSDP2; its peak is
+    no higher, as it reduce-scatters each weight's gradient as soon as it is made and gathers
+    no block ahead (FSDP2 reduce-scatters a block's gradients together and prefetches)."""
+    torchs, ours = cluster.run(targets.blocks_side_by_side, N, "small", 128, timeout_s=180)[0]
+    assert ours.losses == torchs.losses
+    assert (ours.param_bytes, ours.state_bytes) == (torchs.param_bytes, torchs.state_bytes)
+    assert ours.peak <= torchs.peak
 
 
 # ---- on 4 ranks --------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """PyTorch's own ZeRO beside labkit's: ZeroRedundancyOptimizer (stage 1) and FSDP2 (stage 3).
 
-Three rank functions train the same model on the same rows with the same AdamW and return each
+Four rank functions train the same model on the same rows with the same AdamW and return each
 rank's ``ShardStep`` (losses, the tracker's peak by category, what the rank holds after);
 ``side_by_side`` runs them all on one cluster:
 
     zero_redundancy_step   torch's ZeroRedundancyOptimizer (stage 1), gradients all-reduced
     fsdp2_step             torch's FSDP2, ``fully_shard`` on each block, then on the root
     labkit_zero_step       labkit's ``ZeroOptimizer``, stage 1, 2 or 3 (``zero_step``)
+    labkit_fsdp_step       labkit's ``FullyShardedDataParallel`` (``fully_sharded``), a unit per
+                           block, torch's AdamW over its chunks
 
 ZeroRedundancyOptimizer gives each rank whole parameters (a greedy split by size), not a flat
 slice: its ranks hold different optimizer-state bytes. FSDP2 splits every parameter along
@@ -41,11 +43,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from labkit.core.config import preset
 from labkit.core.units import CATEGORIES, check_choice
+from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 from labkit.parallel.data.zero_step import train_zero
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.training.step import make_optimizer, train_step
 from labkit.training.track import MemoryTracker
-from labkit.transformer.model import build_model
+from labkit.transformer.model import Block, build_model
 
 # labkit's ZeroOptimizer defaults (its inner AdamW is a for-loop), with the lab's learning rate
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, foreach=False)
@@ -135,7 +138,7 @@ class FSDP2Parameters:
         return iter(self._buffers)
 
 
-# ---- the three rank functions ---------------------------------------------------------------
+# ---- the rank functions ---------------------------------------------------------------------
 def average_gradients(model, group) -> list:
     """Average each parameter's gradient over ``group`` as soon as backward has made it: an
     all-reduce (sum) in place, then / N; data parallelism without DDP's extra bucket copy.
@@ -187,6 +190,19 @@ def labkit_zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, 
     masters = [p for group in opt.inner.param_groups for p in group["params"]]
     return ShardStep(**vars(step), param_bytes=_held_bytes([*model.parameters(), *masters]),
                      state_bytes=_state_bytes(opt.inner))
+
+
+def labkit_fsdp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
+                     steps: int = 3) -> ShardStep:
+    """labkit's ``FullyShardedDataParallel`` with each block a unit, stepped by torch's AdamW
+    over its chunks (``ADAMW``), with what the rank holds after the steps."""
+    model = _seeded_model(model_name, ctx.device)
+    sharded = FullyShardedDataParallel(model, ctx.group, units=(Block,))
+    opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
+    batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
+    step = measure_rank(ctx, sharded, sharded, opt, batches)
+    return ShardStep(**vars(step), param_bytes=_held_bytes(sharded.parameters()),
+                     state_bytes=_state_bytes(opt))
 
 
 def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps: int = 3,

@@ -7,13 +7,13 @@ with zeros), as FSDP2 does. The chunk is the rank's ``nn.Parameter``, under the 
 so any torch optimizer steps it and its ``.grad`` is the gradient's chunk. A whole weight
 exists only while a unit computes with it:
 
-    unit's forward   all-gather its weights (cast to the       chunks (N, rows / N, ...)
-                     compute dtype first: fewer bytes)          -> the weight (rows, ...)
-                     drop them when the unit's forward ends     autograd keeps a note instead
-    backward         a saved weight is all-gathered again       one unit's weights at a time
-                     when autograd needs it
-                     its gradient reduce-scattered, / N         into the chunk's .grad, in the
-                                                                parameter's dtype
+1. A unit's forward all-gathers its weights, each cast to the compute dtype first (fewer
+   bytes): chunks (N, rows / N, ...) -> the weight (rows, ...). They are dropped when the
+   unit's forward ends; autograd keeps a note of each weight it saved instead.
+2. The backward pass all-gathers a unit's weights again when autograd unpacks a note, one
+   unit at a time.
+3. Each weight's gradient is reduce-scattered as autograd makes it: summed over the ranks,
+   / N, into the chunk's ``.grad`` in the parameter's dtype.
 
 Units come from ``units``: module classes or a predicate (each transformer block, say). What
 no unit holds belongs to the root, gathered for the whole forward. ``replicate`` keeps chosen
@@ -21,11 +21,19 @@ parameters whole on every rank (small ones: norms), their gradients all-reduced.
 units share (tied embeddings) is gathered by each and its two gradients summed; FSDP2 asks
 for both users in one unit instead. ``full_state_dict()`` gathers every weight by its name.
 
-Autograd's saved weights become notes through ``torch.autograd.graph.saved_tensors_hooks``:
-an op's saved weight (or a view of it) is packed as (parameter, size, stride, offset) and
-gathered again when unpacked. Under autocast without ``compute_dtype``, ops save autocast's
-16-bit copies instead, which live until the backward pass: pass ``compute_dtype`` (FSDP's
-``param_dtype``).
+Notes come from ``torch.autograd.graph.saved_tensors_hooks``: an op's saved weight (or a view
+of it) is packed as (parameter, size, stride, offset) and gathered again when unpacked; the
+wrapper's hooks replace any outer ones (``save_on_cpu``) inside it. Under autocast without
+``compute_dtype``, ops save autocast's 16-bit copies instead, which live until the backward
+pass: pass ``compute_dtype`` (FSDP's ``param_dtype``).
+
+What it asks of the model, as FSDP2 does of its units:
+
+- Every rank uses the same parameters in the same order. A branch taken on some ranks only
+  pairs one parameter's collectives with another's (DDP's ``find_unused_parameters`` has no
+  counterpart here).
+- A parameter is whole only inside its unit's forward: read elsewhere, it is the chunk. Wrap
+  ``torch.utils.checkpoint`` around whole units, not inside one.
 """
 from __future__ import annotations
 
@@ -57,16 +65,16 @@ class _Sharded:
         self.unit: _Unit | None = None          # the first unit that uses it: regathered with it
 
     def gather(self, dtype=None) -> torch.Tensor:
-        """The whole weight (shape,) from every rank's chunk, in ``dtype`` (default: the
-        compute dtype, else the parameter's); a collective."""
+        """The whole weight, of the parameter's shape, from every rank's chunk, in ``dtype``
+        (default: the compute dtype, else the parameter's); a collective."""
         mine = self.shard.detach().to(dtype or self.compute_dtype or self.shard.dtype)
         flat = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
         dist.all_gather_single(flat, mine.contiguous().view(-1), group=self.group)
         return flat[:self.shape.numel()].view(self.shape)              # (N * rows, ...) -> shape
 
     def scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's chunk of the mean of ``grad`` (shape,) over the ranks, in the
-        parameter's dtype; a collective."""
+        """This rank's chunk of the mean over the ranks of ``grad`` (the parameter's shape), in
+        the parameter's dtype; a collective."""
         flat = torch.zeros(self.world * self.shard.numel(), dtype=self.shard.dtype,
                            device=grad.device)                         # (N * rows * ...,)
         flat[:grad.numel()] = grad.reshape(-1)
@@ -89,20 +97,24 @@ class _Gather(torch.autograd.Function):
 
 
 class _Unit:
-    """Modules gathered together: (module, attribute, parameter) for each weight they use."""
+    """Modules gathered together: (module, attribute, _Sharded) for each weight they use, and
+    (module, attribute, parameter) for each replicated one (cast to the compute dtype)."""
 
     def __init__(self, name: str):
-        self.name, self.uses = name, []
+        self.name, self.uses, self.replicated = name, [], []
 
     def sharded(self) -> list[_Sharded]:
         return list(dict.fromkeys(s for _, _, s in self.uses))
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s elements live (a dense tensor with some), else None."""
+    if t.layout != torch.strided or t.numel() == 0:
+        return None
     return t.untyped_storage().data_ptr()
 
 
-def _unit_test(units) -> Callable[[nn.Module], bool]:
+def _unit_predicate(units) -> Callable[[nn.Module], bool]:
     """``units`` as a predicate on modules; ValueError for anything else."""
     if units is None:
         return lambda module: False
@@ -135,7 +147,7 @@ class FullyShardedDataParallel(nn.Module):
                                               and compute_dtype.is_floating_point):
             raise ValueError(f"compute_dtype is a floating torch.dtype (torch.bfloat16, as "
                              f"FSDP's param_dtype) or None, got {compute_dtype!r}")
-        is_unit = _unit_test(units)
+        is_unit = _unit_predicate(units)
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
         self.world = dist.get_world_size(group)
         broadcast_from_rank0(module, group)
@@ -144,6 +156,7 @@ class FullyShardedDataParallel(nn.Module):
         self._live: dict[int, _Sharded] = {}                  # storage -> gathered weight's
         self._cache: tuple[_Unit | None, dict] = (None, {})    # the backward's gathered unit
         self._cleanup_queued = False
+        self._averaged: set[nn.Parameter] = set()             # replicated, hooked
         self.notes = 0              # weights autograd saved as notes in the last forward
         self.root = _Unit("")
         self.units = [self.root]
@@ -160,6 +173,7 @@ class FullyShardedDataParallel(nn.Module):
             name = f"{prefix}{attr}"
             if param.dim() == 0 or replicate(name, param):
                 self._replicate(param)
+                unit.replicated.append((module, attr, param))
                 continue
             if param not in self._by_param:
                 sharded = _Sharded(name, param, self.group, self.compute_dtype
@@ -180,8 +194,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def _replicate(self, param: nn.Parameter):
         """A whole parameter on every rank: its gradient all-reduced and / N once made."""
-        if param.requires_grad and not hasattr(param, "_labkit_replicated"):
-            param._labkit_replicated = True
+        if param.requires_grad and param not in self._averaged:
+            self._averaged.add(param)
             param.register_post_accumulate_grad_hook(self._average)
 
     def _average(self, param: nn.Parameter):
@@ -210,25 +224,38 @@ class FullyShardedDataParallel(nn.Module):
                 gathered[sharded] = _Gather.apply(sharded.shard, sharded)
                 self._live[_storage(gathered[sharded])] = sharded
             module.__dict__[attr] = gathered[sharded]      # found before module._parameters
+        if self.compute_dtype is not None:
+            for module, attr, param in unit.replicated:
+                if param.is_floating_point():
+                    module.__dict__[attr] = param.to(self.compute_dtype)   # grads flow back
 
     def _close(self, unit: _Unit):
-        for module, attr, sharded in unit.uses:
+        for module, attr, _ in unit.uses + unit.replicated:
             weight = module.__dict__.pop(attr, None)
             if weight is not None:
                 self._live.pop(_storage(weight), None)
 
+    def _reset(self):
+        """Nothing gathered, nothing cached: after a forward or backward that raised too."""
+        for unit in self.units:
+            self._close(unit)
+        self._live.clear()
+        self._cache, self._cleanup_queued = (None, {}), False
+
     def forward(self, *args, **kwargs):
         self.notes = 0
+        self._reset()
+        args, kwargs = self._cast(args, kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             self._open(self.root)
             try:
-                return self.module(*self._cast(args, kwargs)[0], **self._cast(args, kwargs)[1])
+                return self.module(*args, **kwargs)
             finally:
-                self._close(self.root)
+                self._reset()
 
     # ---- backward: saved weights as notes, gathered again -------------------------------------
     def _pack(self, t: torch.Tensor):
-        sharded = self._live.get(_storage(t)) if t.numel() else None
+        sharded = self._live.get(_storage(t))
         if sharded is None:
             return t
         self.notes += 1
@@ -238,16 +265,15 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(saved, torch.Tensor):
             return saved
         sharded, size, stride, offset = saved
-        unit, weights = self._cache
-        if sharded not in weights:          # one unit at a time: drop the last, gather this one
-            unit = sharded.unit
+        if sharded not in self._cache[1]:   # one unit at a time: drop the last, gather this one
+            self._cache = (None, {})
             with torch.no_grad():
-                weights = {s: s.gather() for s in unit.sharded()}
-            self._cache = (unit, weights)
+                self._cache = (sharded.unit, {s: s.gather() for s in sharded.unit.sharded()})
             if not self._cleanup_queued:
+                # the engine runs it when this backward pass ends (torch's own FSDP does too)
                 self._cleanup_queued = True
                 Variable._execution_engine.queue_callback(self._end_of_backward)
-        return weights[sharded].as_strided(size, stride, offset)
+        return self._cache[1][sharded].as_strided(size, stride, offset)
 
     def _end_of_backward(self):
         self._cache, self._cleanup_queued = (None, {}), False
