@@ -42,6 +42,13 @@ def test_fsdp2_trains_as_labkit_zero3(two_ranks):
                                **TOL)
 
 
+def test_labkits_fsdp_for_any_module_trains_exactly_as_fsdp2(two_ranks):
+    """The same chunks gathered and reduce-scattered in the same sums: equal, not only close."""
+    assert torch.equal(losses(two_ranks, "labkit FSDP"), losses(two_ranks, "FSDP2"))
+    for ranks in two_ranks:
+        assert ranks["labkit FSDP"].param_bytes == ranks["FSDP2"].param_bytes
+
+
 def test_ranks_see_different_rows(two_ranks):
     """The comparison above would hold trivially if both ranks trained on the same rows."""
     first, second = losses(two_ranks, "FSDP2")

@@ -214,6 +214,7 @@ def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, s
                                            reshard_after_forward=False)}
     for stage in stages:
         out[f"labkit ZeRO-{stage}"] = labkit_zero_step(ctx, stage, model_name, batch, seq, steps)
+    out["labkit FSDP"] = labkit_fsdp_step(ctx, model_name, batch, seq, steps)
     return out
 
 
