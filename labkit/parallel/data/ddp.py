@@ -59,6 +59,7 @@ from labkit.core.config import preset
 from labkit.core.recipe import TRAINABLE
 from labkit.core.units import check_choice, check_positive
 from labkit.parallel.cluster import RankContext
+from labkit.parallel.data.data_parallel import DataParallel
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.quantisation.lora import apply_lora
 from labkit.training.step import make_optimizer, param_dtype
@@ -228,6 +229,26 @@ def one_process_step(model_name: str = "tiny", batch: int = 2, seq: int = 32, st
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed)
     step = measure_rank(ctx, model, model, optimizer, batches, precision)
     return _finish(step, model, None, keep_params)
+
+
+@dataclass
+class OwnDDPStep(RankStep):
+    """A rank's ``RankStep`` under labkit's ``DataParallel`` and its last step's timeline."""
+
+    timeline: list = field(default_factory=list)  # data_parallel.Event, seconds from the forward
+
+
+def labkit_ddp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
+                    steps: int = 3, bucket_mb: float | None = 25, seed: int = 0) -> OwnDDPStep:
+    """``ddp_step``'s training under labkit's own ``DataParallel`` (``data_parallel``): buckets
+    of ``bucket_mb`` MiB all-reduced from gradient hooks, ``finish()`` before each step."""
+    _check(model_name, batch, seq, steps, "fp32", None)
+    model, optimizer = _model_and_optimizer(model_name, "fp32", seed, ctx.device)
+    wrapped = DataParallel(model, ctx.group, bucket_mb=bucket_mb)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: wrapped.finish())
+    batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps, seed)
+    step = measure_rank(ctx, wrapped, wrapped, optimizer, batches)
+    return OwnDDPStep(**vars(step), timeline=list(wrapped.timeline))
 
 
 def ddp_steps(ctx, settings: list[dict]) -> list[DDPStep]:
