@@ -49,6 +49,16 @@ def test_labkits_fsdp_for_any_module_trains_exactly_as_fsdp2(two_ranks):
         assert ranks["labkit FSDP"].param_bytes == ranks["FSDP2"].param_bytes
 
 
+def test_labkits_sharded_optimizer_trains_as_zero_redundancy_optimizer_in_equal_slices(two_ranks):
+    """ZeRO-1 over torch's AdamW in flat slices: the same training, and each rank the moments
+    of half the (padded) elements, where torch's greedy split of whole tensors is uneven."""
+    torch.testing.assert_close(losses(two_ranks, "labkit ShardedOptimizer"),
+                               losses(two_ranks, "ZeroRedundancyOptimizer"), **TOL)
+    full = sum(p.numel() for p in tiny_params())
+    for ranks in two_ranks:
+        assert ranks["labkit ShardedOptimizer"].state_bytes == 2 * 4 * math.ceil(full / 2)
+
+
 def test_ranks_see_different_rows(two_ranks):
     """The comparison above would hold trivially if both ranks trained on the same rows."""
     first, second = losses(two_ranks, "FSDP2")

@@ -1,6 +1,6 @@
 """PyTorch's own ZeRO beside labkit's: ZeroRedundancyOptimizer (stage 1) and FSDP2 (stage 3).
 
-Four rank functions train the same model on the same rows with the same AdamW and return each
+Five rank functions train the same model on the same rows with the same AdamW and return each
 rank's ``ShardStep`` (losses, the tracker's peak by category, what the rank holds after);
 ``side_by_side`` runs them all on one cluster:
 
@@ -9,6 +9,8 @@ rank's ``ShardStep`` (losses, the tracker's peak by category, what the rank hold
     labkit_zero_step       labkit's ``ZeroOptimizer``, stage 1, 2 or 3 (``zero_step``)
     labkit_fsdp_step       labkit's ``FullyShardedDataParallel`` (``fully_sharded``), a unit per
                            block, torch's AdamW over its chunks
+    labkit_sharded_optimizer_step  labkit's ``ShardedOptimizer`` (``sharded_optimizer``): stage 1
+                           over torch's AdamW, in flat slices
 
 ZeroRedundancyOptimizer gives each rank whole parameters (a greedy split by size), not a flat
 slice: its ranks hold different optimizer-state bytes. FSDP2 splits every parameter along
@@ -44,6 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 from labkit.core.config import preset
 from labkit.core.units import CATEGORIES, check_choice
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
+from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
 from labkit.parallel.data.zero_step import train_zero
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.training.step import make_optimizer, train_step
@@ -205,6 +208,18 @@ def labkit_fsdp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 3
                      state_bytes=_state_bytes(opt))
 
 
+def labkit_sharded_optimizer_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
+                                  steps: int = 3) -> ShardStep:
+    """labkit's ``ShardedOptimizer`` over torch's AdamW (``ADAMW``): each rank steps a flat
+    slice, the gradients reduce-scattered at the step."""
+    model = _seeded_model(model_name, ctx.device)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, ctx.group, **ADAMW)
+    batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
+    step = measure_rank(ctx, model, model, opt, batches, states=opt.inner)
+    return ShardStep(**vars(step), param_bytes=_held_bytes(model.parameters()),
+                     state_bytes=_state_bytes(opt.inner))
+
+
 def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps: int = 3,
                  stages=(1, 3)) -> dict:
     """Each wrapper in turn on this rank (one cluster start for all): {name: ShardStep}."""
@@ -214,6 +229,8 @@ def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, s
                                            reshard_after_forward=False)}
     for stage in stages:
         out[f"labkit ZeRO-{stage}"] = labkit_zero_step(ctx, stage, model_name, batch, seq, steps)
+    out["labkit ShardedOptimizer"] = labkit_sharded_optimizer_step(ctx, model_name, batch, seq,
+                                                                   steps)
     out["labkit FSDP"] = labkit_fsdp_step(ctx, model_name, batch, seq, steps)
     return out
 
