@@ -53,6 +53,7 @@ class AttentionMemory:
     mask_bytes: int            # the bool mask itself, counted in local_global
     density: float
     block_density: float
+    local_global_forward: int = 0   # the masked step's peak by the end of its forward pass
 
 
 def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
@@ -64,20 +65,22 @@ def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
                for _ in range(3))
     grad = torch.randn(1, heads, T, head_dim, dtype=dtype)
 
-    def peak(make_mask):
+    def peaks(make_mask) -> tuple[int, int]:
+        """(fwd+bwd peak, peak by the end of the forward pass)."""
         with MemoryTracker() as mt:
             mask = make_mask()
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            forward = mt.peak
             out.backward(grad)
             del out, mask
         q.grad = k.grad = v.grad = None
-        return mt.peak
+        return mt.peak, forward
 
     mask = local_global_mask(T, window, n_global)
     causal_pairs = T * (T + 1) // 2
-    return AttentionMemory(T, window, n_global, peak(lambda: None),
-                           peak(lambda: local_global_mask(T, window, n_global)),
-                           mask.nbytes, mask.sum().item() / causal_pairs, block_density(mask))
+    masked, masked_forward = peaks(lambda: local_global_mask(T, window, n_global))
+    return AttentionMemory(T, window, n_global, peaks(lambda: None)[0], masked, mask.nbytes,
+                           mask.sum().item() / causal_pairs, block_density(mask), masked_forward)
 
 
 @dataclass
