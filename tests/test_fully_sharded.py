@@ -117,8 +117,8 @@ def test_bad_compute_dtype_is_named():
 @pytest.mark.slow
 def test_on_labkits_transformer_it_trains_as_fsdp2_holding_no_more():
     """`small` at 128 tokens on 2 ranks: the same losses and the same chunks as FSDP2; its peak is
-    no higher, as it reduce-scatters each weight's gradient as soon as it is made and gathers
-    no block ahead (FSDP2 reduce-scatters a block's gradients together and prefetches)."""
+    no higher: it prefetches nothing, keeps no root gathered from forward to backward, and
+    works in one weight's buffer at a time (FSDP2: whole-block flat buffers, one block ahead)."""
     torchs, ours = cluster.run(targets.blocks_side_by_side, N, "small", 128, timeout_s=180)[0]
     assert ours.losses == torchs.losses
     assert (ours.param_bytes, ours.state_bytes) == (torchs.param_bytes, torchs.state_bytes)

@@ -12,8 +12,11 @@ exists only while a unit computes with it:
    unit's forward ends; autograd keeps a note of each weight it saved instead.
 2. The backward pass all-gathers a unit's weights again when autograd unpacks a note, one
    unit at a time.
-3. Each weight's gradient is reduce-scattered as autograd makes it: summed over the ranks,
-   / N, into the chunk's ``.grad`` in the parameter's dtype.
+3. Each weight's gradient is reduce-scattered when autograd reaches the weight's gather, after
+   the unit's other backward work (the gather is older), one weight at a time: summed over
+   the ranks, / N, into the chunk's ``.grad`` in the parameter's dtype. One collective per
+   weight, none overlapped with compute: FSDP2 sends one per unit, in flat buffers, and
+   overlaps them.
 
 Units come from ``units``: module classes or a predicate (each transformer block, say). What
 no unit holds belongs to the root, gathered for the whole forward. ``replicate`` keeps chosen
