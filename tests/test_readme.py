@@ -50,3 +50,14 @@ def test_each_command_line_runs(line):
                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_allocator_snippet_runs_as_a_script(tmp_path):
+    """Saved alone (its own imports), it replays a fake LLaMA-2-7B step and writes the snapshot."""
+    script = tmp_path / "replay.py"
+    script.write_text(fenced("A step's storages replayed", "python"))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "step.pickle").stat().st_size > 0
