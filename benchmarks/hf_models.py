@@ -27,6 +27,10 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
   CPU runs its math path and keeps the fp32 attention probabilities (4 H T); under autocast
   the routed experts run in fp32 (grouped_mm is not autocast-enabled), with no bf16 weight
   copies; the router keeps an fp32 copy of its input (4h).
+- MoE (Mixtral, Qwen3-MoE; transformers 5.25): labkit's MoE keeps each token's gate-weighted
+  expert outputs (top_k x h in the compute dtype), which transformers sums without keeping:
+  65,536 B/token/layer at Qwen3-30B-A3B's top-8 in fp32, 16% of its layer, so 1.07x its peak
+  at 4 x 4096; 32,768 at Mixtral's top-2, 1.00-1.02x.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ import labkit as lk
 
 import transformers
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, LlamaConfig, MistralConfig,
-                          Qwen2Config)
+                          MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 import transformers.integrations.moe as hf_moe
 
 transformers.logging.set_verbosity_error()
@@ -75,8 +79,31 @@ MODELS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
                          "original_max_position_embeddings": 4096, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # the configs.json of Qwen/Qwen3-8B, microsoft/Phi-3-mini-4k-instruct,
+    # mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B
+    "qwen3-8b": lambda: Qwen3Config(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
+    "phi-3-mini": lambda: Phi3Config(
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "mixtral-8x7b": lambda: MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-5, sliding_window=None),
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
 }
-DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b")
+DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed")
 IMPLS = ("for-loop", "foreach")
 SHAPES = [(b, t) for b in (1, 4, 8) for t in (512, 4096)]
