@@ -104,7 +104,7 @@ MODELS = {
         tie_word_embeddings=False),
 }
 DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini")
-PRECISIONS = ("fp32", "bf16", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")
 IMPLS = ("for-loop", "foreach")
 SHAPES = [(b, t) for b in (1, 4, 8) for t in (512, 4096)]
 QUICK = [("for-loop", 1, 512), ("foreach", 4, 4096)]
