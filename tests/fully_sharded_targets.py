@@ -31,15 +31,17 @@ class Sharded:
     grad_shapes: dict
     notes: int = 0
     whole_after_forward: int = 0      # whole weights gathered in the forward still alive after it
+    sent: dict | None = None          # labkit's: bytes sent in the last step, by collective
 
 
 def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, units=(nn.Linear,),
           compute_dtype=None, replicate_biases=False, dtype=torch.float64, accumulate=1,
-          fail_once=False) -> Sharded:
+          fail_once=False, no_sync=False) -> Sharded:
     """``steps`` steps of ``model_name`` on this rank's rows under ``wrapper`` ("labkit":
     FullyShardedDataParallel; "torch": FSDP2, ``fully_shard`` on each of ``units``, then the
-    root); ``accumulate`` micro-batches per step; ``fail_once``: a forward on rows of the wrong
-    width raises (and is caught) before the second step."""
+    root); ``accumulate`` micro-batches per step, all but the last without reducing gradients
+    if ``no_sync``; ``fail_once``: a forward on rows of the wrong width raises (and is caught)
+    before the second step."""
     torch.manual_seed(0)
     net = MODELS[model_name]().to(dtype)
     if wrapper == "labkit":
@@ -59,13 +61,19 @@ def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, u
         if fail_once and step == 1:
             with contextlib.suppress(RuntimeError):
                 model(torch.zeros(2, 3, dtype=dtype))          # 3 features, not 8: raises
+        if wrapper == "labkit":
+            model.sent.clear()
         for micro in range(accumulate):
             inputs, targets = rows(model_name, step * accumulate + micro, ctx.rank, dtype)
+            hold = no_sync and micro < accumulate - 1
+            if wrapper == "torch":
+                model.set_requires_gradient_sync(not hold)
             with _watch_gathers() as gathered:
                 loss = loss_of(model_name, model, inputs, targets, step, ctx.rank) / accumulate
             if wrapper == "labkit":
                 notes, alive = model.notes, sum(ref() is not None for ref in gathered)
-            loss.float().backward()
+            with model.no_sync() if hold and wrapper == "labkit" else contextlib.nullcontext():
+                loss.float().backward()
         grad_shapes = {n: tuple(p.grad.shape) for n, p in model.named_parameters()
                        if p.grad is not None}
         opt.step()
@@ -78,7 +86,8 @@ def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, u
     else:
         final = {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
         kept = sum(p.to_local().numel() for p in net.parameters())
-    return Sharded(losses, final, kept, grad_shapes, notes, alive)
+    sent = dict(model.sent) if wrapper == "labkit" else None
+    return Sharded(losses, final, kept, grad_shapes, notes, alive, sent)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,8 @@ SETTINGS = {
                                      **BF16) for w in ("labkit", "torch")},
     **{(w, "accumulate"): dict(model_name="mlp", wrapper=w, accumulate=2)
        for w in ("labkit", "torch")},
+    **{(w, "no_sync"): dict(model_name="mlp", wrapper=w, accumulate=2, no_sync=True)
+       for w in ("labkit", "torch")},
     ("labkit", "after a failure"): dict(model_name="mlp", fail_once=True),
     ("labkit", "tied"): dict(model_name="tied"),
     ("labkit", "replicated"): dict(model_name="mlp", replicate_biases=True),
@@ -52,7 +54,8 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
-@pytest.mark.parametrize("case", ["mlp", "frozen", "bf16", "bf16 replicated", "accumulate"])
+@pytest.mark.parametrize("case", ["mlp", "frozen", "bf16", "bf16 replicated", "accumulate",
+                                  "no_sync"])
 def test_trains_exactly_as_torch_fsdp2(ranks, case):
     """bf16 replicated: labkit keeps the biases whole and casts them for each use; FSDP2 shards
     and gathers them in bf16; the same sums either way (two addends, / 2)."""
@@ -111,6 +114,14 @@ def test_bad_units_are_named(units, match):
 def test_bad_compute_dtype_is_named():
     with pytest.raises(ValueError, match="floating torch.dtype"):
         FullyShardedDataParallel(nn.Linear(2, 2), compute_dtype=torch.int8)
+
+
+def test_no_sync_reduce_scatters_once_per_step_instead_of_per_micro_batch(ranks):
+    """Two micro-batches: every weight gathered twice a step either way; its gradient
+    reduce-scattered twice, or once under no_sync (FSDP2's set_requires_gradient_sync)."""
+    each, once = ranks["labkit", "accumulate"][0].sent, ranks["labkit", "no_sync"][0].sent
+    assert each["all_gather"] == once["all_gather"] > 0
+    assert each["reduce_scatter"] == 2 * once["reduce_scatter"] == 2 * (484 // N) * 8
 
 
 # ---- labkit's transformer, a unit per block ------------------------------------------------------

@@ -220,6 +220,44 @@ def labkit_sharded_optimizer_step(ctx, model_name: str = "tiny", batch: int = 1,
                      state_bytes=_state_bytes(opt.inner))
 
 
+def fsdp_accumulation_step(ctx, model_name: str = "small", seq: int = 64, micro_batches: int = 4,
+                           hold: bool = False, steps: int = 2) -> RankStep:
+    """labkit's ``FullyShardedDataParallel`` (a unit per block) over ``micro_batches`` rows of
+    one sequence per step: each micro-batch's gradients reduce-scattered, or (``hold``) summed
+    whole under ``no_sync`` and reduce-scattered once. The last step's peak and bytes sent."""
+    model = _seeded_model(model_name, ctx.device)
+    sharded = FullyShardedDataParallel(model, ctx.group, units=(Block,))
+    opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
+    losses = []
+    with MemoryTracker(sharded, opt, timeline=False) as mt:
+        for i, tokens in enumerate(rank_tokens(ctx, model.cfg.vocab_size, micro_batches, seq,
+                                               steps)):              # (micro_batches, seq + 1)
+            if i == steps - 1:
+                mt.tag_states()
+                mt.reset_peak()
+                sharded.sent.clear()
+            for j, row in enumerate(tokens.split(1)):                 # (1, seq + 1)
+                keep = hold and j < micro_batches - 1
+                with sharded.no_sync() if keep else contextlib.nullcontext():
+                    with mt.phase("forward"):
+                        loss = sharded(row[:, :-1], row[:, 1:]) / micro_batches
+                    with mt.phase("backward"):
+                        loss.backward()
+                losses.append(loss.item())
+            with mt.phase("optimizer"):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    return RankStep(ctx.rank, losses, mt.peak, dict(mt.peak_by_category), mt.peak_phase,
+                    dict(sharded.sent))
+
+
+def fsdp_accumulation(ctx, model_name: str = "small", seq: int = 64,
+                      micro_batches: int = 4) -> dict:
+    """``fsdp_accumulation_step`` both ways on this rank: {"each micro-batch": ..., "no_sync": ...}."""
+    return {name: fsdp_accumulation_step(ctx, model_name, seq, micro_batches, hold)
+            for name, hold in (("each micro-batch", False), ("no_sync", True))}
+
+
 def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps: int = 3,
                  stages=(1, 3)) -> dict:
     """Each wrapper in turn on this rank (one cluster start for all): {name: ShardStep}."""

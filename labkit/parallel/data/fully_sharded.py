@@ -40,6 +40,8 @@ What it asks of the model, as FSDP2 does of its units:
 """
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -53,11 +55,21 @@ from labkit.parallel.data.data_parallel import broadcast_from_rank0
 __all__ = ["FullyShardedDataParallel"]
 
 
-class _Sharded:
-    """One parameter as this rank keeps it: ``shard``, its chunk of dim 0 (rows / N, ...)."""
+class _Comms:
+    """What the wrapper's parameters share: whether gradients are reduced now (``no_sync``),
+    and the bytes this rank sent, by collective."""
 
-    def __init__(self, name: str, param: nn.Parameter, group, compute_dtype):
-        self.name, self.shape, self.group = name, param.shape, group
+    def __init__(self):
+        self.sync, self.sent = True, Counter()
+
+
+class _Sharded:
+    """One parameter as this rank keeps it: ``shard``, its chunk of dim 0 (rows / N, ...), and
+    under ``no_sync`` its whole gradient summed so far (``unsynced``)."""
+
+    def __init__(self, name: str, param: nn.Parameter, group, compute_dtype, comms: _Comms):
+        self.name, self.shape, self.group, self.comms = name, param.shape, group, comms
+        self.unsynced: torch.Tensor | None = None
         self.world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.compute_dtype = compute_dtype
         rows = -(-param.shape[0] // self.world)                      # rows per rank, rounded up
@@ -73,6 +85,7 @@ class _Sharded:
         mine = self.shard.detach().to(dtype or self.compute_dtype or self.shard.dtype)
         flat = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
         dist.all_gather_single(flat, mine.contiguous().view(-1), group=self.group)
+        self.comms.sent["all_gather"] += (self.world - 1) * mine.nbytes
         return flat[:self.shape.numel()].view(self.shape)              # (N * rows, ...) -> shape
 
     def scatter(self, grad: torch.Tensor) -> torch.Tensor:
@@ -83,7 +96,21 @@ class _Sharded:
         flat[:grad.numel()] = grad.reshape(-1)
         mine = torch.empty(self.shard.numel(), dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_single(mine, flat, group=self.group)
+        self.comms.sent["reduce_scatter"] += (self.world - 1) * mine.nbytes
         return mine.div_(self.world).view_as(self.shard)
+
+    def reduce(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The chunk's gradient: ``grad`` (and what ``no_sync`` held) reduce-scattered; under
+        ``no_sync``, None - the whole gradient is summed locally, in the parameter's dtype."""
+        if self.unsynced is not None:
+            grad = self.unsynced.add_(grad)
+        elif not self.comms.sync:
+            grad = grad.to(self.shard.dtype, copy=True)
+        if not self.comms.sync:
+            self.unsynced = grad
+            return None
+        self.unsynced = None
+        return self.scatter(grad)
 
 
 class _Gather(torch.autograd.Function):
@@ -96,7 +123,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.sharded.scatter(grad), None
+        return ctx.sharded.reduce(grad), None
 
 
 class _Unit:
@@ -152,6 +179,7 @@ class FullyShardedDataParallel(nn.Module):
                              f"FSDP's param_dtype) or None, got {compute_dtype!r}")
         is_unit = _unit_predicate(units)
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
+        self._comms = _Comms()
         self.world = dist.get_world_size(group)
         broadcast_from_rank0(module, group)
         self._by_param: dict[nn.Parameter, _Sharded] = {}     # the original parameter -> it
@@ -180,7 +208,7 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             if param not in self._by_param:
                 sharded = _Sharded(name, param, self.group, self.compute_dtype
-                                   if param.is_floating_point() else None)
+                                   if param.is_floating_point() else None, self._comms)
                 self._by_param[param] = self._by_shard[sharded.shard] = sharded
                 sharded.unit = unit
             sharded = self._by_param[param]
@@ -202,8 +230,27 @@ class FullyShardedDataParallel(nn.Module):
             param.register_post_accumulate_grad_hook(self._average)
 
     def _average(self, param: nn.Parameter):
-        dist.all_reduce(param.grad, group=self.group)
-        param.grad.div_(self.world)
+        if self._comms.sync:          # under no_sync, .grad sums this rank's micro-batches
+            dist.all_reduce(param.grad, group=self.group)
+            self._comms.sent["all_reduce"] += 2 * (self.world - 1) * param.grad.nbytes // self.world
+            param.grad.div_(self.world)
+
+    # ---- gradient accumulation -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep each weight's whole gradient, summed, and reduce nothing;
+        the first backward after reduce-scatters the sum (FSDP2's
+        ``set_requires_gradient_sync(False)``): fewer bytes sent, Ψ more held per rank."""
+        self._comms.sync = False
+        try:
+            yield
+        finally:
+            self._comms.sync = True
+
+    @property
+    def sent(self) -> Counter:
+        """Bytes this rank sent since it was cleared, by collective (a ring's (N - 1) / N)."""
+        return self._comms.sent
 
     # ---- forward: gather a unit, drop it after --------------------------------------------------
     def _cast(self, args, kwargs):
