@@ -155,23 +155,26 @@ def train_all(ctx, settings: list[dict]) -> list[Trained]:
 
 
 def one_process(model_name="mlp", optimizer="sgd", steps=3, world_size=2,
-                dtype=torch.float64) -> Trained:
-    """The same training in one process on all ranks' rows of each step, concatenated in rank
-    order: what data parallelism must equal (the mean of equal-sized rows' losses)."""
+                dtype=torch.float64, accumulate=1) -> Trained:
+    """The same training in one process on all ranks' rows of each step (``accumulate``
+    micro-batches of them), concatenated in rank order: what data parallelism must equal (the
+    mean of equal-sized rows' losses)."""
     torch.manual_seed(0)
     net = MODELS[model_name]().to(dtype)
     initial = _weights(net)
     opt = make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
     losses = []
     for step in range(steps):
-        parts = [rows(model_name, step, r, dtype) for r in range(world_size)]
-        inputs = torch.cat([x for x, _ in parts])              # (N * rows, ...)
-        targets = torch.cat([y for _, y in parts])
-        loss = loss_of(model_name, net, inputs, targets, step, 0)
-        loss.backward()
+        for micro in range(accumulate):
+            parts = [rows(model_name, step * accumulate + micro, r, dtype)
+                     for r in range(world_size)]
+            inputs = torch.cat([x for x, _ in parts])              # (N * rows, ...)
+            targets = torch.cat([y for _, y in parts])
+            loss = loss_of(model_name, net, inputs, targets, step, 0) / accumulate
+            loss.backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
     return Trained(losses, initial, initial, _weights(net))
 
 

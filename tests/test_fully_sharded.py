@@ -31,8 +31,11 @@ SETTINGS = {
        for w in ("labkit", "torch")},
     **{(w, "no_sync"): dict(model_name="mlp", wrapper=w, accumulate=2, no_sync=True)
        for w in ("labkit", "torch")},
+    **{(w, "bf16 no_sync"): dict(model_name="mlp", wrapper=w, accumulate=3, no_sync=True, **BF16)
+       for w in ("labkit", "torch")},
     ("labkit", "after a failure"): dict(model_name="mlp", fail_once=True),
     ("labkit", "tied"): dict(model_name="tied"),
+    ("labkit", "tied no_sync"): dict(model_name="tied", accumulate=2, no_sync=True),
     ("labkit", "replicated"): dict(model_name="mlp", replicate_biases=True),
     ("labkit", "root only"): dict(model_name="mlp", units=None),
 }
@@ -55,10 +58,12 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("case", ["mlp", "frozen", "bf16", "bf16 replicated", "accumulate",
-                                  "no_sync"])
+                                  "no_sync", "bf16 no_sync"])
 def test_trains_exactly_as_torch_fsdp2(ranks, case):
     """bf16 replicated: labkit keeps the biases whole and casts them for each use; FSDP2 shards
-    and gathers them in bf16; the same sums either way (two addends, / 2)."""
+    and gathers them in bf16; the same sums either way (two addends, / 2). no_sync: against
+    set_requires_gradient_sync(False) with reduce_dtype the parameters' (bf16 no_sync: fp32 sums
+    of three bf16 micro-batch gradients)."""
     for ours, torchs in zip(ranks["labkit", case], ranks["torch", case]):
         assert ours.losses == torchs.losses
         assert max_diff(ours.final, torchs.final) == 0
@@ -114,6 +119,14 @@ def test_bad_units_are_named(units, match):
 def test_bad_compute_dtype_is_named():
     with pytest.raises(ValueError, match="floating torch.dtype"):
         FullyShardedDataParallel(nn.Linear(2, 2), compute_dtype=torch.int8)
+
+
+def test_a_tied_weight_under_no_sync_trains_as_one_process_on_all_micro_batches(ranks):
+    """Embedding and head share a weight across units: both gathers' gradients are held and
+    summed, then reduce-scattered once. One process on both ranks' rows of both micro-batches."""
+    a, b = ranks["labkit", "tied no_sync"]
+    one = dp_targets.one_process("tied", "adamw", world_size=N, accumulate=2)
+    assert max_diff(a.final, one.final) < CLOSE["atol"] and max_diff(b.final, a.final) == 0
 
 
 def test_no_sync_reduce_scatters_once_per_step_instead_of_per_micro_batch(ranks):

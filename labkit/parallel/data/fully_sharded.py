@@ -238,14 +238,24 @@ class FullyShardedDataParallel(nn.Module):
     # ---- gradient accumulation -----------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside keep each weight's whole gradient, summed, and reduce nothing;
-        the first backward after reduce-scatters the sum (FSDP2's
-        ``set_requires_gradient_sync(False)``): fewer bytes sent, Ψ more held per rank."""
+        """Backward passes inside keep each weight's whole gradient, summed in the parameter's
+        dtype, and reduce nothing; the next backward outside reduce-scatters the sum (FSDP2's
+        ``set_requires_gradient_sync(False)``, which sums in ``param_dtype`` unless a
+        ``reduce_dtype`` is set): fewer bytes sent, Ψ (1 - 1/N) more elements held per rank.
+
+        The flag is read when backward runs (DDP reads it in the forward). A held sum waits for
+        its weight's next synced backward: ``zero_grad`` does not clear it (``drop_unsynced``
+        does), and a weight unused in the last micro-batch carries it into a later step."""
         self._comms.sync = False
         try:
             yield
         finally:
             self._comms.sync = True
+
+    def drop_unsynced(self):
+        """Forget the gradients ``no_sync`` holds (a skipped step)."""
+        for sharded in self._by_shard.values():
+            sharded.unsynced = None
 
     @property
     def sent(self) -> Counter:
