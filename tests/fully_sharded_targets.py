@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import weakref
 
@@ -36,20 +37,28 @@ class Sharded:
 
 def train(ctx, model_name="mlp", wrapper="labkit", optimizer="adamw", steps=3, units=(nn.Linear,),
           compute_dtype=None, replicate_biases=False, dtype=torch.float64, accumulate=1,
-          fail_once=False, no_sync=False) -> Sharded:
+          fail_once=False, no_sync=False, hsdp=False) -> Sharded:
     """``steps`` steps of ``model_name`` on this rank's rows under ``wrapper`` ("labkit":
     FullyShardedDataParallel; "torch": FSDP2, ``fully_shard`` on each of ``units``, then the
     root); ``accumulate`` micro-batches per step, all but the last without reducing gradients
     if ``no_sync``; ``fail_once``: a forward on rows of the wrong width raises (and is caught)
-    before the second step."""
+    before the second step. ``hsdp`` (4 ranks as 2 x 2): shard over ranks {0, 1} and {2, 3},
+    replicate over {0, 2} and {1, 3}."""
     torch.manual_seed(0)
     net = MODELS[model_name]().to(dtype)
+    group, replicas = ctx.group, None
+    if hsdp:               # every rank makes every group, in the same order
+        shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        copies = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, replicas = shards[ctx.rank // 2], copies[ctx.rank % 2]
     if wrapper == "labkit":
         replicate = (lambda name, p: name.endswith("bias")) if replicate_biases else None
-        model = FullyShardedDataParallel(net, ctx.group, units=units, replicate=replicate,
-                                         compute_dtype=compute_dtype)
+        model = FullyShardedDataParallel(net, group, units=units, replicate=replicate,
+                                         compute_dtype=compute_dtype, replica_group=replicas)
     else:
-        mesh = DeviceMesh.from_group(ctx.group, "cpu")
+        mesh = (DeviceMesh.from_group([replicas, group], "cpu", mesh=torch.arange(4).view(2, 2),
+                                      mesh_dim_names=("replicate", "shard")) if hsdp
+                else DeviceMesh.from_group(ctx.group, "cpu"))
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtype)
         for module in net.modules():
             if module is not net and isinstance(module, units):

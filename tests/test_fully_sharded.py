@@ -161,3 +161,17 @@ def test_four_ranks_train_as_torch_fsdp2_and_one_process():
     assert max_diff(ours.final, one.final) < CLOSE["atol"]
     assert ours.kept_numel == torchs.kept_numel
     assert all(r[0].whole_after_forward == 0 for r in per_rank)
+
+
+@pytest.mark.slow
+def test_hsdp_on_2_x_2_ranks_trains_exactly_as_fsdp2_on_a_2d_mesh():
+    """Shard inside {0, 1} and {2, 3}, replicate across: each rank keeps half of every weight,
+    its chunk's gradient reduce-scattered in its pair and all-reduced with its counterpart; FSDP2
+    with a (replicate, shard) mesh does the same sums (two addends each)."""
+    runs = [dict(model_name="mlp", wrapper=w, hsdp=True) for w in ("labkit", "torch")]
+    per_rank = cluster.run(targets.train_all, 4, runs, timeout_s=120)
+    one = dp_targets.one_process("mlp", "adamw", world_size=4)
+    for ours, torchs in per_rank:
+        assert ours.losses == torchs.losses and max_diff(ours.final, torchs.final) == 0
+        assert ours.kept_numel == 484 // 2 and ours.sent["all_reduce"] > 0
+    assert max_diff(per_rank[0][0].final, one.final) < CLOSE["atol"]

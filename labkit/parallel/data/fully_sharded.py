@@ -23,6 +23,8 @@ no unit holds belongs to the root, gathered for the whole forward. ``replicate``
 parameters whole on every rank (small ones: norms), their gradients all-reduced. A weight two
 units share (tied embeddings) is gathered by each and its two gradients summed; FSDP2 asks
 for both users in one unit instead. ``full_state_dict()`` gathers every weight by its name.
+``replica_group`` makes it HSDP: shard inside ``group`` (a node), replicate across the groups,
+each chunk's gradient all-reduced over the replicas after its reduce-scatter.
 
 Notes come from ``torch.autograd.graph.saved_tensors_hooks``: an op's saved weight (or a view
 of it) is packed as (parameter, size, stride, offset) and gathered again when unpacked; the
@@ -57,10 +59,17 @@ __all__ = ["FullyShardedDataParallel"]
 
 class _Comms:
     """What the wrapper's parameters share: whether gradients are reduced now (``no_sync``),
-    and the bytes this rank sent, by collective."""
+    the replicas' group (HSDP) and the bytes this rank sent, by collective."""
 
-    def __init__(self):
-        self.sync, self.sent = True, Counter()
+    def __init__(self, replicas=None):
+        self.sync, self.sent, self.replicas = True, Counter(), replicas
+        self.replica_count = dist.get_world_size(replicas) if replicas is not None else 1
+
+    def across_replicas(self, t: torch.Tensor):
+        """Sum ``t`` over the replicas (HSDP: the ranks that hold the same shards), in place."""
+        if self.replicas is not None:
+            dist.all_reduce(t, group=self.replicas)
+            self.sent["all_reduce"] += 2 * (self.replica_count - 1) * t.nbytes // self.replica_count
 
 
 class _Sharded:
@@ -97,7 +106,8 @@ class _Sharded:
         mine = torch.empty(self.shard.numel(), dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_single(mine, flat, group=self.group)
         self.comms.sent["reduce_scatter"] += (self.world - 1) * mine.nbytes
-        return mine.div_(self.world).view_as(self.shard)
+        self.comms.across_replicas(mine)
+        return mine.div_(self.world * self.comms.replica_count).view_as(self.shard)
 
     def reduce(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The chunk's gradient: ``grad`` (and what ``no_sync`` held) reduce-scattered; under
@@ -162,7 +172,9 @@ class FullyShardedDataParallel(nn.Module):
 
     At wrap every rank takes rank 0's parameters and buffers and keeps its chunk of each (a
     ``replicate(name, param)`` parameter: whole). Step any torch optimizer over
-    ``model.parameters()``; after ``backward()`` every ``.grad`` holds the mean over the ranks::
+    ``model.parameters()``; after ``backward()`` every ``.grad`` holds the mean over the ranks.
+    HSDP: ``group`` shards (a node's GPUs, say) and ``replica_group`` holds this rank's
+    counterparts in the other replicas, over which each reduce-scattered chunk is all-reduced::
 
         model = FullyShardedDataParallel(net, ctx.group, units=(Block,),
                                          compute_dtype=torch.bfloat16)
@@ -171,7 +183,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, group=None, *, units=None,
                  replicate: Callable[[str, nn.Parameter], bool] | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, replica_group=None):
         super().__init__()
         if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
                                               and compute_dtype.is_floating_point):
@@ -179,9 +191,11 @@ class FullyShardedDataParallel(nn.Module):
                              f"FSDP's param_dtype) or None, got {compute_dtype!r}")
         is_unit = _unit_predicate(units)
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
-        self._comms = _Comms()
+        self._comms = _Comms(replica_group)
         self.world = dist.get_world_size(group)
         broadcast_from_rank0(module, group)
+        if replica_group is not None:
+            broadcast_from_rank0(module, replica_group)
         self._by_param: dict[nn.Parameter, _Sharded] = {}     # the original parameter -> it
         self._by_shard: dict[nn.Parameter, _Sharded] = {}
         self._live: dict[int, _Sharded] = {}                  # storage -> gathered weight's
@@ -233,7 +247,8 @@ class FullyShardedDataParallel(nn.Module):
         if self._comms.sync:          # under no_sync, .grad sums this rank's micro-batches
             dist.all_reduce(param.grad, group=self.group)
             self._comms.sent["all_reduce"] += 2 * (self.world - 1) * param.grad.nbytes // self.world
-            param.grad.div_(self.world)
+            self._comms.across_replicas(param.grad)
+            param.grad.div_(self.world * self._comms.replica_count)
 
     # ---- gradient accumulation -----------------------------------------------------------------
     @contextlib.contextmanager
