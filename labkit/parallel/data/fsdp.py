@@ -195,17 +195,37 @@ def labkit_zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, 
                      state_bytes=_state_bytes(opt.inner))
 
 
+def node_groups(ctx, nodes: int) -> tuple:
+    """(this rank's node, its counterparts in the other nodes): process groups for HSDP over
+    ``nodes`` nodes of world / nodes consecutive ranks. Every rank makes every group."""
+    if nodes < 1 or ctx.world_size % nodes:
+        raise ValueError(f"nodes={nodes} must divide the {ctx.world_size} ranks")
+    per = ctx.world_size // nodes
+    inside = [dist.new_group(list(range(n * per, (n + 1) * per))) for n in range(nodes)]
+    across = [dist.new_group(list(range(i, ctx.world_size, per))) for i in range(per)]
+    return inside[ctx.rank // per], across[ctx.rank % per]
+
+
 def labkit_fsdp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
-                     steps: int = 3) -> ShardStep:
+                     steps: int = 3, nodes: int = 1) -> ShardStep:
     """labkit's ``FullyShardedDataParallel`` with each block a unit, stepped by torch's AdamW
-    over its chunks (``ADAMW``), with what the rank holds after the steps."""
+    over its chunks (``ADAMW``), with what the rank holds after the steps and the bytes it
+    sent per step. ``nodes`` > 1: HSDP, sharded inside each node, replicated across."""
     model = _seeded_model(model_name, ctx.device)
-    sharded = FullyShardedDataParallel(model, ctx.group, units=(Block,))
+    group, replicas = node_groups(ctx, nodes) if nodes > 1 else (ctx.group, None)
+    sharded = FullyShardedDataParallel(model, group, units=(Block,), replica_group=replicas)
     opt = torch.optim.AdamW(sharded.parameters(), **ADAMW)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
     step = measure_rank(ctx, sharded, sharded, opt, batches)
+    step.sent = {kind: sent // steps for kind, sent in sharded.sent.items()}   # steps are alike
     return ShardStep(**vars(step), param_bytes=_held_bytes(sharded.parameters()),
                      state_bytes=_state_bytes(opt))
+
+
+def fsdp_and_hsdp(ctx, model_name: str = "small", seq: int = 64) -> dict:
+    """labkit's FSDP over every rank, and HSDP over two nodes: {"FSDP": ..., "HSDP": ...}."""
+    return {"FSDP": labkit_fsdp_step(ctx, model_name, 1, seq),
+            "HSDP": labkit_fsdp_step(ctx, model_name, 1, seq, nodes=2)}
 
 
 def labkit_sharded_optimizer_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
