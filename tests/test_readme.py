@@ -61,3 +61,15 @@ def test_the_allocator_snippet_runs_as_a_script(tmp_path):
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "step.pickle").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_own_module_snippet_runs_its_own_function_on_two_ranks(tmp_path):
+    """A script's own training function, its model not labkit's, under labkit's FSDP on 2 ranks."""
+    script = tmp_path / "my_fsdp.py"
+    script.write_text(fenced("labkit's mechanisms on your own", "python"))
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("holds 1064 of 2128 parameters") == 2
+    assert "saves ['0.weight', '0.bias', '2.weight', '2.bias']" in out.stdout

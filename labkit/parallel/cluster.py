@@ -87,11 +87,16 @@ def crash_demo(ctx: RankContext, bad_rank: int = 1) -> ReduceResult:
 
 # ---- choices made once, in the parent -------------------------------------------------------
 def _check_importable(fn: Callable):
-    """A rank receives ``fn`` by its module and name (pickled): it must be able to import it."""
+    """A rank receives ``fn`` by its module and name (pickled): it must be able to import it.
+    A script's own functions qualify (each rank re-imports the script as multiprocessing's
+    ``__mp_main__``, hence the ``if __name__ == "__main__":`` guard); a notebook's do not."""
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     fix = "define it at the top level of a module (e.g. in labkit) and import it from there"
-    if module in (None, "__main__", "__mp_main__") or "<" in name:
-        raise ValueError(f"{fn!r} cannot be started in another process ({module}.{name}): {fix}")
+    script = module == "__main__" and getattr(sys.modules["__main__"], "__file__", None)
+    if module in (None, "__main__", "__mp_main__") and not script or "<" in name:
+        raise ValueError(f"{fn!r} cannot be started in another process ({module}.{name}): {fix}"
+                         + ("" if module != "__main__" else
+                            " (a script's own top-level functions work, a notebook's do not)"))
     try:
         found = importlib.import_module(module)
         for part in name.split("."):
