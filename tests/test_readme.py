@@ -19,6 +19,16 @@ def fenced(after: str, language: str) -> str:
     return re.search(rf"```{language}\n(.*?)```", rest, re.S).group(1)
 
 
+def run_as_script(after: str, folder: Path) -> str:
+    """The ```python block after ``after``, saved alone in ``folder`` and run: its stdout."""
+    script = folder / "snippet.py"
+    script.write_text(fenced(after, "python"))
+    out = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def command_lines() -> list[str]:
     """The command lines under "or from the command line:", their comments dropped."""
     block = fenced("or from the command line:", "bash")
@@ -34,12 +44,7 @@ def test_the_command_lines_are_written_to_be_pasted():
 @pytest.mark.slow
 def test_the_own_scripts_snippet_runs_as_a_script(tmp_path):
     pytest.importorskip("transformers")
-    script = tmp_path / "my_plan.py"
-    script.write_text(fenced("## labkit from your own scripts", "python"))
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "15706484224" in out.stdout                 # the exact count it promises
+    assert "15706484224" in run_as_script("## labkit from your own scripts", tmp_path)  # exact
 
 
 @pytest.mark.slow
@@ -55,21 +60,13 @@ def test_each_command_line_runs(line):
 @pytest.mark.slow
 def test_the_allocator_snippet_runs_as_a_script(tmp_path):
     """Saved alone (its own imports), it replays a fake LLaMA-2-7B step and writes the snapshot."""
-    script = tmp_path / "replay.py"
-    script.write_text(fenced("A step's storages replayed", "python"))
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_as_script("A step's storages replayed", tmp_path)
     assert (tmp_path / "step.pickle").stat().st_size > 0
 
 
 @pytest.mark.slow
 def test_the_own_module_snippet_runs_its_own_function_on_two_ranks(tmp_path):
     """A script's own training function, its model not labkit's, under labkit's FSDP on 2 ranks."""
-    script = tmp_path / "my_fsdp.py"
-    script.write_text(fenced("labkit's mechanisms on your own", "python"))
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("holds 1064 of 2128 parameters") == 2
-    assert "saves ['0.weight', '0.bias', '2.weight', '2.bias']" in out.stdout
+    out = run_as_script("labkit's mechanisms on your own", tmp_path)
+    assert out.count("holds 1064 of 2128 parameters") == 2
+    assert "saves ['0.weight', '0.bias', '2.weight', '2.bias']" in out

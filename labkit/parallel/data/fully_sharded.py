@@ -52,34 +52,38 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from labkit.parallel.comm import CommCounter
 from labkit.parallel.data.data_parallel import broadcast_from_rank0
 
 __all__ = ["FullyShardedDataParallel"]
 
 
 class _Comms:
-    """What the wrapper's parameters share: whether gradients are reduced now (``no_sync``),
-    the replicas' group (HSDP) and the bytes this rank sent, by collective."""
+    """What the wrapper's parameters share: the shards' group and the replicas' (HSDP), counted
+    by ``CommCounter`` into one tally (``sent``), and whether gradients are reduced now."""
 
-    def __init__(self, replicas=None):
-        self.sync, self.sent, self.replicas = True, Counter(), replicas
-        self.replica_count = dist.get_world_size(replicas) if replicas is not None else 1
+    def __init__(self, group, replicas=None):
+        self.shard = CommCounter(group)
+        self.replicas = CommCounter(replicas) if replicas is not None else None
+        self.replica_count = self.replicas.world if self.replicas else 1
+        if self.replicas:
+            self.replicas.sent = self.shard.sent            # one tally for the wrapper
+        self.sync, self.sent = True, self.shard.sent
 
     def across_replicas(self, t: torch.Tensor):
         """Sum ``t`` over the replicas (HSDP: the ranks that hold the same shards), in place."""
-        if self.replicas is not None:
-            dist.all_reduce(t, group=self.replicas)
-            self.sent["all_reduce"] += 2 * (self.replica_count - 1) * t.nbytes // self.replica_count
+        if self.replicas:
+            self.replicas.all_reduce(t)
 
 
 class _Sharded:
     """One parameter as this rank keeps it: ``shard``, its chunk of dim 0 (rows / N, ...), and
     under ``no_sync`` its whole gradient summed so far (``unsynced``)."""
 
-    def __init__(self, name: str, param: nn.Parameter, group, compute_dtype, comms: _Comms):
-        self.name, self.shape, self.group, self.comms = name, param.shape, group, comms
+    def __init__(self, name: str, param: nn.Parameter, compute_dtype, comms: _Comms):
+        self.name, self.shape, self.comms = name, param.shape, comms
         self.unsynced: torch.Tensor | None = None
-        self.world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, rank = comms.shard.world, comms.shard.rank
         self.compute_dtype = compute_dtype
         rows = -(-param.shape[0] // self.world)                      # rows per rank, rounded up
         chunk = torch.zeros((rows, *param.shape[1:]), dtype=param.dtype, device=param.device)
@@ -93,8 +97,7 @@ class _Sharded:
         (default: the compute dtype, else the parameter's); a collective."""
         mine = self.shard.detach().to(dtype or self.compute_dtype or self.shard.dtype)
         flat = torch.empty(self.world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(flat, mine.contiguous().view(-1), group=self.group)
-        self.comms.sent["all_gather"] += (self.world - 1) * mine.nbytes
+        self.comms.shard.all_gather(flat, mine.contiguous().view(-1))
         return flat[:self.shape.numel()].view(self.shape)              # (N * rows, ...) -> shape
 
     def scatter(self, grad: torch.Tensor) -> torch.Tensor:
@@ -104,8 +107,7 @@ class _Sharded:
                            device=grad.device)                         # (N * rows * ...,)
         flat[:grad.numel()] = grad.reshape(-1)
         mine = torch.empty(self.shard.numel(), dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(mine, flat, group=self.group)
-        self.comms.sent["reduce_scatter"] += (self.world - 1) * mine.nbytes
+        self.comms.shard.reduce_scatter(mine, flat)
         self.comms.across_replicas(mine)
         return mine.div_(self.world * self.comms.replica_count).view_as(self.shard)
 
@@ -191,7 +193,7 @@ class FullyShardedDataParallel(nn.Module):
                              f"FSDP's param_dtype) or None, got {compute_dtype!r}")
         is_unit = _unit_predicate(units)
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
-        self._comms = _Comms(replica_group)
+        self._comms = _Comms(group, replica_group)
         self.world = dist.get_world_size(group)
         broadcast_from_rank0(module, group)
         if replica_group is not None:
@@ -221,7 +223,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit.replicated.append((module, attr, param))
                 continue
             if param not in self._by_param:
-                sharded = _Sharded(name, param, self.group, self.compute_dtype
+                sharded = _Sharded(name, param, self.compute_dtype
                                    if param.is_floating_point() else None, self._comms)
                 self._by_param[param] = self._by_shard[sharded.shard] = sharded
                 sharded.unit = unit
@@ -245,8 +247,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _average(self, param: nn.Parameter):
         if self._comms.sync:          # under no_sync, .grad sums this rank's micro-batches
-            dist.all_reduce(param.grad, group=self.group)
-            self._comms.sent["all_reduce"] += 2 * (self.world - 1) * param.grad.nbytes // self.world
+            self._comms.shard.all_reduce(param.grad)
             self._comms.across_replicas(param.grad)
             param.grad.div_(self.world * self._comms.replica_count)
 
