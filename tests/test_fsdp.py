@@ -9,6 +9,7 @@ import torch.distributed as dist
 import labkit as lk
 from labkit.course.plot import scaling_figure
 from labkit.parallel import cluster
+from labkit.parallel.cluster import RankContext
 from labkit.parallel.data import fsdp
 
 # Same model, rows and AdamW; at N = 2 every sum has two terms, so the order cannot differ:
@@ -177,3 +178,11 @@ def test_fake_group_refuses_a_second_group():
 def test_fake_fsdp2_peak_names_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         fsdp.fake_fsdp2_peak("tiny", 2, **{"seq": 64, **kwargs})
+
+
+@pytest.mark.parametrize("nodes", [0, 3])
+def test_nodes_that_do_not_divide_the_ranks_are_named(nodes):
+    """Checked before any process group is made (so no cluster is needed to see it)."""
+    ctx = RankContext(0, 4, None, torch.device("cpu"))
+    with pytest.raises(ValueError, match=f"nodes={nodes} must divide the 4 ranks"):
+        fsdp.node_groups(ctx, nodes)
