@@ -16,8 +16,8 @@ BYTE_RULES = {"labkit.parallel.data.zero", "labkit.parallel.expert.compose",
 MECHANISMS = ("labkit.transformer", "labkit.training", "labkit.parallel", "labkit.quantisation",
               "labkit.host")
 COURSE = ("labkit.course", "labkit.__main__")
-PACKAGES = {"labkit", "labkit.parallel", "labkit.parallel.data", "labkit.parallel.expert",
-            "labkit.parallel.pipeline", "labkit.parallel.tensor"}  # a docstring, no import
+PACKAGES = {"labkit", "labkit.parallel", "labkit.parallel.context", "labkit.parallel.data",
+            "labkit.parallel.expert", "labkit.parallel.pipeline", "labkit.parallel.tensor"}  # a docstring, no import
 
 
 def under(name: str, prefixes) -> bool:

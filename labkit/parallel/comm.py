@@ -1,13 +1,15 @@
 """A process group and the bytes this rank sent on it: the collectives every parallelism of
-labkit calls (tensor, sequence and expert parallelism, ZeRO's sharded optimizer), counted.
+labkit calls (tensor, sequence, context and expert parallelism, ZeRO's sharded optimizer), counted.
 ``CommCounter`` also fits ``labkit.parallel.data.zero_step``'s calls (the same signatures)."""
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 RELEASE_WAIT_S = 0.1      # how long a collective waits for gloo's worker to let go of its tensors
 
@@ -51,11 +53,46 @@ class CommCounter:
                                                         group=self.group), out, full)
         self.sent["reduce_scatter"] += (self.world - 1) * out.nbytes
 
+    def all_to_all(self, x, send: list[int], recv: list[int], name: str = "all_to_all"):
+        """``all_to_all_single`` with split sizes: the first send[0] rows of x go to rank 0, the
+        next send[1] to rank 1, ...; returns the recv[r] rows from each rank r, in rank order."""
+        out = x.new_empty(sum(recv), *x.shape[1:])                            # (sum(recv), ...)
+        def all_to_all(out, x):
+            dist.all_to_all_single(out, x, recv, send, group=self.group)
+
+        if isinstance(x, FakeTensor):         # a fake group: no worker thread holds the tensors
+            all_to_all(out, x)
+        else:                                 # on until gloo's worker has let go of them
+            self._run(all_to_all, out, x.contiguous())
+        self.sent[name] += (sum(send) - send[self.rank]) * math.prod(x.shape[1:]) * x.itemsize
+        return out
+
+    def exchange(self, x: torch.Tensor, to: int, source: int, name: str, tag: int = 0):
+        """Send ``x`` to rank ``to`` while a tensor like it arrives from ``source`` (ranks in the
+        group), without waiting: ``.wait()`` on the result returns what arrived. A ring passes
+        blocks this way, each rank to the next, while it computes on the block it holds."""
+        if to == source == self.rank:                 # a ring of one: nothing travels
+            return _Pending(self, [], (x, x), [])
+        received = torch.empty_like(x)
+        uses = [_storage_uses(x), _storage_uses(received)]
+        # aliases, as in ``_run``: gloo's worker holding them shows in the storages' use counts
+        works = [dist.isend(x.view_as(x), group=self.group, group_dst=to, tag=tag),
+                 dist.irecv(received.view_as(received), group=self.group, group_src=source,
+                            tag=tag)]
+        self.sent[name] += x.nbytes
+        return _Pending(self, works, (x, received), uses)
+
     def _run(self, collective, *tensors):
         """``collective`` on aliases of ``tensors``; then, on the CPU (gloo), wait until its
         worker thread has dropped them: no more tensors on their storages than before."""
         uses = [_storage_uses(t) for t in tensors]
         collective(*(t.view_as(t) for t in tensors))
+        self._released(tensors, uses)
+
+    @staticmethod
+    def _released(tensors, uses):
+        """On the CPU (gloo), wait until no more tensors share ``tensors``' storages than
+        ``uses``: the worker thread has let go of them."""
         if tensors[0].device.type != "cpu":
             return
         deadline = time.monotonic() + RELEASE_WAIT_S
@@ -69,6 +106,35 @@ class CommCounter:
 
     def reset(self):
         self.sent.clear()
+
+
+class _Pending:
+    """A point-to-point exchange in flight: ``wait()`` returns the tensor received."""
+
+    def __init__(self, comm: CommCounter, works, tensors, uses):
+        self.comm, self.works, self.tensors, self.uses = comm, works, tensors, uses
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.comm._released(self.tensors, self.uses)
+        received = self.tensors[1]
+        self.tensors = ()
+        return received
+
+
+class AllToAll(torch.autograd.Function):
+    """``CommCounter.all_to_all`` in the forward pass; the gradients travel back reversed."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, comm, name):
+        ctx.route = (send, recv, comm, name)
+        return comm.all_to_all(x, send, recv, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, comm, name = ctx.route
+        return comm.all_to_all(grad, recv, send, f"{name} (backward)"), None, None, None, None
 
 
 def _storage_uses(t: torch.Tensor) -> int:

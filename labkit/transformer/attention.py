@@ -101,18 +101,106 @@ def _query_block(q, start: int, end: int, groups: int, dtype):
     return block.reshape(B, H // groups, groups * (end - start), d)
 
 
-def _future(start: int, end: int, k_start: int, k_end: int, groups: int, device):
-    """(groups * rows, cols) bool: True where query row i would see a key past i (causal mask,
-    top-left aligned)."""
-    rows = torch.arange(start, end, device=device).repeat(groups)              # (groups * rows,)
-    cols = torch.arange(k_start, k_end, device=device)                         # (cols,)
-    return rows[:, None] < cols[None, :]
-
-
 def _ungroup(x, groups: int):
     """(B, Hkv, groups * rows, w) -> (B, H, rows, w): back to one row block per query head."""
     B, Hkv, n, w = x.shape
     return x.reshape(B, Hkv * groups, n // groups, w)
+
+
+class Positions:
+    """Where each query and key sits in the sequence, for the causal mask: query i sees key j
+    when k_pos[j] <= q_pos[i]. Both ascending. ``None``: no mask (every key seen)."""
+
+    def __init__(self, q_pos, k_pos):
+        self.q, self.k = q_pos, k_pos                               # (T_q,), (T_k,) int64
+        self._q, self._k = q_pos.tolist(), k_pos.tolist()            # for the tile tests
+
+    @classmethod
+    def top_left(cls, Tq: int, Tk: int, device):
+        """Query i sees keys 0..i, as SDPA's ``is_causal``."""
+        return cls(torch.arange(Tq, device=device), torch.arange(Tk, device=device))
+
+    def skips(self, i: int, i_end: int, j: int) -> bool:
+        """True if no query of rows i..i_end sees the first key of tile j (nor any after it)."""
+        return self._k[j] > self._q[i_end - 1]
+
+    def future(self, i: int, i_end: int, j: int, j_end: int, groups: int):
+        """(groups * rows, cols) bool, True where a query would see a key past it; None if no
+        query of the tile does."""
+        if self._k[j_end - 1] <= self._q[i]:
+            return None
+        rows = self.q[i:i_end].repeat(groups)                                  # (groups * rows,)
+        return rows[:, None] < self.k[None, j:j_end]
+
+
+def attend_blocks(q, k, v, out, lse, positions, block: int):
+    """FlashAttention-2's forward loop: ``out`` (B, T_q, H, dv) and ``lse`` (B, H, T_q) written
+    in place, q (B, H, T_q, d) against k, v (B, Hkv, T_k, d | dv), ``block`` rows and columns
+    at a time, in ``lse``'s dtype. A row that sees no key gets 0 and a log-sum-exp of -inf."""
+    B, H, Tq, _ = q.shape
+    Tk, dv, work = k.shape[2], v.shape[-1], lse.dtype
+    g, scale = H // k.shape[1], q.shape[-1] ** -0.5
+    with torch.autocast(q.device.type, enabled=False):         # the blocks compute in `work`
+        for i in range(0, Tq, block):
+            i_end = min(i + block, Tq)
+            qi = _query_block(q, i, i_end, g, work) * scale                # (B, Hkv, g*rows, d)
+            row_max = qi.new_full(qi.shape[:-1], float("-inf"))            # (B, Hkv, g*rows)
+            row_sum = qi.new_zeros(qi.shape[:-1])                          # (B, Hkv, g*rows)
+            acc = qi.new_zeros(*qi.shape[:-1], dv)                         # (B, Hkv, g*rows, dv)
+            for j in range(0, Tk, block):
+                if positions is not None and positions.skips(i, i_end, j):
+                    break                                    # causal: no key past the last row
+                j_end = min(j + block, Tk)
+                kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
+                vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
+                s = qi @ kj.transpose(-2, -1)                              # (B, Hkv, g*rows, cols)
+                future = positions and positions.future(i, i_end, j, j_end, g)
+                if future is not None:                                     # a diagonal block
+                    s.masked_fill_(future, float("-inf"))
+                new_max = torch.maximum(row_max, s.amax(dim=-1))
+                shift = new_max.masked_fill(new_max == float("-inf"), 0)  # rows seeing no key yet
+                p = torch.exp(s - shift[..., None])                        # (B, Hkv, g*rows, cols)
+                rescale = torch.exp(row_max - shift)          # what the old sums were counted in
+                row_sum = row_sum * rescale + p.sum(dim=-1)
+                acc = acc * rescale[..., None] + p @ vj
+                row_max = new_max
+            o = _ungroup(acc / row_sum.masked_fill(row_sum == 0, 1)[..., None], g)  # (B, H, rows, dv)
+            out[:, i:i_end] = o.transpose(1, 2)
+            lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
+
+
+def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int):
+    """FlashAttention-2's backward loop: (dq, dk, dv) in ``lse``'s dtype, the probabilities
+    recomputed block by block from q, k and the rows' log-sum-exp ``lse`` (B, H, T_q);
+    ``delta`` (B, H, T_q) is rowsum(dO * O). All four (B, H | Hkv, T, d) as in the forward."""
+    B, H, Tq, _ = q.shape
+    Tk, g, scale, work = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5, lse.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)                  # (B, H, T_q, d)
+        dk = torch.zeros(k.shape, dtype=work, device=k.device)                # (B, Hkv, T_k, d)
+        dv = torch.zeros(v.shape, dtype=work, device=v.device)               # (B, Hkv, T_k, dv)
+        for j in range(0, Tk, block):                    # each key block once, as in the paper
+            j_end = min(j + block, Tk)
+            kj = k[:, :, j:j_end].to(work)                                 # (B, Hkv, cols, d)
+            vj = v[:, :, j:j_end].to(work)                                 # (B, Hkv, cols, dv)
+            for i in range(0, Tq, block):
+                i_end = min(i + block, Tq)
+                if positions is not None and positions.skips(i, i_end, j):
+                    continue                                     # causal: no row sees it
+                qi = _query_block(q, i, i_end, g, work)                    # (B, Hkv, g*rows, d)
+                doi = _query_block(grad_out, i, i_end, g, work)            # (B, Hkv, g*rows, dv)
+                lse_i = _query_block(lse[..., None], i, i_end, g, work)         # (.., g*rows, 1)
+                delta_i = _query_block(delta[..., None], i, i_end, g, work)      # (.., g*rows, 1)
+                s = (qi @ kj.transpose(-2, -1)) * scale                    # (B, Hkv, g*rows, cols)
+                future = positions and positions.future(i, i_end, j, j_end, g)
+                if future is not None:
+                    s.masked_fill_(future, float("-inf"))
+                p = torch.exp(s - lse_i)                      # the forward's probabilities again
+                dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi         # summed over the group
+                ds = p * (doi @ vj.transpose(-2, -1) - delta_i)          # softmax's backward
+                dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
+                dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
+    return dq, dk, dv
 
 
 class TiledAttention(torch.autograd.Function):
@@ -130,34 +218,11 @@ class TiledAttention(torch.autograd.Function):
         inputs, shape = (q, k, v), (*q.shape[:-1], v.shape[-1])                # (..., T_q, dv)
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)      # (B, H, T_q, d), (B, Hkv, T_k, d or dv)
         B, H, Tq, _ = q.shape
-        Hkv, Tk, dv = k.shape[1], k.shape[2], v.shape[-1]
-        g, scale = H // Hkv, q.shape[-1] ** -0.5
         work = torch.promote_types(q.dtype, torch.float32)           # the blocks' dtype
-        out = q.new_empty(B, Tq, H, dv)         # (B, T_q, H, dv): wo's layout, so no copy later
+        out = q.new_empty(B, Tq, H, v.shape[-1])  # (B, T_q, H, dv): wo's layout, so no copy later
         lse = q.new_empty(B, H, Tq, dtype=work)                                  # (B, H, T_q)
-        with torch.autocast(q.device.type, enabled=False):     # the blocks compute in `work`
-            for i in range(0, Tq, block):
-                i_end = min(i + block, Tq)
-                qi = _query_block(q, i, i_end, g, work) * scale            # (B, Hkv, g*rows, d)
-                row_max = qi.new_full(qi.shape[:-1], float("-inf"))        # (B, Hkv, g*rows)
-                row_sum = qi.new_zeros(qi.shape[:-1])                      # (B, Hkv, g*rows)
-                acc = qi.new_zeros(*qi.shape[:-1], dv)                     # (B, Hkv, g*rows, dv)
-                for j in range(0, min(i_end, Tk) if causal else Tk, block):  # causal: no key
-                    j_end = min(j + block, Tk)                               # past the last row
-                    kj = k[:, :, j:j_end].to(work)                         # (B, Hkv, cols, d)
-                    vj = v[:, :, j:j_end].to(work)                         # (B, Hkv, cols, dv)
-                    s = qi @ kj.transpose(-2, -1)                          # (B, Hkv, g*rows, cols)
-                    if causal and j_end > i:                                 # the diagonal block
-                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
-                    new_max = torch.maximum(row_max, s.amax(dim=-1))
-                    p = torch.exp(s - new_max[..., None])                  # (B, Hkv, g*rows, cols)
-                    rescale = torch.exp(row_max - new_max)    # what the old sums were counted in
-                    row_sum = row_sum * rescale + p.sum(dim=-1)
-                    acc = acc * rescale[..., None] + p @ vj
-                    row_max = new_max
-                o = _ungroup(acc / row_sum[..., None], g)                  # (B, H, rows, dv)
-                out[:, i:i_end] = o.transpose(1, 2)
-                lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
+        positions = Positions.top_left(Tq, k.shape[2], q.device) if causal else None
+        attend_blocks(q, k, v, out, lse, positions, block)
         out = out.transpose(1, 2).view(shape)                # (B, H, T_q, dv) as (..., T_q, dv)
         ctx.save_for_backward(*inputs, out, lse)
         ctx.causal, ctx.block = causal, block
@@ -168,34 +233,12 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shapes = q.shape, k.shape, v.shape
         q, k, v, out, grad_out = (_as_4d(t) for t in (q, k, v, out, grad_out))
-        causal, block = ctx.causal, ctx.block
-        B, H, Tq, _ = q.shape
-        Tk, g, scale = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5
+        positions = Positions.top_left(q.shape[2], k.shape[2], q.device) if ctx.causal else None
         work = lse.dtype
         with torch.autocast(q.device.type, enabled=False):
             # D = rowsum(dO * O): the softmax's backward needs it once per row
             delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)                # (B, H, T_q)
-            dq = torch.zeros(q.shape, dtype=work, device=q.device)              # (B, H, T_q, d)
-            dk = torch.zeros(k.shape, dtype=work, device=k.device)            # (B, Hkv, T_k, d)
-            dv = torch.zeros(v.shape, dtype=work, device=v.device)           # (B, Hkv, T_k, dv)
-            for j in range(0, Tk, block):                # each key block once, as in the paper
-                j_end = min(j + block, Tk)
-                kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
-                vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
-                for i in range(j if causal else 0, Tq, block):  # causal: the rows that see it
-                    i_end = min(i + block, Tq)
-                    qi = _query_block(q, i, i_end, g, work)                # (B, Hkv, g*rows, d)
-                    doi = _query_block(grad_out, i, i_end, g, work)        # (B, Hkv, g*rows, dv)
-                    lse_i = _query_block(lse[..., None], i, i_end, g, work)     # (.., g*rows, 1)
-                    delta_i = _query_block(delta[..., None], i, i_end, g, work)  # (.., g*rows, 1)
-                    s = (qi @ kj.transpose(-2, -1)) * scale                # (B, Hkv, g*rows, cols)
-                    if causal and j_end > i:
-                        s.masked_fill_(_future(i, i_end, j, j_end, g, q.device), float("-inf"))
-                    p = torch.exp(s - lse_i)                  # the forward's probabilities again
-                    dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi     # summed over the group
-                    ds = p * (doi @ vj.transpose(-2, -1) - delta_i)      # softmax's backward
-                    dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
-                    dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
+        dq, dk, dv = attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, ctx.block)
         grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None)
 

@@ -150,12 +150,14 @@ _attention = "sdpa"
 
 
 @contextlib.contextmanager
-def use_attention(impl: str):
+def use_attention(impl):
     """Run labkit models' attention core as ``impl`` inside the block: "sdpa" (the default),
-    "naive" (the (T, T) matrix kept) or "tiled" (labkit's online softmax). Put the backward
+    "naive" (the (T, T) matrix kept), "tiled" (labkit's online softmax), or a function
+    (q, k, v) -> causal attention (``labkit.parallel.context``'s ring). Put the backward
     pass inside it too: blocks that recompute run their forward again there."""
     global _attention
-    check_choice("attention", impl, ATTENTION_IMPLS)
+    if not callable(impl):
+        check_choice("attention", impl, ATTENTION_IMPLS)
     previous, _attention = _attention, impl
     try:
         yield
@@ -175,6 +177,8 @@ def attention_core(q, k, v, mask=None):
                          f"attend through 'sdpa': leave the attention at 'sdpa' for them")
     if isinstance(mask, Varlen):
         return VarlenAttention.apply(q, k, v, mask)
+    if callable(_attention):
+        return _attention(q, k, v)
     if _attention == "naive":
         return naive_attention(q, k, v)
     if _attention == "tiled":

@@ -34,7 +34,6 @@ also all-reduced over the dp copies of its shard, and every gradient is divided 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,7 +46,7 @@ from labkit.core.config import ModelConfig, preset
 from labkit.core.recipe import Layout, state_bytes
 from labkit.core.units import check_positive
 from labkit.parallel.cluster import RankContext, run
-from labkit.parallel.comm import CommCounter
+from labkit.parallel.comm import AllToAll, CommCounter
 from labkit.parallel.data.zero_step import ZeroOptimizer
 from labkit.parallel.expert.compose import (dp_degree, experts_per_rank, new_groups,  # noqa: F401
                                             permutation_bytes, rank_params, shard_kept_bytes)
@@ -70,34 +69,6 @@ class ExpertComm(CommCounter):
     def reset(self):
         super().reset()
         self.received = []
-
-    def all_to_all(self, x, send: list[int], recv: list[int], name: str):
-        """``all_to_all_single`` with split sizes: the first send[0] rows of x go to rank 0, the
-        next send[1] to rank 1, ...; returns the recv[r] rows from each rank r, in rank order."""
-        out = x.new_empty(sum(recv), *x.shape[1:])                            # (sum(recv), ...)
-        def all_to_all(out, x):
-            dist.all_to_all_single(out, x, recv, send, group=self.group)
-
-        if isinstance(x, FakeTensor):         # a fake group: no worker thread holds the tensors
-            all_to_all(out, x)
-        else:                                 # on until gloo's worker has let go of them
-            self._run(all_to_all, out, x.contiguous())
-        self.sent[name] += (sum(send) - send[self.rank]) * math.prod(x.shape[1:]) * x.itemsize
-        return out
-
-
-class AllToAll(torch.autograd.Function):
-    """``ExpertComm.all_to_all`` in the forward pass; the gradients travel back reversed."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, comm, name):
-        ctx.route = (send, recv, comm, name)
-        return comm.all_to_all(x, send, recv, name)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, recv, comm, name = ctx.route
-        return comm.all_to_all(grad, recv, send, f"{name} (backward)"), None, None, None, None
 
 
 # ---- the layer ---------------------------------------------------------------------------------

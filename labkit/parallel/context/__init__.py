@@ -1,0 +1,1 @@
+"""Context parallelism: one sequence over several ranks (ring attention, DeepSpeed-Ulysses)."""
