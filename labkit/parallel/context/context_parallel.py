@@ -21,7 +21,7 @@ import torch
 from labkit.core.config import preset
 from labkit.core.recipe import Layout
 from labkit.core.units import check_choice
-from labkit.parallel.cluster import RankContext, run
+from labkit.parallel.cluster import RankContext, default_backend, run
 from labkit.parallel.comm import CommCounter
 from labkit.parallel.context.ring import ring_attention, zigzag_positions, zigzag_shard
 from labkit.parallel.context.ulysses import contiguous_shard, ulysses_attention
@@ -110,13 +110,14 @@ def cp_train(ctx: RankContext, model_name: str = "tiny", batch: int = 1, seq: in
 
 def cp_scaling(model_name: str = "small", batch: int = 1, seq: int = 512, cps=(1, 2, 4),
                kind: str = "ring", timeout_s: float = 300) -> list[dict]:
-    """Each cp's per-rank peak (rank 0's, by category) beside ``labkit.estimate`` with
-    ``Layout(cp=...)`` (fp32, the CPU's defaults); one cluster run per cp."""
+    """Each cp's ranks (``steps``) beside ``labkit.estimate`` with ``Layout(cp=...)`` (fp32,
+    AdamW as a for-loop, the defaults of the device the ranks run on); one cluster run per cp."""
     rows = []
     for cp in cps:
-        step = run(cp_train, cp, model_name, batch, seq, kind=kind, timeout_s=timeout_s)[0]
-        est = estimate(model_name, batch, seq, precision="fp32", device="cpu",
+        steps = run(cp_train, cp, model_name, batch, seq, kind=kind, timeout_s=timeout_s)
+        whose = "cuda" if default_backend(cp) == "nccl" else "cpu"
+        est = estimate(model_name, batch, seq, precision="fp32", device=whose,
                        optimizer_impl="for-loop", attention="tiled" if kind == "ring" else "sdpa",
                        layout=Layout(cp=cp))
-        rows.append(dict(cp=cp, step=step, estimate=est))
+        rows.append(dict(cp=cp, kind=kind, steps=steps, estimate=est))
     return rows
