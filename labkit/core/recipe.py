@@ -181,7 +181,8 @@ class Layout:
     ``dp`` data-parallel ranks (Megatron-LM's convention; DeepSeek-V3: 64-way inside its data
     parallelism), so ep divides dp and each expert shard has dp / ep copies; the replicated
     weights are averaged over all dp ranks (``labkit.parallel.expert.compose``); ``cp`` context
-    parallel (the sequence split over ``cp`` ranks). ``ddp_buckets``: whether data parallelism
+    parallel (the sequence split over ``cp`` ranks; ZeRO and the gradients' average span
+    dp x cp, ``data_ranks``). ``ddp_buckets``: whether data parallelism
     keeps DDP's flat gradient buckets (True) or averages each gradient in place after the
     backward pass (False, as labkit.parallel.expert.expert_parallel's step does at any ep); None:
     True for plain data parallelism (ep = 1), False with ep > 1.
@@ -238,6 +239,13 @@ class Layout:
     def keeps_ddp_buckets(self) -> bool:
         """``ddp_buckets``, or when None: DDP's buckets for plain data parallelism only."""
         return self.ep == 1 if self.ddp_buckets is None else self.ddp_buckets
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks holding the same weights, whose gradients are averaged: dp x cp. ZeRO shards
+        over them, as Megatron-LM's distributed optimizer and torchtitan's FSDP do with context
+        parallelism (each cp rank trains on its own tokens, as a dp rank on its own rows)."""
+        return self.dp * self.cp
 
     @property
     def micro_batch_count(self) -> int:

@@ -75,10 +75,13 @@ class CommCounter:
             return _Pending(self, [], (x, x), [])
         received = torch.empty_like(x)
         uses = [_storage_uses(x), _storage_uses(received)]
-        # aliases, as in ``_run``: gloo's worker holding them shows in the storages' use counts
-        works = [dist.isend(x.view_as(x), group=self.group, group_dst=to, tag=tag),
-                 dist.irecv(received.view_as(received), group=self.group, group_src=source,
-                            tag=tag)]
+        # one batch, so NCCL pairs the send and the receive (two ranks sending to each other
+        # first would wait for ever); aliases, as in ``_run``: gloo's worker holding them shows
+        # in the storages' use counts
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, x.view_as(x), group=self.group, group_peer=to, tag=tag),
+            dist.P2POp(dist.irecv, received.view_as(received), group=self.group,
+                       group_peer=source, tag=tag)])
         self.sent[name] += x.nbytes
         return _Pending(self, works, (x, received), uses)
 

@@ -55,7 +55,7 @@ class _Step(States, Moments):
         # DDP (dp > 1 without ZeRO) keeps flat gradient buckets for the whole run; with
         # gradient_as_bucket_view the gradients are views of them instead of a second copy
         # (labkit's expert-parallel step averages in place instead: ``Layout.ddp_buckets``)
-        self.ddp = layout.dp > 1 and layout.zero_stage == 0 and layout.keeps_ddp_buckets
+        self.ddp = layout.data_ranks > 1 and layout.zero_stage == 0 and layout.keeps_ddp_buckets
         self.in_buckets = self.ddp and layout.gradient_as_bucket_view
 
     def _count_weights(self):
@@ -90,7 +90,7 @@ class _Step(States, Moments):
         the model (embedding, final norm, LM head), then each block; stage 1: the whole model."""
         c, layout = self.c, self.L
         tp, ep = layout.tp, layout.ep
-        self.zero = layout.zero_stage if layout.dp > 1 or layout.offload else 0
+        self.zero = layout.zero_stage if layout.data_ranks > 1 or layout.offload else 0
         self.offload = layout.offload           # ZeRO's shards (from stage 3 params too) on the host
         rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
         rest_params = sum(w.local(tp, ep) for w in rest)
@@ -103,21 +103,21 @@ class _Step(States, Moments):
         experts = [sum(w.local(tp, ep) for w in ws if w.copies > 1) if ep > 1 else 0
                    for ws in self.blocks]
         routed = [0] * len(experts) if self.lora else experts        # LoRA: experts frozen
-        self.block_units = [_split_units(n, e, layout.dp, ep)
+        self.block_units = [_split_units(n, e, layout.data_ranks, ep)
                             for n, e in zip(self.block_trained, routed)]
         root = 0 if self.lora else rest_params
         if self.zero >= 2:
-            parts = [(root, layout.dp)] * bool(root) + [u for b in self.block_units for u in b]
+            parts = [(root, layout.data_ranks)] * bool(root) + [u for b in self.block_units for u in b]
         else:
             whole = root + sum(self.block_trained)
-            parts = ([(whole - sum(routed), layout.dp), (sum(routed), layout.dp // ep)]
-                     if sum(routed) and self.zero else [(whole, layout.dp)])
+            parts = ([(whole - sum(routed), layout.data_ranks), (sum(routed), layout.data_ranks // ep)]
+                     if sum(routed) and self.zero else [(whole, layout.data_ranks)])
         self.units = parts                 # (elements, the ranks they are sharded over)
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
         # LoRA's blocks as FSDP2 gathers them, in weight-sized elements (NF4's are fewer bytes),
         # each expert shard's frozen weights over its dp / ep copies
         self.gathered_units = ([_split_units(-(-self._block_stored(m) // self.bytes.weights) + t,
-                                             e, layout.dp, ep)
+                                             e, layout.data_ranks, ep)
                                 for m, t, e in zip(self.moe, self.block_trained, experts)]
                                if self.lora else self.block_units)
         self.gathered_rest = rest_params if self.zero == 3 else 0
@@ -255,7 +255,7 @@ class _Step(States, Moments):
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
             gathered = ([u for b in self.gathered_units for u in b]
-                        + [(self.gathered_rest, self.L.dp)] if self.zero == 3 else [])
+                        + [(self.gathered_rest, self.L.data_ranks)] if self.zero == 3 else [])
             out.details["largest unit (elements)"] = max(
                 zero.padded(n, r) for n, r in self.units + gathered)
         if self.L.ep > 1:
@@ -267,16 +267,16 @@ class _Step(States, Moments):
                 f"{compose.routed_rows(self.c, self.B, self.T):,} rows per MoE layer; a skewed "
                 f"router puts more rows, activations and bytes sent on the busiest rank "
                 f"(labkit.parallel.expert.expert_parallel.routing_imbalance measures it)"]
-        elif self.L.dp > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
+        elif self.L.data_ranks > 1 and self.lora and self.zero == 3:   # adapters reduced, units gathered
             out.details["bytes sent per step"] = (
-                zero.bytes_sent([n for n, _ in self.units], 2, self.L.dp, self.bytes.grads, 0,
+                zero.bytes_sent([n for n, _ in self.units], 2, self.L.data_ranks, self.bytes.grads, 0,
                                 self.L.micro_batch_count)
                 + zero.bytes_sent([n for b in self.gathered_units for n, _ in b]
-                                  + [self.gathered_rest], 3, self.L.dp, 0, self.bytes.weights,
+                                  + [self.gathered_rest], 3, self.L.data_ranks, 0, self.bytes.weights,
                                   self.L.micro_batch_count))
-        elif self.L.dp > 1:
+        elif self.L.data_ranks > 1:
             out.details["bytes sent per step"] = zero.bytes_sent(
-                [n for n, _ in self.units], self.zero, self.L.dp, self.bytes.grads,
+                [n for n, _ in self.units], self.zero, self.L.data_ranks, self.bytes.grads,
                 self.bytes.weights,
                 self.L.micro_batch_count)
         if self.offload:

@@ -190,6 +190,7 @@ def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int)
                 qi = _query_block(q, i, i_end, g, work)                    # (B, Hkv, g*rows, d)
                 doi = _query_block(grad_out, i, i_end, g, work)            # (B, Hkv, g*rows, dv)
                 lse_i = _query_block(lse[..., None], i, i_end, g, work)         # (.., g*rows, 1)
+                lse_i = lse_i.masked_fill(lse_i == float("-inf"), 0)     # rows seeing no key: p = 0
                 delta_i = _query_block(delta[..., None], i, i_end, g, work)      # (.., g*rows, 1)
                 s = (qi @ kj.transpose(-2, -1)) * scale                    # (B, Hkv, g*rows, cols)
                 future = positions and positions.future(i, i_end, j, j_end, g)

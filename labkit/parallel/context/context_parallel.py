@@ -26,6 +26,7 @@ from labkit.parallel.comm import CommCounter
 from labkit.parallel.context.ring import ring_attention, zigzag_positions, zigzag_shard
 from labkit.parallel.context.ulysses import contiguous_shard, ulysses_attention
 from labkit.parallel.data.fsdp import ADAMW, average_gradients
+from labkit.parallel.data.zero_step import ZeroOptimizer
 from labkit.parallel.steps import RankStep, measure_rank
 from labkit.predict import estimate
 from labkit.transformer.model import build_model, use_attention
@@ -85,14 +86,21 @@ class ContextStep(RankStep):
 
 def cp_train(ctx: RankContext, model_name: str = "tiny", batch: int = 1, seq: int = 64,
              steps: int = 2, kind: str = "ring", dtype=torch.float32, block: int = 128,
-             keep_weights: bool = False) -> ContextStep:
+             keep_weights: bool = False, zero_stage: int = 0) -> ContextStep:
     """``steps`` AdamW steps of ``model_name`` with the sequence over every rank of ``ctx``
-    (cp = world size), the same rows on every rank; the tracker measures the last step."""
+    (cp = world size), the same rows on every rank; the tracker measures the last step.
+    ``zero_stage`` 1-3: labkit's ZeRO over the cp ranks (``ZeroOptimizer``), as Megatron-LM's
+    distributed optimizer spans dp x cp; 0: every gradient averaged in place."""
     torch.manual_seed(0)
     model = build_model(preset(model_name), dtype=dtype, device=ctx.device)
     comm = CommCounter(ctx.group)
-    average_gradients(model, ctx.group)         # a no-op on one rank
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    if zero_stage:
+        opt = ZeroOptimizer(model, ctx.group, zero_stage, lr=ADAMW["lr"],
+                            weight_decay=ADAMW["weight_decay"], betas=ADAMW["betas"],
+                            eps=ADAMW["eps"])
+    else:
+        average_gradients(model, ctx.group)         # a no-op on one rank
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g)
                .to(ctx.device) for _ in range(steps)]
@@ -109,15 +117,18 @@ def cp_train(ctx: RankContext, model_name: str = "tiny", batch: int = 1, seq: in
 
 
 def cp_scaling(model_name: str = "small", batch: int = 1, seq: int = 512, cps=(1, 2, 4),
-               kind: str = "ring", timeout_s: float = 300) -> list[dict]:
+               kind: str = "ring", zero_stage: int = 0, timeout_s: float = 300) -> list[dict]:
     """Each cp's ranks (``steps``) beside ``labkit.estimate`` with ``Layout(cp=...)`` (fp32,
     AdamW as a for-loop, the defaults of the device the ranks run on); one cluster run per cp."""
     rows = []
     for cp in cps:
-        steps = run(cp_train, cp, model_name, batch, seq, kind=kind, timeout_s=timeout_s)
+        steps = run(cp_train, cp, model_name, batch, seq, kind=kind, zero_stage=zero_stage,
+                    timeout_s=timeout_s)
         whose = "cuda" if default_backend(cp) == "nccl" else "cpu"
+        layout = Layout(cp=cp, zero_stage=zero_stage if cp > 1 else 0,
+                        ddp_buckets=False)                      # averaged in place, not DDP
         est = estimate(model_name, batch, seq, precision="fp32", device=whose,
                        optimizer_impl="for-loop", attention="tiled" if kind == "ring" else "sdpa",
-                       layout=Layout(cp=cp))
-        rows.append(dict(cp=cp, kind=kind, steps=steps, estimate=est))
+                       layout=layout)
+        rows.append(dict(cp=cp, kind=kind, zero_stage=zero_stage, steps=steps, estimate=est))
     return rows

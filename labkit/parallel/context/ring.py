@@ -1,6 +1,7 @@
-"""Ring attention: causal attention over a sequence split across ``cp`` ranks, no rank ever
-holding more than two ranks' keys and values (Liu et al., 2023; the load-balanced "zigzag"
-split of Megatron-LM's context parallelism and of ring-flash-attn).
+"""Ring attention: causal attention over a sequence split across ``cp`` ranks, each rank holding
+at most three ranks' keys and values at once - its own, the block it sends, the block arriving
+(Liu et al., 2023; the load-balanced "zigzag" split of Megatron-LM's context parallelism and of
+ring-flash-attn).
 
 Each rank holds its queries, keys and values for 2 of the sequence's 2 cp chunks - chunk r and
 chunk 2 cp - 1 - r - so that under the causal mask every rank does the same work:
@@ -15,9 +16,12 @@ online softmax merges them. Backward, cp steps again: the K/V blocks go round on
 gradient of each block's keys and values travels with it, each rank adding its part, until it
 comes home.
 
-The blocks run ``labkit.transformer.attention``'s tiled loops, masked by the tokens' positions.
-Production runs a FlashAttention kernel per block instead (Megatron through TransformerEngine,
-torch's ``context_parallel`` through SDPA's flash and efficient kernels): the same messages.
+The blocks run ``labkit.transformer.attention``'s tiled loops, masked by the tokens' positions;
+the gradients dK, dV travel in fp32 (the blocks' dtype; torch's ``context_parallel`` also sends
+them in fp32). Production runs a FlashAttention kernel per block, and moves K/V in more than one
+way: TransformerEngine (Megatron-LM) has ``cp_comm_type`` "p2p" (this ring), "all_gather", "a2a"
+(Ulysses) and "a2a+p2p"; torch 2.13's experimental ``context_parallel`` all-gathers K/V after the
+first block by default (``set_rotate_method("alltoall")`` shifts them rank to rank).
 """
 from __future__ import annotations
 
@@ -25,16 +29,28 @@ import torch
 
 from labkit.core.units import check_positive
 from labkit.parallel.comm import CommCounter
-from labkit.transformer.attention import (Positions, _check_heads, attend_blocks,
-                                          attend_blocks_backward)
+from labkit.transformer.attention import (Positions, _check_heads, _check_shapes,
+                                          attend_blocks, attend_blocks_backward)
 
 
 # ---- the split ----------------------------------------------------------------------------------
 def _check_split(seq: int, cp: int) -> None:
     check_positive("cp (context-parallel ranks)", cp)
     if seq % (2 * cp):
+        other = f", or choose cp dividing {seq // 2}" if seq % 2 == 0 else ""
         raise ValueError(f"the sequence ({seq} tokens) must split into 2 x cp = {2 * cp} equal "
-                         f"chunks: pad it to a multiple of {2 * cp}, or choose cp dividing {seq // 2}")
+                         f"chunks: pad it to a multiple of {2 * cp}{other}")
+
+
+def check_sequence_shards(q, k, v, split: str) -> None:
+    """A ValueError naming the fix unless q (B, H, T, d), k (B, Hkv, T, d), v (B, Hkv, T, dv)
+    hold one rank's T tokens, Hkv dividing H."""
+    if not q.dim() == k.dim() == v.dim() == 4 or not q.shape[2] == k.shape[2] == v.shape[2]:
+        raise ValueError(f"context parallelism takes q (B, H, T, d), k and v (B, Hkv, T, d) with "
+                         f"one T (this rank's tokens), got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}: split the sequence with {split}")
+    _check_shapes(q, k, v)
+    _check_heads(q.shape[1], k.shape[1])
 
 
 def zigzag_positions(seq: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -87,7 +103,8 @@ class RingAttention(torch.autograd.Function):
 
     q (B, H, T, d), k (B, Hkv, T, d), v (B, Hkv, T, dv): this rank's ``zigzag_shard`` of the
     sequence. Keeps what FlashAttention keeps (q, k, v, the output, a log-sum-exp per row), for
-    T = seq / cp tokens; in flight, one more K/V block (and in backward its gradient) per rank.
+    T = seq / cp tokens; while a block travels, two more K/V blocks (the one sent, the one
+    arriving) and in backward two of their fp32 gradients.
     """
 
     @staticmethod
@@ -138,6 +155,7 @@ class RingAttention(torch.autograd.Function):
                                                       positions, block)
             dq += dq_s
             mine = _pack(dk_s, dv_s)
+            del dq_s, dk_s, dv_s                    # packed: not kept through the next block
             if grads is not None:
                 mine += grads.wait()                # what the ranks before me added to it
             # on to the rank that holds this block next; the last step sends it home
@@ -153,10 +171,6 @@ def ring_attention(q, k, v, comm: CommCounter, block: int = 128):
     ``zigzag_shard`` of q (B, H, T, d), k and v (B, Hkv, T, d); returns this rank's (B, H, T, dv).
     ``comm``: a ``CommCounter`` over the context-parallel group (its bytes in ``comm.sent``)."""
     check_positive("block (queries and keys per tile)", block)
-    if not q.dim() == k.dim() == v.dim() == 4 or not q.shape[2] == k.shape[2] == v.shape[2]:
-        raise ValueError(f"ring attention takes q (B, H, T, d), k and v (B, Hkv, T, d) with one "
-                         f"T (this rank's tokens), got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}: split the sequence with zigzag_shard first")
-    _check_heads(q.shape[1], k.shape[1])
+    check_sequence_shards(q, k, v, "zigzag_shard")
     _check_split(q.shape[2] * comm.world, comm.world)
     return RingAttention.apply(q, k, v, comm, block)

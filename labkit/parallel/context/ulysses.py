@@ -6,9 +6,12 @@ kernel, FlashAttention included); a second all-to-all turns the output back:
 
     q (B, H, T/cp, d)  --all_to_all-->  (B, H/cp, T, d)  --attention-->  --all_to_all-->  (B, H, T/cp, d)
 
-Its limit: heads (and key/value heads, under grouped-query attention) must divide by cp.
-Per token it sends 4 messages of its share of q, k, v, out whatever cp is; the ring sends
-K/V (cp - 1) times.
+Its limit here, as in DeepSpeed's first version: heads and key/value heads must divide by cp
+(some implementations repeat the key/value heads instead). Each all-to-all sends (cp - 1) / cp
+of the rank's q, k, v or output, four in the forward pass and four in the backward: the bytes
+per rank fall as 1 / cp, where the ring's approach 3 x the whole sequence's K/V. The all-to-alls sit right
+before and after the attention that needs them: they cannot overlap it, where the ring's next
+block travels while the present one computes.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 
 from labkit.core.units import check_positive
 from labkit.parallel.comm import AllToAll, CommCounter
+from labkit.parallel.context.ring import check_sequence_shards
 
 
 def contiguous_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -50,6 +54,7 @@ def ulysses_attention(q, k, v, comm: CommCounter, attention=None):
     """Causal attention over the whole sequence from this rank's ``contiguous_shard`` of
     q (B, H, T, d), k and v (B, Hkv, T, d): (B, H, T, dv) for this rank's tokens.
     ``attention``: the core run on (B, H/cp, seq, d) - SDPA's causal one by default."""
+    check_sequence_shards(q, k, v, "contiguous_shard")
     cp = comm.world
     for what, heads in (("query heads", q.shape[1]), ("key/value heads", k.shape[1])):
         if heads % cp:
