@@ -519,3 +519,44 @@ def test_a_planned_qlora_step_dequantises_the_blocks_linears_only():
         expected = passes * m * targets * (0.5 + 1 / 64 + 12 / 64 + 2) / (2039e9 * 0.8)
         assert k.time.dequant == pytest.approx(expected if k.recipe.weight_format else 0)
     assert {k.family.zero_stage for k in p.fits if k.recipe.weight_format} >= {0, 3}
+
+
+def test_long_sequences_are_planned_with_context_parallelism():
+    """Llama-3-8B at 64k tokens on 16 H100s: without cp no layout fits (a rank keeps every
+    token's activations); with the ring over cp ranks the top layouts fit, each rank keeping
+    seq / cp tokens, its model states sharded over dp x cp by ZeRO."""
+    p = plan("llama-3-8b", "h100-80gb", 16, seq=65536, global_batch=16, advice=False)
+    assert p.fits and all(k.layout.cp > 1 for k in p.fits)
+    best = p.fits[0]
+    long = dataclasses.replace(lk.preset("llama-3-8b"), max_seq=65536)   # RoPE's tables too
+    again = lk.estimate(long, best.micro_batch, 65536, recipe=best.recipe, layout=best.layout)
+    assert again.total == best.estimate.total <= p.usable
+    assert best.time.cp > 0 and f"cp {best.layout.cp}" in best.label()
+    rejected = [f for f in p.rejected if "cp" not in f]
+    assert rejected and all("cp" not in f for f in p.unexplored if "cp" not in f)
+    assert "cp (ring attention)" in p.text()
+
+
+def test_cp_is_searched_only_where_each_rank_keeps_enough_tokens():
+    from labkit.predict.plan_search import CP_MIN_TOKENS, context_degrees
+    assert context_degrees(4096, 2048) == [1]                  # DeepSeek-V3's 4k: no cp
+    assert context_degrees(65536, 16) == [1, 2, 4, 8, 16]
+    assert context_degrees(65536, 64)[-1] == 65536 // CP_MIN_TOKENS
+    assert context_degrees(8194, 8) == [1]                   # 2 cp must divide seq
+    assert context_degrees(8192, 8) == [1, 2]
+
+
+def test_the_rings_traffic_per_layer_is_stated():
+    """cp ranks pass each layer's K/V block cp - 1 hops forward and backward and its gradient
+    cp hops: (2 (cp - 1) + cp) blocks of b (s / cp) x kv_width bf16 numbers per micro-batch."""
+    h100 = gpu("h100-80gb")
+    shape = dict(gpus=8, gpus_per_node=8, active_params=10**9, hidden=4096, top_k=0,
+                 seq=32768, global_batch=1, micro=1, dp=1, tp=1, pp=1, ep=1, zero_stage=1,
+                 offload=False, schedule="1f1b", v=1, recompute="none", lora=False,
+                 rank_params=10**9, rank_expert_params=0, stage_layers=32,
+                 stage_moe_layers=0)
+    t = step_time(h100, cp=8, kv_width=2 * 8 * 128, **shape)
+    block = 32768 // 8 * 2 * 8 * 128 * 2
+    assert t.cp == pytest.approx(32 * (2 * 7 + 8) * block / (h100.intra_node_gbps * 1e9))
+    assert step_time(h100, **shape).cp == 0
+    assert t.overlapped < t.total                                 # the ring hides under compute

@@ -2,7 +2,8 @@
 
 ``plan`` enumerates layouts - data parallel with ZeRO stage 0-3 (FSDP is ZeRO-3), ZeRO-Offload,
 tensor parallel (with sequence parallelism), pipeline parallel and its schedule, expert parallel,
-micro-batch size, recompute policy, and full fine-tuning, LoRA or QLoRA - predicts each one's
+context parallel (long sequences), micro-batch size, recompute policy, and full fine-tuning, LoRA
+or QLoRA - predicts each one's
 bytes per GPU with ``labkit.estimate``, keeps those under the GPU's memory less a headroom, and
 ranks them by ``labkit.predict.steptime``'s compute + communication model. Impossible or too-large
 families are kept with the reason. The top layouts can be checked on fake tensors
@@ -24,7 +25,7 @@ from labkit.core.config import ModelConfig, preset
 from labkit.core.gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
 from labkit.core.recipe import FINE_TUNING, Layout
 from labkit.core.units import CATEGORIES, check_choice, check_positive, fmt_bytes
-from labkit.predict.plan_search import ADAPTERS, FULL, RECOMPUTE, _search
+from labkit.predict.plan_search import ADAPTERS, CP_MIN_TOKENS, FULL, RECOMPUTE, _search
 from labkit.predict.steptime import assumptions
 
 TRAINABLE = FINE_TUNING
@@ -236,9 +237,10 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         "only each linear's input and output gradient needs less), ep in powers of 2 "
         "(each expert shard's states over its dp / ep copies), ZeRO 0-3 and ZeRO-Offload "
         f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
-        f"recompute {' / '.join(recompute)}; not searched: context parallelism, gpipe (1f1b's "
-        f"bubble with more memory), HSDP (shard inside a node, replicate across nodes), "
-        f"LoRA's base split and sharded at once",
+        f"cp (ring attention) in powers of 2 while each rank keeps {CP_MIN_TOKENS:,} tokens or "
+        f"more (full fine-tuning, not with ep), recompute {' / '.join(recompute)}; not "
+        f"searched: Ulysses, gpipe (1f1b's bubble with more memory), HSDP (shard inside a "
+        f"node, replicate across nodes), LoRA's base split and sharded at once",
         *assumptions(g, gpus_per_node),
     ]
 
@@ -272,13 +274,13 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
                                     lora_rank=r.lora_rank, weight_format=r.weight_format).total
             how = ("measure_step, one GPU" if L.dp == 1 else
                    "measure_step, one replica (DDP's adapter buckets not in it)")
-        elif (L.tp, L.pp, L.ep, L.offload, L.zero_stage) == (1, 1, 1, False, 3):
+        elif (L.tp, L.pp, L.ep, L.cp, L.offload, L.zero_stage) == (1, 1, 1, 1, False, 3):
             measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
                                        recompute=r.recompute, trainable=r.trainable,
                                        lora_rank=r.lora_rank)["peak"]
             how = f"FSDP2 on a fake group of {L.dp}"
         else:
-            row["result"] = "not verifiable on fake tensors here (tp, pp, ep, DDP or offload)"
+            row["result"] = "not verifiable on fake tensors here (tp, pp, ep, cp, DDP or offload)"
             out.append(row)
             continue
         row.update(measured=measured, ratio=measured / e.total,
@@ -295,8 +297,8 @@ def _overlap_check(fits: list) -> str:
         return ""
     first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
                                                  -fits[i].micro_batch, fits[i].estimate.total))
-    hidden = ("with dp, pp and ep communication hidden under compute (tp's, offload's and the "
-              "host step stay exposed)")
+    hidden = ("with dp, pp, ep and cp communication hidden under compute (tp's, offload's and "
+              "the host step stay exposed)")
     if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
         first = 0                     # no more than 1% faster: a tie the model cannot break
     if first == 0:

@@ -23,6 +23,9 @@ RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps th
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
+# context parallelism is searched while each rank keeps this many tokens or more: below it the
+# ring's messages outgrow the attention they hide behind
+CP_MIN_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,12 @@ class Family:
     tp: int
     pp: int
     ep: int
+    cp: int = 1
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks ZeRO shards over and gradients are averaged over: dp x cp."""
+        return self.dp * self.cp
 
     def label(self) -> str:
         what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
@@ -50,7 +59,8 @@ class Family:
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
-                + (f", ep {self.ep}" if self.ep > 1 else ""))
+                + (f", ep {self.ep}" if self.ep > 1 else "")
+                + (f", cp {self.cp}" if self.cp > 1 else ""))
 
 
 @dataclass
@@ -85,7 +95,15 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
 
 
-def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload: bool):
+def context_degrees(seq: int, gpus: int) -> list[int]:
+    """The cp the search tries: 1, and powers of 2 leaving each rank ``CP_MIN_TOKENS`` or more
+    (the ring's zigzag split needs seq divisible by 2 cp)."""
+    return [cp for cp in _powers_of_two(gpus)
+            if cp == 1 or (seq // cp >= CP_MIN_TOKENS and seq % (2 * cp) == 0)]
+
+
+def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload: bool,
+              seq: int = 0):
     """Every family to consider, and the reasons of those that cannot exist."""
     out, impossible = [], {}
     for what in trainable:
@@ -97,17 +115,20 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
             for pp in _powers_of_two(min(gpus // tp, c.layers)):
-                if gpus % (tp * pp):
-                    continue
-                dp = gpus // (tp * pp)
-                zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp > 1 else [])
-                zeros += [(z, True) for z in (1, 2, 3)] if offload else []
-                out += [Family("all", dp, z, off, tp, pp, 1) for z, off in zeros]
-                # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states over
-                # its dp / ep copies (Megatron's distributed optimizer, FSDP over experts)
-                if c.is_moe:
-                    out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
-                            for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
+                for cp in context_degrees(seq, gpus // (tp * pp)):
+                    if gpus % (tp * pp * cp):
+                        continue
+                    dp = gpus // (tp * pp * cp)
+                    # ZeRO over dp x cp, as Megatron's distributed optimizer shards
+                    zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp * cp > 1 else [])
+                    zeros += [(z, True) for z in (1, 2, 3)] if offload else []
+                    out += [Family("all", dp, z, off, tp, pp, 1, cp) for z, off in zeros]
+                    # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states
+                    # over its dp / ep copies (Megatron's distributed optimizer, FSDP over
+                    # experts); not with cp
+                    if c.is_moe and cp == 1:
+                        out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
+                                for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
     families = []
     for f in dict.fromkeys(out):
         why = _impossible(c, f, gpus_per_node)
@@ -139,7 +160,7 @@ def _impossible(c: ModelConfig, f: Family, gpus_per_node: int) -> str | None:
                 f"every layer and must stay inside a node")
     try:
         Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp, pp=f.pp,
-               ep=f.ep, sp=f.tp > 1).check(c, 1 << 20)
+               ep=f.ep, cp=f.cp, sp=f.tp > 1).check(c, 1 << 20)
     except ValueError as error:
         return str(error)
     return None
@@ -178,14 +199,15 @@ class _Counts:
 
 def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes on the device of a rank holding ``n`` parameters,
-    ``experts`` of them routed experts (ZeRO shards their states over dp / ep)."""
+    ``experts`` of them routed experts (ZeRO shards their states over dp / ep, the rest over
+    dp x cp)."""
     if f.trainable != "all":   # the frozen weights (NF4: at least half a byte; offloaded: host)
         frozen = 0 if f.offload else (n // 2 if f.trainable == "qlora" else 2 * n)
         return per_rank(frozen, "params", f.zero_stage, f.dp), 0, 0
 
     def sharded(number: int, state: str) -> int:
         rest = n - experts if f.ep > 1 else n
-        return (per_rank(rest * number, state, f.zero_stage, f.dp)
+        return (per_rank(rest * number, state, f.zero_stage, f.data_ranks)
                 + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
                    if f.ep > 1 else 0))
     b = state_bytes(FULL, "adamw")
@@ -193,7 +215,7 @@ def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, 
     if f.offload:
         return params, 0, 0
     grads = sharded(b.grads, "grads")
-    grads += n * b.grads if f.dp > 1 and f.zero_stage == 0 and f.ep == 1 else 0   # DDP buckets
+    grads += n * b.grads if f.data_ranks > 1 and f.zero_stage == 0 and f.ep == 1 else 0  # DDP buckets
     return params, grads, sharded(b.optimizer, "optimizer")
 
 
@@ -217,10 +239,10 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
             for chunk in chunk_layers(c.layers, L.pp, v)[s]:
                 for i in chunk:
                     moe = c.is_moe and i >= c.dense_layers
-                    key = (moe, f.tp, f.ep, k.recipe.recompute)
+                    key = (moe, f.tp, f.ep, f.cp, k.recipe.recompute)
                     if key not in memo:
                         memo[key] = layer_saved(c, FULL, moe, f.tp, k.recipe.recompute,
-                                                f.tp > 1, f.ep).bytes(1, seq)
+                                                f.tp > 1, f.ep).bytes(1, seq // f.cp)
                     acts += memo[key] * k.micro_batch
             acts = int(acts * flight)
         worst = max(worst, params + grads + opt, params + opt + acts)
@@ -255,11 +277,12 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                 continue
             layout = Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                             sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
-                            schedule=schedule, virtual_stages=v, ep=f.ep)
+                            schedule=schedule, virtual_stages=v, ep=f.ep, cp=f.cp)
             for r in recomputes:
                 t = step_time(gpu, gpus=gpus, gpus_per_node=gpus_per_node, active_params=active,
                               hidden=c.hidden, top_k=c.top_k, seq=seq, global_batch=batch,
-                              micro=micro, dp=f.dp, tp=f.tp, pp=f.pp, ep=f.ep,
+                              micro=micro, dp=f.dp, tp=f.tp, pp=f.pp, ep=f.ep, cp=f.cp,
+                              kv_width=kv_width(c),
                               zero_stage=f.zero_stage, offload=f.offload, schedule=schedule,
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,
@@ -271,6 +294,14 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
 
 
 # ---- the search --------------------------------------------------------------------------
+def kv_width(c: ModelConfig) -> int:
+    """Numbers per token in one layer's keys and values, as context parallelism moves them:
+    2 x kv heads x head dim; MLA's after the up-projection (every head's key and value)."""
+    if c.attention == "mla":
+        return c.heads * (c.qk_nope_dim + c.qk_rope_dim + c.v_head_dim)
+    return 2 * c.kv_heads * c.head_dim
+
+
 def _keeps_no_less(a: Candidate, b: Candidate) -> bool:
     """Whether ``a`` keeps at least what ``b`` keeps: same family and schedule, a micro-batch
     no smaller, and the same recompute policy or ``b``'s full recomputation, which keeps the
@@ -348,7 +379,7 @@ def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable,
           offload, recompute=RECOMPUTE):
     """(families, their candidates fastest first, rejected {family: why}): a family is
     rejected whole when the batch does not split over its dp or its states alone overflow."""
-    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload)
+    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload, seq)
     pool = []
     for f in families:
         if batch % f.dp:

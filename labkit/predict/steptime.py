@@ -52,20 +52,21 @@ class StepTime:
     offload: float
     host_step: float = 0.0
     dequant: float = 0.0
+    cp: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.dequant + self.bubble + self.dp + self.tp + self.pp
-                + self.ep + self.offload + self.host_step)
+                + self.ep + self.cp + self.offload + self.host_step)
 
     @property
     def overlapped(self) -> float:
         """Seconds with every collective frameworks overlap hidden under the compute, as far as
         it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
-        pipeline's sends and expert parallel's all-to-all (DualPipe). Tensor parallel's
-        all-reduces sit between a layer's matmuls and stay exposed, as do offload's copies and
-        its host step."""
-        hidden = self.dp + self.pp + self.ep
+        pipeline's sends, expert parallel's all-to-all (DualPipe) and the context-parallel
+        ring's K/V (sent while a block computes). Tensor parallel's all-reduces sit between a
+        layer's matmuls and stay exposed, as do offload's copies and its host step."""
+        hidden = self.dp + self.pp + self.ep + self.cp
         return (self.compute + self.dequant + self.bubble + self.tp + self.offload
                 + self.host_step + max(0.0, hidden - self.compute))
 
@@ -97,12 +98,14 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
               stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
               frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES,
-              nf4_params: int = 0) -> StepTime:
+              nf4_params: int = 0, cp: int = 1, kv_width: int = 0) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
     busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
     ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
     ``frozen_bytes`` each (QLoRA's NF4: about half a byte); ``nf4_params``: the frozen weights
-    this rank dequantises for every forward, recomputed forward and backward (QLoRA)."""
+    this rank dequantises for every forward, recomputed forward and backward (QLoRA); ``cp``
+    context-parallel ranks passing ``kv_width`` numbers of keys and values per token and layer
+    round a ring."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
@@ -115,16 +118,17 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         idle = pipeline_bubble(pp, m, schedule, v)
         bubble = compute * idle / (1 - idle)
     intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
-    # ranks are placed tp innermost, then ep inside dp, then pp (Megatron-LM's order)
-    dp_bw = intra if tp * dp <= gpus_per_node else inter
+    # ranks are placed tp innermost, then cp, then ep inside dp, then pp (Megatron-LM's order)
+    dp_bw = intra if tp * cp * dp <= gpus_per_node else inter
     # without ep the routed experts are replicated like every other weight: their gradients
     # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
     grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
-    sent = _data_parallel_bytes(zero_stage, m, dp, grads, frozen_params * frozen_bytes)
+    # every cp rank holds the weights too: gradients averaged (ZeRO sharded) over dp x cp
+    sent = _data_parallel_bytes(zero_stage, m, dp * cp, grads, frozen_params * frozen_bytes)
     if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
         sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
-    dp_time = sent / dp_bw if dp > 1 else 0.0
-    layer_rows = micro * seq * hidden * STREAM_BYTES    # one micro-batch's b s h activations
+    dp_time = sent / dp_bw if dp * cp > 1 else 0.0
+    layer_rows = micro * seq // cp * hidden * STREAM_BYTES  # a micro-batch's b s h on this rank
     tp_time = 0.0
     if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
         tp_time = (2 * forwards + 2) * stage_layers * m * ring(tp, layer_rows, "all-reduce") / intra
@@ -137,6 +141,11 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         ep_bw = intra if tp * ep <= gpus_per_node else inter
         rows = layer_rows * top_k * (ep - 1) / ep
         ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
+    cp_time = 0.0
+    if cp > 1:            # the ring: K/V cp - 1 hops per forward (recomputed too) and backward,
+        kv = micro * seq // cp * kv_width * STREAM_BYTES     # their gradient cp hops
+        cp_bw = intra if tp * cp <= gpus_per_node else inter
+        cp_time = stage_layers * m * ((forwards + 1) * (cp - 1) + cp) * kv / cp_bw
     offload_time = host_time = 0.0
     if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
         shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
@@ -147,7 +156,7 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         # the host's AdamW over the shard, bound by this rank's share of the node's DRAM
         host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
-                    dequant)
+                    dequant, cp_time)
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
@@ -188,6 +197,12 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "of b s h / tp per micro-batch between stages",
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
+        "context parallel (ring attention, labkit.parallel.context): each layer passes its K/V "
+        "block cp - 1 hops in the forward (again with full recompute) and in the backward, and "
+        "its gradient cp hops, in bf16 (torch's context_parallel sends the gradient in fp32); "
+        "the cp ranks average their gradients with the dp ranks, ZeRO shards over dp x cp; "
+        "the attention's s^2 FLOPs, which dominate at long sequences, are not counted, so "
+        "compute is underestimated there for every layout alike",
         f"offload: fp32 gradient shards down and bf16 weight shards up over PCIe at "
         f"{gpu.pcie_gbps:g} GB/s (theoretical), then the host's AdamW over this rank's shard "
         f"(host_step): {HOST_STEP_BYTES} bytes of DRAM traffic per parameter as DeepSpeed runs "
