@@ -109,16 +109,19 @@ def _ungroup(x, groups: int):
 
 class Positions:
     """Where each query and key sits in the sequence, for the causal mask: query i sees key j
-    when k_pos[j] <= q_pos[i]. Both ascending. ``None``: no mask (every key seen)."""
+    when k_pos[j] <= q_pos[i]. Both ascending (1-D tensors or lists). ``None`` in their place:
+    no mask (every key seen). Kept as lists: a tile's mask is made only where it is needed."""
 
     def __init__(self, q_pos, k_pos):
-        self.q, self.k = q_pos, k_pos                               # (T_q,), (T_k,) int64
-        self._q, self._k = q_pos.tolist(), k_pos.tolist()            # for the tile tests
+        self.device = q_pos.device if isinstance(q_pos, torch.Tensor) else None
+        self._q, self._k = [int(p) for p in q_pos], [int(p) for p in k_pos]
 
     @classmethod
     def top_left(cls, Tq: int, Tk: int, device):
         """Query i sees keys 0..i, as SDPA's ``is_causal``."""
-        return cls(torch.arange(Tq, device=device), torch.arange(Tk, device=device))
+        positions = cls([], [])
+        positions.device, positions._q, positions._k = device, range(Tq), range(Tk)
+        return positions
 
     def skips(self, i: int, i_end: int, j: int) -> bool:
         """True if no query of rows i..i_end sees the first key of tile j (nor any after it)."""
@@ -129,8 +132,16 @@ class Positions:
         query of the tile does."""
         if self._k[j_end - 1] <= self._q[i]:
             return None
-        rows = self.q[i:i_end].repeat(groups)                                  # (groups * rows,)
-        return rows[:, None] < self.k[None, j:j_end]
+        rows = torch.tensor(self._q[i:i_end], device=self.device).repeat(groups)  # (groups*rows,)
+        cols = torch.tensor(self._k[j:j_end], device=self.device)                 # (cols,)
+        return rows[:, None] < cols[None, :]
+
+
+def _mask_future(s, positions, i: int, i_end: int, j: int, j_end: int, groups: int) -> None:
+    """-inf in the scores ``s`` where a query would see a key past it (nothing without positions)."""
+    future = positions.future(i, i_end, j, j_end, groups) if positions is not None else None
+    if future is not None:
+        s.masked_fill_(future, float("-inf"))
 
 
 def attend_blocks(q, k, v, out, lse, positions, block: int):
@@ -154,9 +165,7 @@ def attend_blocks(q, k, v, out, lse, positions, block: int):
                 kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
                 vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
                 s = qi @ kj.transpose(-2, -1)                              # (B, Hkv, g*rows, cols)
-                future = positions and positions.future(i, i_end, j, j_end, g)
-                if future is not None:                                     # a diagonal block
-                    s.masked_fill_(future, float("-inf"))
+                _mask_future(s, positions, i, i_end, j, j_end, g)         # a diagonal block
                 new_max = torch.maximum(row_max, s.amax(dim=-1))
                 shift = new_max.masked_fill(new_max == float("-inf"), 0)  # rows seeing no key yet
                 p = torch.exp(s - shift[..., None])                        # (B, Hkv, g*rows, cols)
@@ -175,6 +184,8 @@ def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int)
     ``delta`` (B, H, T_q) is rowsum(dO * O). All four (B, H | Hkv, T, d) as in the forward."""
     B, H, Tq, _ = q.shape
     Tk, g, scale, work = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5, lse.dtype
+    if torch.isinf(lse).any():          # rows that saw no key: exp(s - 0) = 0 for their -inf s
+        lse = lse.masked_fill(torch.isinf(lse), 0)
     with torch.autocast(q.device.type, enabled=False):
         dq = torch.zeros(q.shape, dtype=work, device=q.device)                  # (B, H, T_q, d)
         dk = torch.zeros(k.shape, dtype=work, device=k.device)                # (B, Hkv, T_k, d)
@@ -190,12 +201,9 @@ def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int)
                 qi = _query_block(q, i, i_end, g, work)                    # (B, Hkv, g*rows, d)
                 doi = _query_block(grad_out, i, i_end, g, work)            # (B, Hkv, g*rows, dv)
                 lse_i = _query_block(lse[..., None], i, i_end, g, work)         # (.., g*rows, 1)
-                lse_i = lse_i.masked_fill(lse_i == float("-inf"), 0)     # rows seeing no key: p = 0
                 delta_i = _query_block(delta[..., None], i, i_end, g, work)      # (.., g*rows, 1)
                 s = (qi @ kj.transpose(-2, -1)) * scale                    # (B, Hkv, g*rows, cols)
-                future = positions and positions.future(i, i_end, j, j_end, g)
-                if future is not None:
-                    s.masked_fill_(future, float("-inf"))
+                _mask_future(s, positions, i, i_end, j, j_end, g)
                 p = torch.exp(s - lse_i)                      # the forward's probabilities again
                 dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi         # summed over the group
                 ds = p * (doi @ vj.transpose(-2, -1) - delta_i)          # softmax's backward
@@ -411,15 +419,15 @@ def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
     if impl == "sdpa":              # the fused backward kernel writes dq, dk, dv at once
         return CoreBytes(impl, kept, {**kept, "gradients of q, k, v": 3 * unit})
     # tiled (labkit.transformer.attention.TiledAttention.backward): fp32 gradients filled tile by
-    # tile, one tile's q, dO, k, v in fp32, and either the end (the gradients cast to bf16 beside
-    # the last tile's S, P, dS) or a tile inside the loop (5 tiles: S, P, dS and two temporaries)
+    # tile, and either a tile inside the loop (one tile's q, dO, k, v in fp32; 5 tiles: S, P, dS
+    # and two temporaries) or the end, after the loop's tiles are freed (the gradients cast to bf16)
     b = min(block, T)
     tile = H * b * b * 4                                   # (1, H, b, b) fp32
     common = {**kept, "D = rowsum(dO * O) (fp32)": 4 * H * T,
-              "gradients of q, k, v in fp32 (filled tile by tile)": 2 * 3 * unit,
-              "one tile's q, dO, k, v in fp32": 4 * b * H * d * 4}
-    end = {"gradients cast back to bf16": 3 * unit, "last tile's S, P, dS (fp32)": 3 * tile}
-    inside = {"tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
+              "gradients of q, k, v in fp32 (filled tile by tile)": 2 * 3 * unit}
+    end = {"gradients cast back to bf16": 3 * unit}
+    inside = {"one tile's q, dO, k, v in fp32": 4 * b * H * d * 4,
+              "tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
     return CoreBytes(impl, kept, {**common, **max(end, inside, key=lambda m: sum(m.values()))})
 
 
