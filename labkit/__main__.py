@@ -32,7 +32,7 @@ from labkit.core.recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
                                 fine_tuning_fields)
 from labkit.core.recompute import RECOMPUTE_POLICIES
 from labkit.core.units import CATEGORIES, fmt_bytes
-from labkit.course.plan import RECOMPUTE, TRAINABLE, plan
+from labkit.course.plan import OPTIMIZERS as PLANNED_OPTIMIZERS, RECOMPUTE, TRAINABLE, plan
 from labkit.parallel.data.zero import SHARDED_FROM_STAGE
 from labkit.predict import count_params, estimate
 
@@ -244,6 +244,9 @@ def _plan_options(pla: argparse.ArgumentParser) -> None:
                      help="what trains, one or several: full fine-tuning (all), lora, qlora")
     pla.add_argument("--recompute", nargs="+", default=list(RECOMPUTE), choices=RECOMPUTE,
                      help="recompute policies to search (default: all three)")
+    pla.add_argument("--optimizer", nargs="+", default=["adamw"], choices=PLANNED_OPTIMIZERS,
+                     help="full fine-tuning's optimizers to search (default: adamw; adamw-8bit "
+                          "changes the training's numbers, so it is searched only when asked)")
     pla.add_argument("--headroom", type=_fraction, default=HEADROOM,
                      help=f"fraction of each GPU's memory kept free for the CUDA context, NCCL "
                           f"buffers and fragmentation (default {HEADROOM})")
@@ -285,6 +288,7 @@ def _run(args) -> str:
                       args.global_batch, headroom=args.headroom,
                       trainable=tuple(dict.fromkeys(args.trainable)),
                       recompute=tuple(dict.fromkeys(args.recompute)), top=args.top,
+                      optimizer=tuple(dict.fromkeys(args.optimizer)),
                       verify=args.verify, progress=not args.json,
                       host_ram=args.host_ram and args.host_ram * 2**30,
                       host_gbps=args.host_gbps)

@@ -180,7 +180,7 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
 def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.transformer.checkpointing import RECOMPUTE_POLICIES
     from labkit.core.recipe import SCHEDULES
-    from labkit.course.plan import RECOMPUTE, TRAINABLE
+    from labkit.course.plan import OPTIMIZERS as PLANNED, RECOMPUTE, TRAINABLE
     from labkit.core.gpus import GPUS
     from labkit.core.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
@@ -188,7 +188,8 @@ def test_the_choice_lists_are_labkits_vocabulary():
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
                   "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
                   "--zero-stage": (0, 1, 2, 3)}
-    searched = {"--recompute": RECOMPUTE}        # the planner's policies: no every-k, no sqrt
+    # the planner's policies (no every-k, no sqrt) and optimizers (full fine-tuning's AdamWs)
+    searched = {"--recompute": RECOMPUTE, "--optimizer": PLANNED}
     commands = next(a.choices for a in build_parser()._actions if a.dest == "command")
     for command in ("estimate", "measure", "plan"):
         for action in commands[command]._actions:

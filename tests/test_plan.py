@@ -560,3 +560,31 @@ def test_the_rings_traffic_per_layer_is_stated():
     assert t.cp == pytest.approx(32 * (2 * 7 + 8) * block / (h100.intra_node_gbps * 1e9))
     assert step_time(h100, **shape).cp == 0
     assert t.overlapped < t.total                                 # the ring hides under compute
+
+
+def test_8bit_adamw_is_searched_when_asked_and_advised_when_it_alone_fits():
+    """LLaMA-2-7B on four 24 GB cards, no offload: AdamW's 12 bytes of state per parameter
+    fit no layout; 8-bit AdamW's 6 (its moments 1 byte each) do, and the advice says so."""
+    alone = plan("llama-2-7b", "rtx-4090-24gb", 4, seq=2048, offload=False, top=1)
+    assert alone.fits == [] and any(a.startswith("8-bit AdamW on these 4 GPUs") for a in alone.advice)
+    both = plan("llama-2-7b", "rtx-4090-24gb", 4, seq=2048, offload=False,
+                optimizer=("adamw", "adamw-8bit"), top=3, advice=False)
+    assert both.fits and all(k.recipe.optimizer == "adamw-8bit" for k in both.fits)
+    k = both.fits[0]
+    assert "8-bit AdamW" in k.label() and "8-bit AdamW" in both.text()
+    again = lk.estimate("llama-2-7b", k.micro_batch, 2048, recipe=k.recipe, layout=k.layout)
+    assert again.total == k.estimate.total <= both.usable
+
+
+def test_adamw_ranks_before_8bit_adamw_on_a_tie_and_8bit_is_never_offloaded():
+    p = plan("llama-2-7b", "a100-80gb", 2, seq=2048, optimizer=("adamw", "adamw-8bit"),
+             top=None, advice=False)
+    first = {}
+    for i, k in enumerate(p.fits):
+        first.setdefault((k.label().replace(", 8-bit AdamW", ""), k.recipe.optimizer), i)
+    pairs = [(i, first[name, "adamw-8bit"]) for (name, o), i in first.items()
+             if o == "adamw" and (name, "adamw-8bit") in first]
+    assert pairs and all(a < b for a, b in pairs)
+    assert not any(k.layout.offload and k.recipe.optimizer == "adamw-8bit" for k in p.fits)
+    with pytest.raises(ValueError, match="optimizer"):
+        plan("llama-2-7b", "a100-80gb", 2, optimizer="adam")

@@ -25,7 +25,8 @@ from labkit.core.config import ModelConfig, preset
 from labkit.core.gpus import GPU, HEADROOM, gpu as gpu_named, usable_memory
 from labkit.core.recipe import FINE_TUNING, Layout
 from labkit.core.units import CATEGORIES, check_choice, check_positive, fmt_bytes
-from labkit.predict.plan_search import ADAPTERS, CP_MIN_TOKENS, FULL, RECOMPUTE, _search
+from labkit.predict.plan_search import (ADAPTERS, CP_MIN_TOKENS, FULL, OPTIMIZERS, RECOMPUTE,
+                                       _search)
 from labkit.predict.steptime import assumptions
 
 TRAINABLE = FINE_TUNING
@@ -140,7 +141,7 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
          global_batch: int | None = None, headroom: float = HEADROOM,
          trainable="all", offload: bool = True, top: int | None = 10, verify: int = 0,
          advice: bool = True, progress: bool = False, host_ram: int | None = None,
-         recompute=RECOMPUTE, host_gbps: float | None = None) -> Plan:
+         recompute=RECOMPUTE, host_gbps: float | None = None, optimizer="adamw") -> Plan:
     """Rank the layouts of one training step of ``model`` that fit ``gpus`` GPUs of type ``gpu``.
 
     ``model``: a preset name, a ``ModelConfig`` or a Hugging Face config; ``gpu``: a name in
@@ -154,6 +155,9 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     RECOMPUTE; LoRA and QLoRA are run with checkpointing, so every one by default).
     ``host_gbps``: GB/s of host memory bandwidth per node (default: the GPU type's
     ``host_gbps`` times the GPUs on a node), shared by the node's ranks' CPU optimizer steps.
+    ``optimizer``: full fine-tuning's, one or several of ``OPTIMIZERS`` ("adamw", "adamw-8bit":
+    8-bit moments change the training's numbers, so it is searched only when asked for; on a
+    tie AdamW ranks first).
     """
     start = time.perf_counter()
     c = _model(model)
@@ -172,9 +176,13 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     recompute = (recompute,) if isinstance(recompute, str) else tuple(dict.fromkeys(recompute))
     for r in recompute:
         check_choice("recompute", r, RECOMPUTE)
-    if not trainable or not recompute:
-        raise ValueError("give at least one trainable (all, lora, qlora) and one recompute "
-                         "policy (none, selective, full) to search")
+    optimizers = (optimizer,) if isinstance(optimizer, str) else tuple(dict.fromkeys(optimizer))
+    for o in optimizers:
+        check_choice("optimizer", o, OPTIMIZERS)
+    if not trainable or not recompute or not optimizers:
+        raise ValueError("give at least one trainable (all, lora, qlora), one recompute "
+                         "policy (none, selective, full) and one optimizer (adamw, adamw-8bit) "
+                         "to search")
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = usable_memory(g, headroom)
@@ -189,19 +197,21 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         g = replace(g, host_gbps=host_gbps / min(gpus, gpus_per_node))
     # ZeRO-Offload only when nothing fits on the devices: it is never faster
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
-                                            trainable, False, top, recompute=recompute)
+                                            trainable, False, top, recompute=recompute,
+                                            optimizers=optimizers)
     if not fits and offload:
         fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
                                                    usable, trainable, True, top, host_usable,
-                                                   recompute)
+                                                   recompute, optimizers)
         n += more
     out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
                unexplored, estimates=n)
-    out.assumptions = _assumptions(g, gpus_per_node, usable, headroom, host_ram, recompute)
+    out.assumptions = _assumptions(g, gpus_per_node, usable, headroom, host_ram, recompute,
+                                   optimizers)
     out.overlap = _overlap_check(fits)
     if not fits and advice:
         out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
-                             offload, global_batch, host_ram, recompute)
+                             offload, global_batch, host_ram, recompute, optimizers)
     out.search_s = time.perf_counter() - start          # the search, not the verification
     if verify:
         out.verified = verify_candidates(c, fits[:verify], seq, progress)
@@ -209,13 +219,17 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
 
 
 def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: int,
-                 recompute) -> list[str]:
+                 recompute, optimizers=("adamw",)) -> list[str]:
     """What the plan assumes, in words: memory, recipes, offload, the search, the time model."""
     return [
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
-        f"default); LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
+        f"default)" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
+                       f"and labkit's AdamW8bit keep them; its block scales not counted, its "
+                       f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
+                       " (8-bit AdamW only when asked for: --optimizer adamw-8bit)")
+        + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
         f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
         f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
         f"such a run with labkit.course.published.HF_QLORA, lab 09), "
@@ -320,12 +334,12 @@ def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
 
 
 def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
-            global_batch, host_ram, recompute=RECOMPUTE) -> list[str]:
+            global_batch, host_ram, recompute=RECOMPUTE, optimizers=("adamw",)) -> list[str]:
     """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
     def first_fit(**change):
         kw = dict(gpus=gpus, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
                   headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram,
-                  recompute=recompute)
+                  recompute=recompute, optimizer=optimizers)
         kw.update(change)
         found = plan(c, g, top=1, advice=False, **kw)
         return found.fits[0] if found.fits else None
@@ -344,6 +358,11 @@ def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
         if k:
             out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU)")
             break
+    if "all" in trainable and "adamw-8bit" not in optimizers:
+        k = first_fit(optimizer=("adamw-8bit",))
+        if k:
+            out.append(f"8-bit AdamW on these {gpus} GPUs: {k.label()} "
+                       f"({fmt_bytes(k.estimate.total)} per GPU)")
     if "qlora" not in trainable:
         k = first_fit(trainable=("qlora",))
         if k:

@@ -4,7 +4,7 @@ schedule) with their modelled step times, and the search that estimates them fas
 until enough fit, ruling out what keeps no less than a failure."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from labkit.core.config import ModelConfig
 from labkit.core.gpus import GPU
@@ -26,6 +26,9 @@ FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf
 # context parallelism is searched while each rank keeps this many tokens or more: below it the
 # ring's messages outgrow the attention they hide behind
 CP_MIN_TOKENS = 4096
+# full fine-tuning's optimizers the search can try: AdamW, and 8-bit AdamW (bitsandbytes';
+# labkit's AdamW8bit): its two moments in 1 byte each instead of 4
+OPTIMIZERS = ("adamw", "adamw-8bit")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Family:
     pp: int
     ep: int
     cp: int = 1
+    optimizer: str = "adamw"
 
     @property
     def data_ranks(self) -> int:
@@ -60,7 +64,8 @@ class Family:
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
                 + (f", ep {self.ep}" if self.ep > 1 else "")
-                + (f", cp {self.cp}" if self.cp > 1 else ""))
+                + (f", cp {self.cp}" if self.cp > 1 else "")
+                + (", 8-bit AdamW" if self.optimizer == "adamw-8bit" else ""))
 
 
 @dataclass
@@ -103,7 +108,7 @@ def context_degrees(seq: int, gpus: int) -> list[int]:
 
 
 def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload: bool,
-              seq: int = 0):
+              seq: int = 0, optimizers=("adamw",)):
     """Every family to consider, and the reasons of those that cannot exist."""
     out, impossible = [], {}
     for what in trainable:
@@ -129,6 +134,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                     if c.is_moe and cp == 1:
                         out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
                                 for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
+    # full fine-tuning with each optimizer asked for (LoRA's adapters: AdamW, their states tiny)
+    # (not offloaded: a host step runs AdamW, DeepSpeed's CPU Adam has no 8-bit state)
+    out = [replace(f, optimizer=o) for f in out
+           for o in (optimizers if f.trainable == "all" and not f.offload else ("adamw",))]
     families = []
     for f in dict.fromkeys(out):
         why = _impossible(c, f, gpus_per_node)
@@ -210,7 +219,7 @@ def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, 
         return (per_rank(rest * number, state, f.zero_stage, f.data_ranks)
                 + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
                    if f.ep > 1 else 0))
-    b = state_bytes(FULL, "adamw")
+    b = state_bytes(FULL, f.optimizer)
     params = 0 if f.offload and f.zero_stage == 3 else sharded(b.weights, "params")
     if f.offload:
         return params, 0, 0
@@ -254,7 +263,8 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
     per_rank_batch = batch // f.dp
     lora, qlora = f.trainable != "all", f.trainable == "qlora"
-    recipe_kw = dict(precision=ADAPTERS if lora else FULL, **fine_tuning_fields(f.trainable))
+    recipe_kw = dict(precision=ADAPTERS if lora else FULL, optimizer=f.optimizer,
+                     **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
         schedules = tuple(s for s in schedules if s[0] != "zb-h1")
@@ -313,13 +323,13 @@ def _keeps_no_less(a: Candidate, b: Candidate) -> bool:
 
 
 def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top,
-            host_usable: int | None = None, recompute=RECOMPUTE):
+            host_usable: int | None = None, recompute=RECOMPUTE, optimizers=("adamw",)):
     """(ranked fits, rejected {family: why}, unexplored families, estimates made). An
     offloaded layout also needs its ranks' pinned host memory within ``host_usable`` per node."""
     ranks_per_node = min(gpus, gpus_per_node)
     counts = _Counts(c)
     families, pool, rejected = _pool(c, counts, gpu, gpus, gpus_per_node, seq, batch, usable,
-                                     trainable, offload, recompute)
+                                     trainable, offload, recompute, optimizers)
     fits, failed, leanest = [], {}, {}      # failures by family; each family's smallest
     n_estimates, memo = 0, {}
 
@@ -353,11 +363,12 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             fits.append(k)
         else:
             fail(k, k.estimate.total, why)
-    # equal modelled times (within TIE of the fastest): the larger micro-batch, then the
-    # leaner layout; a tie cut at ``top`` fitted, so it is not "unexplored"
+    # equal modelled times (within TIE of the fastest): the larger micro-batch, then AdamW
+    # over 8-bit AdamW (the same time modelled, exact moments), then the leaner layout; a tie
+    # cut at ``top`` fitted, so it is not "unexplored"
     fastest = min((k.time.total for k in fits), default=1.0) or 1.0
     fits.sort(key=lambda k: (round(k.time.total / fastest / TIE), -k.micro_batch,
-                             k.estimate.total))
+                             k.recipe.optimizer != "adamw", k.estimate.total))
     fitted = {k.family for k in fits}
     fits = fits[:top]
     members_of = {}
@@ -376,10 +387,10 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
 
 
 def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,
-          offload, recompute=RECOMPUTE):
+          offload, recompute=RECOMPUTE, optimizers=("adamw",)):
     """(families, their candidates fastest first, rejected {family: why}): a family is
     rejected whole when the batch does not split over its dp or its states alone overflow."""
-    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload, seq)
+    families, rejected = _families(c, gpus, gpus_per_node, trainable, offload, seq, optimizers)
     pool = []
     for f in families:
         if batch % f.dp:
