@@ -311,8 +311,8 @@ def _overlap_check(fits: list) -> str:
         return ""
     first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
                                                  -fits[i].micro_batch, fits[i].estimate.total))
-    hidden = ("with dp, pp, ep and cp communication hidden under compute (tp's, offload's and "
-              "the host step stay exposed)")
+    hidden = ("with dp, pp and ep communication hidden under compute and cp's under attention "
+              "(tp's, offload's and the host step stay exposed)")
     if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
         first = 0                     # no more than 1% faster: a tie the model cannot break
     if first == 0:

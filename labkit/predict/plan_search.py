@@ -16,15 +16,17 @@ from labkit.predict import Estimate, estimate
 from labkit.predict.formats import nf4_bits_per_param
 from labkit.predict.layers import (block_weights, count_params, embedding_weights, head_weights,
                                    layer_saved, lora_targets)
-from labkit.predict.steptime import StepTime, step_time
+from labkit.predict.steptime import StepTime, attention_forward_flops, step_time
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 # (schedule, chunks per stage) the search tries; not GPipe: 1F1B's bubble with more memory
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
-# context parallelism is searched while each rank keeps this many tokens or more: below it the
-# ring's messages outgrow the attention they hide behind
+# context parallelism is searched while each rank keeps this many tokens or more: a practical
+# floor (Llama 3 trained at 128k tokens with cp 16: 8k per rank). Across nodes a grouped-KV
+# model's K/V hop outlasts the attention it hides behind below about this many tokens (Llama-3-8B
+# on H100s: ~4k); inside a node, or with more key/value heads, the break-even differs
 CP_MIN_TOKENS = 4096
 # full fine-tuning's optimizers the search can try: AdamW, and 8-bit AdamW (bitsandbytes';
 # labkit's AdamW8bit): its two moments in 1 byte each instead of 4
@@ -62,6 +64,8 @@ class Family:
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
+        if self.zero_stage and self.cp > 1:
+            zero += f" over dp x cp = {self.data_ranks}"
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
                 + (f", ep {self.ep}" if self.ep > 1 else "")
                 + (f", cp {self.cp}" if self.cp > 1 else "")
@@ -269,6 +273,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
         schedules = tuple(s for s in schedules if s[0] != "zb-h1")
     active = counts.active
+    attention = attention_forward_flops(c, seq)
     out = []
     for schedule, v in schedules:
         if f.pp * v > c.layers:
@@ -292,7 +297,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                 t = step_time(gpu, gpus=gpus, gpus_per_node=gpus_per_node, active_params=active,
                               hidden=c.hidden, top_k=c.top_k, seq=seq, global_batch=batch,
                               micro=micro, dp=f.dp, tp=f.tp, pp=f.pp, ep=f.ep, cp=f.cp,
-                              kv_width=kv_width(c),
+                              kv_width=kv_width(c), attention_flops=attention,
                               zero_stage=f.zero_stage, offload=f.offload, schedule=schedule,
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,

@@ -2,7 +2,8 @@
 
 Simple on purpose, every assumption returned in words (``assumptions``) for the planner to
 print. Compute is the "6 N D" rule of Kaplan et al. (2020) over the active parameters
-(DeepSeek-V3's MoE: 37B of 671B), divided by the GPUs' dense bf16 peak times an assumed MFU.
+(DeepSeek-V3's MoE: 37B of 671B), plus attention's s^2 FLOPs (PaLM's 12 L H d s per token,
+halved by the causal mask), divided by the GPUs' dense bf16 peak times an assumed MFU.
 Collectives are rings: an all-reduce of S bytes over n ranks sends 2 (n - 1) / n S per rank, a
 reduce-scatter or all-gather (n - 1) / n S (Patarasuk and Yuan, 2009); ZeRO's 2 Psi / 3 Psi
 (Rajbhandari et al., 2020); Megatron-LM's tensor parallelism all-reduces b s h activations
@@ -53,22 +54,26 @@ class StepTime:
     host_step: float = 0.0
     dequant: float = 0.0
     cp: float = 0.0
+    attention: float = 0.0      # attention's s^2 FLOPs (``compute`` is the matmuls' 6 N D)
 
     @property
     def total(self) -> float:
-        return (self.compute + self.dequant + self.bubble + self.dp + self.tp + self.pp
-                + self.ep + self.cp + self.offload + self.host_step)
+        return (self.compute + self.attention + self.dequant + self.bubble + self.dp + self.tp
+                + self.pp + self.ep + self.cp + self.offload + self.host_step)
 
     @property
     def overlapped(self) -> float:
         """Seconds with every collective frameworks overlap hidden under the compute, as far as
         it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
-        pipeline's sends, expert parallel's all-to-all (DualPipe) and the context-parallel
-        ring's K/V (sent while a block computes). Tensor parallel's all-reduces sit between a
-        layer's matmuls and stay exposed, as do offload's copies and its host step."""
-        hidden = self.dp + self.pp + self.ep + self.cp
-        return (self.compute + self.dequant + self.bubble + self.tp + self.offload
-                + self.host_step + max(0.0, hidden - self.compute))
+        pipeline's sends and expert parallel's all-to-all (DualPipe); the context-parallel
+        ring's K/V only under the attention (the next block travels while this one's attention
+        computes). Tensor parallel's all-reduces sit between a layer's matmuls and stay
+        exposed, as do offload's copies and its host step."""
+        work = self.compute + self.attention
+        ring_exposed = max(0.0, self.cp - self.attention)
+        hidden = self.dp + self.pp + self.ep
+        return (work + self.dequant + self.bubble + self.tp + ring_exposed + self.offload
+                + self.host_step + max(0.0, hidden - work))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -98,25 +103,31 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               recompute: str, lora: bool, rank_params: int, rank_expert_params: int,
               stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
               frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES,
-              nf4_params: int = 0, cp: int = 1, kv_width: int = 0) -> StepTime:
+              nf4_params: int = 0, cp: int = 1, kv_width: int = 0,
+              attention_flops: float = 0.0) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
     busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
     ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
     ``frozen_bytes`` each (QLoRA's NF4: about half a byte); ``nf4_params``: the frozen weights
     this rank dequantises for every forward, recomputed forward and backward (QLoRA); ``cp``
     context-parallel ranks passing ``kv_width`` numbers of keys and values per token and layer
-    round a ring."""
+    round a ring; ``attention_flops``: one sequence's causal attention forward, every layer
+    (``attention_forward_flops``)."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
-    compute = (2 + passes) * active_params * tokens / (gpus * gpu.bf16_tflops * 1e12 * mfu)
+    flops = gpus * gpu.bf16_tflops * 1e12 * mfu                 # what the GPUs do per second
+    compute = (2 + passes) * active_params * tokens / flops
     forwards = 2 if recompute == "full" else 1
+    # forward, backward (2x), and full recompute's forward again; selective keeps attention's
+    # output (torchtitan's policy), so it does not run attention again
+    attention = (forwards + 2) * attention_flops * global_batch / flops
     dequant = (forwards + 1) * m * nf4_params * DEQUANT_BYTES / (gpu.hbm_gbps * 1e9
                                                                   * HBM_EFFICIENCY)
     bubble = 0.0
     if pp > 1:
         idle = pipeline_bubble(pp, m, schedule, v)
-        bubble = compute * idle / (1 - idle)
+        bubble = (compute + attention) * idle / (1 - idle)
     intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
     # ranks are placed tp innermost, then cp, then ep inside dp, then pp (Megatron-LM's order)
     dp_bw = intra if tp * cp * dp <= gpus_per_node else inter
@@ -143,28 +154,37 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         ep_time = 2 * (forwards + 1) * stage_moe_layers * m * rows / ep_bw
     cp_time = 0.0
     if cp > 1:            # the ring: K/V cp - 1 hops per forward (recomputed too) and backward,
-        kv = micro * seq // cp * kv_width * STREAM_BYTES     # their gradient cp hops
+        kv = micro * seq // cp * kv_width // tp * STREAM_BYTES   # their gradient cp hops; tp
+        # splits the heads, so each rank passes its heads' K/V
         cp_bw = intra if tp * cp <= gpus_per_node else inter
         cp_time = stage_layers * m * ((forwards + 1) * (cp - 1) + cp) * kv / cp_bw
     offload_time = host_time = 0.0
     if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
-        shard = (rank_params + rank_expert_params) / dp           # a frozen base's shards too)
+        shard = (rank_params + rank_expert_params) / (dp * cp)    # a frozen base's shards too)
         up = 2 * m if zero_stage == 3 else 1
-        frozen = frozen_params / dp if zero_stage == 3 else 0
+        frozen = frozen_params / (dp * cp) if zero_stage == 3 else 0
         offload_time = ((shard * (OFFLOAD_GRAD_BYTES + up * STREAM_BYTES)
                          + frozen * up * frozen_bytes) / (gpu.pcie_gbps * 1e9))
         # the host's AdamW over the shard, bound by this rank's share of the node's DRAM
         host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
-                    dequant, cp_time)
+                    dequant, cp_time, attention)
+
+
+def attention_forward_flops(c, seq: int) -> float:
+    """FLOPs of one sequence's causal attention forward, every layer: q k^T and p v, each
+    2 s^2 x heads x head dim, halved by the mask (MLA: its q/k and v widths)."""
+    qk, v = (c.qk_head_dim, c.v_head_dim) if c.attention == "mla" else (c.head_dim, c.head_dim)
+    return seq * seq * c.layers * c.heads * (qk + v)
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
     """What ``step_time`` assumes, in words, with the numbers it used."""
     return [
         f"compute: (6 + recompute) x active parameters (less the input embedding, a lookup) x "
-        f"tokens / (GPUs x {gpu.bf16_tflops:g} TFLOP/s bf16 dense x MFU {mfu:g}); attention's "
-        f"s^2 FLOPs are not counted (10-20% more at 4096 tokens for a model of hidden 2048)",
+        f"tokens, plus attention's s^2 FLOPs (3 x s^2 x layers x heads x (qk + v head dims) "
+        f"per sequence: forward and 2x backward, causal; full recompute once more), / (GPUs x "
+        f"{gpu.bf16_tflops:g} TFLOP/s bf16 dense x MFU {mfu:g})",
         "MFU is the same for every layout: it does not fall with tp's smaller matmuls, small "
         "expert GEMMs or grouped-GEMM MoE kernels (real MoE fine-tuning often runs well under "
         "0.4), so layouts that split small matrices look better than they are",
@@ -185,7 +205,7 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"rings: all-reduce 2(n-1)/n x bytes, reduce-scatter and all-gather (n-1)/n; bf16 on the "
         f"wire; {gpu.intra_node_gbps:g} GB/s per GPU inside a node of {gpus_per_node}, "
         f"{gpu.inter_node_gbps:g} GB/s across nodes; a group uses the slower link when it "
-        f"spans nodes (ranks placed tp, then ep inside dp, then pp)",
+        f"spans nodes (ranks placed tp, then cp, then ep inside dp, then pp)",
         "data parallel: the gradients (the routed experts' too, unless ep splits them) "
         "all-reduced once per step (DDP, ZeRO-0), or reduce-scattered - once per step with "
         "ZeRO-1, once per micro-batch with ZeRO-2/3, which keep only a shard - and the weights "
@@ -197,12 +217,12 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "of b s h / tp per micro-batch between stages",
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
-        "context parallel (ring attention, labkit.parallel.context): each layer passes its K/V "
-        "block cp - 1 hops in the forward (again with full recompute) and in the backward, and "
-        "its gradient cp hops, in bf16 (torch's context_parallel sends the gradient in fp32); "
-        "the cp ranks average their gradients with the dp ranks, ZeRO shards over dp x cp; "
-        "the attention's s^2 FLOPs, which dominate at long sequences, are not counted, so "
-        "compute is underestimated there for every layout alike",
+        "context parallel (ring attention, labkit.parallel.context): each layer passes its "
+        "heads' K/V block (1/tp of them) cp - 1 hops in the forward (again with full "
+        "recompute) and in the backward, and its gradient cp hops, in bf16 (torch's "
+        "context_parallel sends the gradient in fp32); overlapped, a hop hides only under "
+        "attention's compute; the cp ranks average their gradients with the dp ranks, ZeRO "
+        "shards over dp x cp",
         f"offload: fp32 gradient shards down and bf16 weight shards up over PCIe at "
         f"{gpu.pcie_gbps:g} GB/s (theoretical), then the host's AdamW over this rank's shard "
         f"(host_step): {HOST_STEP_BYTES} bytes of DRAM traffic per parameter as DeepSpeed runs "
@@ -214,7 +234,7 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"default path, would hide it. The planner checks the host memory apart (host_ram)",
         "the ranking adds compute, bubble and every collective (nothing overlaps); real "
         "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
-        "dp, pp and ep communication hidden under compute (tp's, offload's and the host step "
-        "stay exposed): "
-        "the two ends of what a framework does",
+        "dp, pp and ep communication hidden under compute and cp's under attention (tp's, "
+        "offload's and the host step stay exposed; Megatron's --tp-comm-overlap would hide "
+        "some of tp's): the two ends of what a framework does",
     ]
