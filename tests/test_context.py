@@ -231,14 +231,13 @@ def test_trains_as_one_process(trained, kind, world):
 @pytest.mark.slow
 def test_each_ranks_peak_is_the_estimates_with_cp():
     """small at 1,024 tokens: ring attention's rank within 0.5% of ``estimate(layout=Layout(cp))``
-    for cp 1, 2, 4 (measured 0.09-0.14% over), its activations halving with each doubling."""
-    rows = cp_scaling("small", 1, 1024, (1, 2, 4))
+    for cp 2 and 4 (measured +0.09-0.11%; cp 1 is lab 05's), its activations halving with cp."""
+    rows = cp_scaling("small", 1, 1024, (2, 4))
     for row in rows:
         for step in row["steps"]:
             assert step.peak == pytest.approx(row["estimate"].total, rel=0.005)
     acts = [row["steps"][0].peak_by_category["activations"] for row in rows]
     assert acts[1] == pytest.approx(acts[0] / 2, rel=0.01)
-    assert acts[2] == pytest.approx(acts[0] / 4, rel=0.01)
 
 
 def test_zero_shards_over_dp_times_cp():
@@ -258,10 +257,11 @@ def test_zero_shards_over_dp_times_cp():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 3])
-def test_zero_over_the_cp_ranks_is_the_estimates(zero_stage):
-    """labkit's ZeroOptimizer over 2 and 4 cp ranks: each rank within 1.5% of the estimate
-    (measured -1.0% to +1.1% on small at 1,024 tokens, the same in every run)."""
-    for row in cp_scaling("small", 1, 1024, (2, 4), zero_stage=zero_stage):
+def test_zero_over_the_cp_ranks_is_the_estimates():
+    """labkit's ZeroOptimizer over the cp ranks, small at 512 tokens: ZeRO-1 over 2 and ZeRO-3
+    over 4, each rank within 1.5% of the estimate (measured +0.01% and +0.35%; lab 05 runs
+    ZeRO-3 over 4 at 1,024 tokens: -1.03%)."""
+    for zero_stage, cp in ((1, 2), (3, 4)):
+        [row] = cp_scaling("small", 1, 512, (cp,), zero_stage=zero_stage)
         for step in row["steps"]:
             assert step.peak == pytest.approx(row["estimate"].total, rel=0.015)
