@@ -182,3 +182,21 @@ def test_an_ep_that_does_not_divide_the_experts_raises(ep):
 def test_a_dense_model_has_no_experts_to_split():
     with pytest.raises(ValueError, match="MoE model"):
         experts_per_rank(lk.preset("tiny"), 2)
+
+
+def test_a_capacity_factor_drops_the_rows_past_each_experts_buffer():
+    """GShard's capacity: ceil(factor x rows / experts) per expert, the rest dropped."""
+    from labkit.parallel.expert.compose import capacity_drops
+    assert capacity_drops([10, 0, 2, 4], 1.0) == 6             # capacity 4: 10 -> 4
+    assert capacity_drops([10, 0, 2, 4], 2.0) == 2             # capacity 8
+    assert capacity_drops([4, 4, 4, 4], 1.0) == 0
+    with pytest.raises(ValueError, match="capacity_factor"):
+        capacity_drops([1, 2], 0)
+
+
+def test_dropped_share_reads_every_ranks_experts_in_rank_order():
+    from labkit.parallel.expert.expert_parallel import Load, dropped_share
+    one = [Load(0.0, 1, 4, 0.2, 0, 0, "", expert_rows=[[2, 2], [0, 4]]),      # rank 1
+           Load(0.0, 0, 16, 0.8, 0, 0, "", expert_rows=[[12, 0], [4, 4]])]    # rank 0
+    # layer 1: [12, 0, 2, 2], capacity 4, 8 dropped; layer 2: [4, 4, 0, 4], capacity 3, 3 dropped
+    assert dropped_share(one, 1.0) == (8 + 3) / (16 + 12)

@@ -25,6 +25,8 @@ rank (``labkit.parallel.expert.expert_parallel.routing_imbalance`` measures it).
 """
 from __future__ import annotations
 
+import math
+
 from labkit.core.config import ModelConfig
 from labkit.core.recipe import state_bytes
 from labkit.predict.layers import block_weights, embedding_weights, head_weights, mlp_weights
@@ -88,6 +90,18 @@ def routed_rows(cfg: ModelConfig, batch: int, seq: int) -> int:
     """(token, expert) rows a rank dispatches per MoE layer, and under balanced routing the rows
     its experts receive: batch * seq * top_k."""
     return batch * seq * cfg.top_k
+
+
+def capacity_drops(rows_per_expert: list[int], capacity_factor: float) -> int:
+    """Rows a capacity factor drops in one MoE layer (GShard, Switch Transformer): each expert
+    takes at most ceil(factor x rows / experts), the rest of its rows are dropped (their tokens
+    skip the expert; with top-k > 1 their other experts still count). labkit's MoE, like
+    DeepSeek-V3, drops none: this is what a capacity-bounded system would."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 (1.0: each expert takes its balanced "
+                         f"share; 1.25-2.0 are common), got {capacity_factor!r}")
+    capacity = math.ceil(capacity_factor * sum(rows_per_expert) / len(rows_per_expert))
+    return sum(max(0, n - capacity) for n in rows_per_expert)
 
 
 def permutation_bytes(rows: int) -> int:

@@ -48,8 +48,9 @@ from labkit.core.units import check_positive
 from labkit.parallel.cluster import RankContext, run
 from labkit.parallel.comm import AllToAll, CommCounter
 from labkit.parallel.data.zero_step import ZeroOptimizer
-from labkit.parallel.expert.compose import (dp_degree, experts_per_rank, new_groups,  # noqa: F401
-                                            permutation_bytes, rank_params, shard_kept_bytes)
+from labkit.parallel.expert.compose import (capacity_drops, dp_degree,  # noqa: F401
+                                            experts_per_rank, new_groups, permutation_bytes,
+                                            rank_params, shard_kept_bytes)
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.quantisation.lora import apply_lora
 from labkit.training.step import make_optimizer, param_dtype, train_step
@@ -65,10 +66,12 @@ class ExpertComm(CommCounter):
     def __init__(self, group, world: int, rank: int):
         super().__init__(group, world, rank)
         self.received: list[int] = []
+        self.expert_rows: list[list[int]] = []    # per MoE layer, rows of each of my experts
 
     def reset(self):
         super().reset()
         self.received = []
+        self.expert_rows = []
 
 
 # ---- the layer ---------------------------------------------------------------------------------
@@ -111,6 +114,7 @@ class ExpertShard(nn.Module):
             torch.tensor(flat, device=x.device), output_size=sum(recv))       # (M,)
         by_expert = expert_of_row.argsort(stable=True)                        # (M,)
         per_expert = [sum(row[j] for row in incoming) for j in range(L)]      # (L,) ints
+        self.comm.expert_rows.append(per_expert)
         y = self.local(x[by_expert], per_expert)                              # (M, h) by expert
         y = y[by_expert.argsort()]                                            # (M, h) by source
         return AllToAll.apply(y, recv, send, self.comm, "combine")            # (N*k, h)
@@ -243,6 +247,7 @@ class EPStep(RankStep):
     and the bytes it sent in each group ("ep", "dp", "world")."""
 
     received: list = field(default_factory=list)
+    expert_rows: list = field(default_factory=list)     # per MoE layer, rows of each expert
     dispatched: int = 0
     expert_bytes: int = 0
     param_bytes: int = 0
@@ -291,6 +296,7 @@ def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: 
                         sent=sent)
     by_group = groups.sent_by_group() | (optimizer.last_step_by_group if zero_stage else {})
     return EPStep(**vars(step), received=list(groups.experts.received),
+                  expert_rows=[list(rows) for rows in groups.experts.expert_rows],
                   dispatched=model.cfg.top_k * batch * seq,
                   expert_bytes=sum(p.nbytes for p in expert_parameters(model)),
                   param_bytes=sum(p.nbytes for p in model.parameters()),
@@ -392,6 +398,7 @@ class Load:
     peak: int
     activations: int              # activation bytes at the peak
     peak_phase: str
+    expert_rows: list = field(default_factory=list)   # per MoE layer, rows of each of its experts
 
 
 def loads(hots, per_rank: list[list[EPStep]]) -> list[Load]:
@@ -401,8 +408,21 @@ def loads(hots, per_rank: list[list[EPStep]]) -> list[Load]:
         steps = [ranks[i] for ranks in per_rank]
         total = sum(sum(s.received) for s in steps)
         rows += [Load(float(hot), s.rank, sum(s.received), sum(s.received) / total, s.peak,
-                      s.peak_by_category["activations"], s.peak_phase) for s in steps]
+                      s.peak_by_category["activations"], s.peak_phase, s.expert_rows)
+                 for s in steps]
     return rows
+
+
+def dropped_share(loads_of_one_router: list[Load], capacity_factor: float) -> float:
+    """The share of all (token, expert) rows a capacity factor would drop under one router:
+    every rank's experts, in rank order, are the layer's experts (``compose.capacity_drops``)."""
+    ranks = sorted(loads_of_one_router, key=lambda load: load.rank)
+    dropped = total = 0
+    for layer in zip(*(load.expert_rows for load in ranks)):
+        rows = [n for experts in layer for n in experts]                    # all E experts
+        dropped += capacity_drops(rows, capacity_factor)
+        total += sum(rows)
+    return dropped / total
 
 
 def routing_imbalance(ep: int, hots=(0.0, 0.02, 0.05, 1.0), model_name: str = "tiny-moe",
