@@ -6,10 +6,11 @@
       attention: ring_attention (K/V round the ring) or ulysses_attention (two all-to-alls)
       backward, then each gradient averaged over the cp ranks (as data parallelism does)
 
-Every rank holds the whole model and its optimizer state; activations are those of T/cp tokens
-(``labkit.estimate(..., layout=Layout(cp=...))`` counts the step with seq / cp tokens). In
-Megatron-LM and torchtitan the cp ranks also shard the optimizer state with the dp ranks
-(the distributed optimizer and FSDP run over dp x cp).
+Every rank holds the whole model; activations are those of T/cp tokens
+(``labkit.estimate(..., layout=Layout(cp=...))`` counts the step with seq / cp tokens). The
+optimizer state is whole on every rank, or sharded over the cp ranks by labkit's ZeRO
+(``cp_train(zero_stage=...)``), as Megatron-LM's distributed optimizer and torchtitan's FSDP
+shard it over dp x cp (the estimate's ``Layout.data_ranks``).
 """
 from __future__ import annotations
 
