@@ -339,7 +339,9 @@ def _estimated(args, step: dict) -> tuple:
         extra["fits " + args.gpu.name] = _fits(result.total, args.gpu)
     title = (f"{args.model.name}: predicted bytes per device, {args.device} defaults\n(batch "
              f"{args.batch}, seq {args.seq}, {args.precision}, {args.optimizer}, "
-             f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}, dp {args.dp}, "
+             f"ZeRO-{args.zero_stage}{'-Offload' if args.offload else ''}"
+             f"{f' over dp x cp = {args.dp * args.cp}' if args.zero_stage and args.cp > 1 else ''}, "
+             f"dp {args.dp}, "
              f"tp {args.tp}{' with sp' if args.sp else ''}, "
              f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
     return result, extra, title

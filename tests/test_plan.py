@@ -621,3 +621,17 @@ def test_adamw_ranks_before_8bit_adamw_on_a_tie_and_8bit_is_never_offloaded():
     assert not any(k.layout.offload and k.recipe.optimizer == "adamw-8bit" for k in p.fits)
     with pytest.raises(ValueError, match="optimizer"):
         plan("llama-2-7b", "a100-80gb", 2, optimizer="adam")
+
+
+def test_attention_covers_the_ring_or_the_rest_not_both():
+    """Overlapped, the ring hides under attention; dp, pp and ep under what it left."""
+    from labkit.predict.steptime import StepTime
+    t = StepTime(compute=0.0, bubble=0.0, dp=10.0, tp=0.0, pp=0.0, ep=0.0, offload=0.0,
+                 cp=10.0, attention=10.0)
+    assert t.total == pytest.approx(30.0) and t.overlapped == pytest.approx(20.0)
+
+
+def test_an_8bit_adamw_plan_is_verified_with_8bit_adamw():
+    p = plan("small", "rtx-4090-24gb", 1, seq=512, optimizer="adamw-8bit", verify=1)
+    [v] = p.verified
+    assert "8-bit AdamW" in v["label"] and v["ratio"] == pytest.approx(1, abs=0.01)

@@ -179,10 +179,11 @@ class Layout:
     ``micro_batches`` (None: ``pp``, the fewest that fill a 1F1B pipeline) under
     ``schedule``; ``ep`` expert parallel: the routed experts split over groups of ``ep`` of the
     ``dp`` data-parallel ranks (Megatron-LM's convention; DeepSeek-V3: 64-way inside its data
-    parallelism), so ep divides dp and each expert shard has dp / ep copies; the replicated
-    weights are averaged over all dp ranks (``labkit.parallel.expert.compose``); ``cp`` context
-    parallel (the sequence split over ``cp`` ranks; ZeRO and the gradients' average span
-    dp x cp, ``data_ranks``). ``ddp_buckets``: whether data parallelism
+    parallelism), so ep divides dp and each expert shard has dp / ep copies (dp x cp / ep with
+    cp); the replicated weights are averaged over all dp ranks
+    (``labkit.parallel.expert.compose``); ``cp`` context parallel (the sequence split over
+    ``cp`` ranks; ZeRO and the gradients' average span dp x cp, ``data_ranks``).
+    ``ddp_buckets``: whether data parallelism
     keeps DDP's flat gradient buckets (True) or averages each gradient in place after the
     backward pass (False, as labkit.parallel.expert.expert_parallel's step does at any ep); None:
     True for plain data parallelism (ep = 1), False with ep > 1.

@@ -224,11 +224,11 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
     return [
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
-        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach (CUDA's "
-        f"default)" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
+        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach, CUDA's "
+        f"default" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
                        f"and labkit's AdamW8bit keep them; its block scales not counted, its "
                        f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
-                       " (8-bit AdamW only when asked for: --optimizer adamw-8bit)")
+                       "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
         + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
         f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
         f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
@@ -283,18 +283,21 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
         L, r, e = k.layout, k.recipe, k.estimate
         row = {"rank": rank, "label": k.label(), "estimated": e.total}
         if L == Layout() or (r.trainable == "lora" and L == Layout(dp=L.dp)):
-            measured = measure_step(c, k.micro_batch, seq, r.precision, recompute=r.recompute,
+            measured = measure_step(c, k.micro_batch, seq, r.precision, r.optimizer,
+                                    recompute=r.recompute,
                                     fake=True, device="cuda", trainable=r.trainable,
                                     lora_rank=r.lora_rank, weight_format=r.weight_format).total
             how = ("measure_step, one GPU" if L.dp == 1 else
                    "measure_step, one replica (DDP's adapter buckets not in it)")
-        elif (L.tp, L.pp, L.ep, L.cp, L.offload, L.zero_stage) == (1, 1, 1, 1, False, 3):
+        elif ((L.tp, L.pp, L.ep, L.cp, L.offload, L.zero_stage) == (1, 1, 1, 1, False, 3)
+              and r.optimizer == "adamw"):      # FSDP2's fake run steps torch's AdamW
             measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
                                        recompute=r.recompute, trainable=r.trainable,
                                        lora_rank=r.lora_rank)["peak"]
             how = f"FSDP2 on a fake group of {L.dp}"
         else:
-            row["result"] = "not verifiable on fake tensors here (tp, pp, ep, cp, DDP or offload)"
+            row["result"] = ("not verifiable on fake tensors here (tp, pp, ep, cp, DDP, offload, "
+                             "or 8-bit AdamW under FSDP2)")
             out.append(row)
             continue
         row.update(measured=measured, ratio=measured / e.total,

@@ -70,10 +70,10 @@ class StepTime:
         computes). Tensor parallel's all-reduces sit between a layer's matmuls and stay
         exposed, as do offload's copies and its host step."""
         work = self.compute + self.attention
-        ring_exposed = max(0.0, self.cp - self.attention)
-        hidden = self.dp + self.pp + self.ep
-        return (work + self.dequant + self.bubble + self.tp + ring_exposed + self.offload
-                + self.host_step + max(0.0, hidden - work))
+        ring = min(self.cp, self.attention)           # the ring's part under the attention
+        hidden = self.dp + self.pp + self.ep          # under what the ring left uncovered
+        return (work + self.dequant + self.bubble + self.tp + (self.cp - ring) + self.offload
+                + self.host_step + max(0.0, hidden - (work - ring)))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -183,7 +183,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
     return [
         f"compute: (6 + recompute) x active parameters (less the input embedding, a lookup) x "
         f"tokens, plus attention's s^2 FLOPs (3 x s^2 x layers x heads x (qk + v head dims) "
-        f"per sequence: forward and 2x backward, causal; full recompute once more), / (GPUs x "
+        f"per sequence: forward and 2x backward, causal, the MFU convention - FlashAttention's "
+        f"backward does about 2.5x, recomputing the scores; full recompute once more), / (GPUs x "
         f"{gpu.bf16_tflops:g} TFLOP/s bf16 dense x MFU {mfu:g})",
         "MFU is the same for every layout: it does not fall with tp's smaller matmuls, small "
         "expert GEMMs or grouped-GEMM MoE kernels (real MoE fine-tuning often runs well under "

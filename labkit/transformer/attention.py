@@ -114,7 +114,8 @@ class Positions:
 
     def __init__(self, q_pos, k_pos):
         self.device = q_pos.device if isinstance(q_pos, torch.Tensor) else None
-        self._q, self._k = [int(p) for p in q_pos], [int(p) for p in k_pos]
+        self._q, self._k = (p.tolist() if isinstance(p, torch.Tensor) else list(p)
+                            for p in (q_pos, k_pos))
 
     @classmethod
     def top_left(cls, Tq: int, Tk: int, device):
@@ -132,9 +133,16 @@ class Positions:
         query of the tile does."""
         if self._k[j_end - 1] <= self._q[i]:
             return None
-        rows = torch.tensor(self._q[i:i_end], device=self.device).repeat(groups)  # (groups*rows,)
-        cols = torch.tensor(self._k[j:j_end], device=self.device)                 # (cols,)
+        rows = self._positions(self._q, i, i_end).repeat(groups)                  # (groups*rows,)
+        cols = self._positions(self._k, j, j_end)                                 # (cols,)
         return rows[:, None] < cols[None, :]
+
+    def _positions(self, positions, start: int, end: int):
+        """positions[start:end] as a tensor: made on the device for a range (no copy from the
+        host), from the list otherwise."""
+        if isinstance(positions, range):
+            return torch.arange(positions[start], positions[end - 1] + 1, device=self.device)
+        return torch.tensor(positions[start:end], device=self.device)
 
 
 def _mask_future(s, positions, i: int, i_end: int, j: int, j_end: int, groups: int) -> None:
@@ -178,13 +186,15 @@ def attend_blocks(q, k, v, out, lse, positions, block: int):
             lse[:, :, i:i_end] = _ungroup((row_max + row_sum.log())[..., None], g)[..., 0]
 
 
-def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int):
+def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int,
+                           every_row_sees_a_key: bool = False):
     """FlashAttention-2's backward loop: (dq, dk, dv) in ``lse``'s dtype, the probabilities
     recomputed block by block from q, k and the rows' log-sum-exp ``lse`` (B, H, T_q);
-    ``delta`` (B, H, T_q) is rowsum(dO * O). All four (B, H | Hkv, T, d) as in the forward."""
+    ``delta`` (B, H, T_q) is rowsum(dO * O). All four (B, H | Hkv, T, d) as in the forward.
+    ``every_row_sees_a_key``: lse has no -inf row, so no check (a device sync) is needed."""
     B, H, Tq, _ = q.shape
     Tk, g, scale, work = k.shape[2], H // k.shape[1], q.shape[-1] ** -0.5, lse.dtype
-    if torch.isinf(lse).any():          # rows that saw no key: exp(s - 0) = 0 for their -inf s
+    if not every_row_sees_a_key and torch.isinf(lse).any():   # rows that saw no key: s = -inf
         lse = lse.masked_fill(torch.isinf(lse), 0)
     with torch.autocast(q.device.type, enabled=False):
         dq = torch.zeros(q.shape, dtype=work, device=q.device)                  # (B, H, T_q, d)
@@ -247,7 +257,9 @@ class TiledAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             # D = rowsum(dO * O): the softmax's backward needs it once per row
             delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)                # (B, H, T_q)
-        dq, dk, dv = attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, ctx.block)
+        # causal top-left: every row sees key 0; not causal: every key
+        dq, dk, dv = attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, ctx.block,
+                                            every_row_sees_a_key=True)
         grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None)
 

@@ -151,8 +151,9 @@ class RingAttention(torch.autograd.Function):
                 pending = comm.exchange(kv, after, before, "ring K/V (backward)")
             k_s, v_s = _unpack(kv, k.shape, v.shape)
             positions = Positions(q_pos, zigzag_positions(T * cp, cp, held, q.device))
+            # the merged lse: every row saw its own key
             dq_s, dk_s, dv_s = attend_blocks_backward(q, k_s, v_s, grad_out, lse, delta,
-                                                      positions, block)
+                                                      positions, block, every_row_sees_a_key=True)
             dq += dq_s
             mine = _pack(dk_s, dv_s)
             del dq_s, dk_s, dv_s                    # packed: not kept through the next block

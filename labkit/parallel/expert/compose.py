@@ -93,10 +93,11 @@ def routed_rows(cfg: ModelConfig, batch: int, seq: int) -> int:
 
 
 def capacity_drops(rows_per_expert: list[int], capacity_factor: float) -> int:
-    """Rows a capacity factor drops in one MoE layer (GShard, Switch Transformer): each expert
-    takes at most ceil(factor x rows / experts), the rest of its rows are dropped (their tokens
-    skip the expert; with top-k > 1 their other experts still count). labkit's MoE, like
-    DeepSeek-V3, drops none: this is what a capacity-bounded system would."""
+    """Rows a capacity factor drops in one MoE layer with one buffer per expert over the whole
+    group: each expert takes at most ceil(factor x rows / experts), the rest of its rows are
+    dropped (their tokens skip the expert; with top-k > 1 their other experts still count).
+    GShard, Switch Transformer and DeepSpeed apply the buffer per group of tokens (per rank),
+    which drops at least as many. labkit's MoE, like DeepSeek-V3, drops none."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0 (1.0: each expert takes its balanced "
                          f"share; 1.25-2.0 are common), got {capacity_factor!r}")
