@@ -228,18 +228,6 @@ def test_trains_as_one_process(trained, kind, world):
     assert len({r.losses[0] for r in ranks}) == world               # each on its own tokens
 
 
-@pytest.mark.slow
-def test_each_ranks_peak_is_the_estimates_with_cp():
-    """small at 1,024 tokens: ring attention's rank within 0.5% of ``estimate(layout=Layout(cp))``
-    for cp 2 and 4 (measured +0.09-0.11%; cp 1 is lab 05's), its activations halving with cp."""
-    rows = cp_scaling("small", 1, 1024, (2, 4))
-    for row in rows:
-        for step in row["steps"]:
-            assert step.peak == pytest.approx(row["estimate"].total, rel=0.005)
-    acts = [row["steps"][0].peak_by_category["activations"] for row in rows]
-    assert acts[1] == pytest.approx(acts[0] / 2, rel=0.01)
-
-
 def test_zero_shards_over_dp_times_cp():
     """The cp ranks hold the same weights, so ZeRO shards over dp x cp (Megatron-LM's
     distributed optimizer, torchtitan's FSDP): the optimizer state of dp 2 x cp 2 is a quarter."""
@@ -258,10 +246,10 @@ def test_zero_shards_over_dp_times_cp():
 
 @pytest.mark.slow
 def test_zero_over_the_cp_ranks_is_the_estimates():
-    """labkit's ZeroOptimizer over the cp ranks, small at 512 tokens: ZeRO-1 over 2 and ZeRO-3
-    over 4, each rank within 1.5% of the estimate (measured +0.01% and +0.35%; lab 05 runs
-    ZeRO-3 over 4 at 1,024 tokens: -1.03%)."""
-    for zero_stage, cp in ((1, 2), (3, 4)):
-        [row] = cp_scaling("small", 1, 512, (cp,), zero_stage=zero_stage)
-        for step in row["steps"]:
-            assert step.peak == pytest.approx(row["estimate"].total, rel=0.015)
+    """labkit's ZeroOptimizer (ZeRO-1) over 2 cp ranks, small at 512 tokens: each rank within
+    1.5% of the estimate (measured +0.01%). Lab 05's checked cells hold the rest: the ring at
+    cp 1, 2 and 4 within 0.5% of the estimate with its activations 1/cp, and ZeRO-3 over 4 cp
+    ranks at 1,024 tokens within 1.5% (-1.03%)."""
+    [row] = cp_scaling("small", 1, 512, (2,), zero_stage=1)
+    for step in row["steps"]:
+        assert step.peak == pytest.approx(row["estimate"].total, rel=0.015)
