@@ -20,6 +20,7 @@ from labkit.parallel.context.ulysses import contiguous_shard, ulysses_attention
 from labkit.transformer.attention import Positions, attend_blocks, attend_blocks_backward
 
 CLOSE = dict(rtol=0, atol=1e-12)
+ONE, TWO = CommCounter(None, world=1, rank=0), CommCounter(None, world=2, rank=0)  # no group
 # (B, H, Hkv, T, d, dv): multi-head, grouped kv heads over two rows, tiles (16) across chunks
 CASES = [(1, 4, 4, 32, 8, 8), (2, 4, 2, 64, 8, 8), (1, 4, 4, 48, 16, 16)]
 WORLDS = (2, 4)
@@ -154,38 +155,31 @@ def test_bf16_ring_of_one_is_sdpa():
     one bf16 step (2^-8 relative) of SDPA; torch's bf16 tolerance (1.6e-2 relative) here."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 64, 16, generator=g).to(torch.bfloat16) for _ in range(3))
-    one = CommCounter(None, world=1, rank=0)
-    ring = ring_attention(q, k, v, one, block=16)
+    ring = ring_attention(q, k, v, ONE, block=16)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(ring, sdpa, rtol=1.6e-2, atol=4e-3)
 
 
-def test_bad_input_names_the_fix():
-    one = CommCounter(None, world=1, rank=0)
-    two = CommCounter(None, world=2, rank=0)
-    with pytest.raises(ValueError, match="2 x cp = 8"):
-        zigzag_shard(torch.zeros(1, 12), 4, 0)
-    with pytest.raises(ValueError, match="split the sequence with zigzag_shard"):
-        ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 8, 4),
-                       one)
-    with pytest.raises(ValueError, match="kv heads"):
-        ring_attention(torch.zeros(1, 3, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4),
-                       one)
-    with pytest.raises(ValueError, match=r"key/value heads \(1\) must divide by cp = 2"):
-        ulysses_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 1, 8, 4),
-                          torch.zeros(1, 1, 8, 4), two)
-    with pytest.raises(ValueError, match="one value per key|same number of keys|as many"):
-        ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(1, 1, 8, 4),
-                       one)
-    with pytest.raises(ValueError, match="same head dim"):
-        ring_attention(torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 6), torch.zeros(1, 2, 8, 4),
-                       one)
-    with pytest.raises(ValueError, match="contiguous_shard"):
-        ulysses_attention(torch.zeros(2, 8, 4), torch.zeros(2, 8, 4), torch.zeros(2, 8, 4), two)
-    with pytest.raises(ValueError, match="multiple of 3"):
-        contiguous_shard(torch.zeros(1, 8), 3, 0)
-    with pytest.raises(ValueError, match="ring"):
-        positions(1, 8, two, "rings")
+def _qkv(q_heads=2, k_heads=2, v_heads=2, q_len=8, k_len=8, k_dim=4):
+    return (torch.zeros(1, q_heads, q_len, 4), torch.zeros(1, k_heads, k_len, k_dim),
+            torch.zeros(1, v_heads, k_len, 4))
+
+
+@pytest.mark.parametrize("call, fix", [
+    (lambda: zigzag_shard(torch.zeros(1, 12), 4, 0), "2 x cp = 8"),
+    (lambda: ring_attention(*_qkv(k_len=6), ONE), "split the sequence with zigzag_shard"),
+    (lambda: ring_attention(*_qkv(q_heads=3), ONE), "kv heads"),
+    (lambda: ring_attention(*_qkv(v_heads=1), ONE), "give each key head its value head"),
+    (lambda: ring_attention(*_qkv(k_dim=6), ONE), "same head dim"),
+    (lambda: ulysses_attention(*_qkv(k_heads=1, v_heads=1), TWO),
+     r"key/value heads \(1\) must divide by cp = 2"),
+    (lambda: ulysses_attention(*(t[0] for t in _qkv()), TWO), "contiguous_shard"),
+    (lambda: contiguous_shard(torch.zeros(1, 8), 3, 0), "multiple of 3"),
+    (lambda: positions(1, 8, TWO, "rings"), "ring"),
+])
+def test_bad_input_names_the_fix(call, fix):
+    with pytest.raises(ValueError, match=fix):
+        call()
 
 
 def test_a_ring_of_one_is_the_tiled_core():
@@ -197,12 +191,11 @@ def test_a_ring_of_one_is_the_tiled_core():
     torch.manual_seed(0)
     model = build_model(preset("tiny"), dtype=torch.float64)
     tokens = torch.randint(0, 256, (2, 33))
-    one = CommCounter(None, world=1, rank=0)
-    with context_parallel(one, "ring", block=16):
-        ring = cp_loss(model, tokens[:, :-1], tokens[:, 1:], one)
+    with context_parallel(ONE, "ring", block=16):
+        ring = cp_loss(model, tokens[:, :-1], tokens[:, 1:], ONE)
     with use_attention("tiled"):
         tiled = model(tokens[:, :-1], tokens[:, 1:])
-    assert ring.item() == pytest.approx(tiled.item(), rel=1e-12) and not one.sent
+    assert ring.item() == pytest.approx(tiled.item(), rel=1e-12) and not ONE.sent
 
 
 @pytest.fixture(scope="module")
