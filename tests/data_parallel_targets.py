@@ -114,11 +114,13 @@ def _weights(module) -> dict:
 
 
 def train(ctx, model_name="mlp", wrapper="labkit", optimizer="sgd", steps=3, bucket_mb=None,
-          differ=False, find_unused=False, accumulate=1, dtype=torch.float64) -> Trained:
+          differ=False, find_unused=False, accumulate=1, dtype=torch.float64,
+          hooked=False) -> Trained:
     """``steps`` steps of ``model_name`` on this rank's rows under ``wrapper`` ("labkit":
     DataParallel, "torch": DistributedDataParallel); ``differ``: each rank initialises with its
     own seed (the wrap must make them equal); ``accumulate`` micro-batches per step, all but the
-    last under no_sync()."""
+    last under no_sync(); ``hooked``: labkit's ``finish()`` called by the optimizer's step
+    (``finish_before``), not by the loop."""
     torch.manual_seed(ctx.rank if differ else 0)
     net = MODELS[model_name]().to(dtype)
     built = _weights(net)
@@ -130,6 +132,8 @@ def train(ctx, model_name="mlp", wrapper="labkit", optimizer="sgd", steps=3, buc
                                         find_unused_parameters=find_unused)
     initial = _weights(net)
     opt = make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
+    if hooked:
+        model.finish_before(opt)
     losses = []
     for step in range(steps):
         for micro in range(accumulate):
@@ -139,7 +143,7 @@ def train(ctx, model_name="mlp", wrapper="labkit", optimizer="sgd", steps=3, buc
                 loss = loss_of(model_name, model, inputs, targets, step, ctx.rank) / accumulate
                 loss.backward()
             losses.append(loss.item())
-        if wrapper == "labkit":
+        if wrapper == "labkit" and not hooked:
             model.finish()
         opt.step()
         opt.zero_grad(set_to_none=True)

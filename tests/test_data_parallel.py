@@ -37,6 +37,9 @@ def _settings() -> dict:
                                                   find_unused=True, **common)
             runs[wrapper, "accumulate", mode] = dict(model_name="mlp", optimizer="adamw",
                                                      accumulate=2, **common)
+    for mode, bucket_mb in MODES.items():     # finish() from the optimizer's step pre-hook
+        runs["labkit", "hooked", mode] = dict(model_name="tied", optimizer="adamw", hooked=True,
+                                              wrapper="labkit", bucket_mb=bucket_mb, differ=True)
     return runs
 
 
@@ -104,6 +107,14 @@ def test_trains_exactly_as_torch_ddp(ranks, model, mode):
     a, b = ranks["labkit", model, mode]
     assert max_diff(a.final, b.final) == 0                    # the copies stayed equal
     assert a.losses != b.losses                               # ... on different rows
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finish_before_steps_on_the_mean_from_the_optimizers_step(ranks, mode):
+    """A loop that never calls finish(): the optimizer's step pre-hook does, with the same result."""
+    for hooked, called in zip(ranks["labkit", "hooked", mode], ranks["labkit", "tied", mode]):
+        assert hooked.losses == called.losses
+        assert max_diff(hooked.final, called.final) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -26,7 +26,8 @@ from labkit.parallel.cluster import RankContext, default_backend, run
 from labkit.parallel.comm import CommCounter
 from labkit.parallel.context.ring import ring_attention, zigzag_positions, zigzag_shard
 from labkit.parallel.context.ulysses import contiguous_shard, ulysses_attention
-from labkit.parallel.data.fsdp import ADAMW, average_gradients
+from labkit.parallel.data.data_parallel import DataParallel
+from labkit.parallel.data.fsdp import ADAMW
 from labkit.parallel.data.zero_step import ZeroOptimizer
 from labkit.parallel.steps import RankStep, measure_rank
 from labkit.predict import estimate
@@ -99,9 +100,9 @@ def cp_train(ctx: RankContext, model_name: str = "tiny", batch: int = 1, seq: in
         opt = ZeroOptimizer(model, ctx.group, zero_stage, lr=ADAMW["lr"],
                             weight_decay=ADAMW["weight_decay"], betas=ADAMW["betas"],
                             eps=ADAMW["eps"])
-    else:
-        average_gradients(model, ctx.group)         # a no-op on one rank
+    else:                                       # each gradient all-reduced in place, averaged
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        DataParallel(model, ctx.group).finish_before(opt)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, model.cfg.vocab_size, (batch, seq + 1), generator=g)
                .to(ctx.device) for _ in range(steps)]

@@ -123,6 +123,8 @@ class DataParallel(nn.Module):
         loss.backward()                    # all-reduces launched as gradients appear
         model.finish(); optimizer.step(); optimizer.zero_grad()
 
+    (or ``model.finish_before(optimizer)`` once, and ``optimizer.step()`` calls it.)
+
     Frozen parameters (``requires_grad=False``) are broadcast, never all-reduced. A tied weight
     (one parameter reached from two modules) is one parameter: its hook runs once, after both
     uses have added to its gradient, and it is all-reduced once. A parameter that gets no
@@ -201,6 +203,11 @@ class DataParallel(nn.Module):
         done = work.get_future().then(
             lambda _: timeline.append(Event(time.perf_counter() - t0, "done", tuple(bucket.names))))
         self._works.append((work, done))
+
+    def finish_before(self, optimizer):
+        """Call ``finish()`` at the start of every ``optimizer.step()`` (a step pre-hook), for a
+        training loop that does not know about the wrapper. Returns the hook's handle."""
+        return optimizer.register_step_pre_hook(lambda *_: self.finish())
 
     # ---- after the backward pass -------------------------------------------------------------
     def finish(self):

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from labkit.core.config import preset
 from labkit.core.units import CATEGORIES, check_choice
+from labkit.parallel.data.data_parallel import DataParallel
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
 from labkit.parallel.data.zero_step import train_zero
@@ -142,30 +143,19 @@ class FSDP2Parameters:
 
 
 # ---- the rank functions ---------------------------------------------------------------------
-def average_gradients(model, group) -> list:
-    """Average each parameter's gradient over ``group`` as soon as backward has made it: an
-    all-reduce (sum) in place, then / N; data parallelism without DDP's extra bucket copy.
-    Returns the hook handles."""
-    world = dist.get_world_size(group=group)
-
-    def average(p):
-        dist.all_reduce(p.grad, group=group)
-        p.grad.div_(world)
-    return [p.register_post_accumulate_grad_hook(average) for p in model.parameters()
-            if p.requires_grad]
-
-
 def zero_redundancy_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
                          steps: int = 3) -> ShardStep:
     """torch's ``ZeroRedundancyOptimizer`` (stage 1): each rank steps AdamW on the whole
-    parameters it owns, then broadcasts them. Gradients are averaged by an all-reduce per
-    parameter (``average_gradients``), not DDP, whose buckets would add a copy of them."""
+    parameters it owns, then broadcasts them. Gradients are averaged by labkit's
+    ``DataParallel`` without buckets (an all-reduce per parameter, in place), not torch's DDP,
+    whose buckets would add a copy of them."""
     model = _seeded_model(model_name, ctx.device)
-    average_gradients(model, ctx.group)
+    averaged = DataParallel(model, ctx.group)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   process_group=ctx.group, **ADAMW)
+    averaged.finish_before(opt)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
-    step = measure_rank(ctx, model, model, opt, batches, states=opt.optim)
+    step = measure_rank(ctx, model, averaged, opt, batches, states=opt.optim)
     return ShardStep(**vars(step), param_bytes=_held_bytes(model.parameters()),
                      state_bytes=_state_bytes(opt.optim))
 
