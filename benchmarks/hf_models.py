@@ -27,6 +27,11 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
   CPU runs its math path and keeps the fp32 attention probabilities (4 H T); under autocast
   the routed experts run in fp32 (grouped_mm is not autocast-enabled), with no bf16 weight
   copies; the router keeps an fp32 copy of its input (4h).
+- Gemma 3 (gemma-3-1b): transformers builds a (B, 1, T, T) sliding-window mask even where the
+  window covers every token, and SDPA copies it to a float mask in each layer (2T bytes per
+  token in bf16, 4T in fp32: 8-16 KiB at T = 4096), so 0.960-0.977x its peak at 4 x 4096; its
+  RMSNorms keep x / rms(x) in fp32 for the product with 1 + weight, as labkit's Gemma-style
+  norm does (``norm_style="gemma"``).
 - MoE (Mixtral, Qwen3-MoE; transformers 5.25): labkit's MoE keeps each token's gate-weighted
   expert outputs (top_k x h in the compute dtype), which transformers sums without keeping:
   65,536 B/token/layer at Qwen3-30B-A3B's top-8 in fp32, 16% of its layer, so 1.07x its peak
@@ -48,8 +53,9 @@ from torch.utils._pytree import tree_leaves
 import labkit as lk
 
 import transformers
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 import transformers.integrations.moe as hf_moe
 
 transformers.logging.set_verbosity_error()
@@ -90,6 +96,11 @@ MODELS = {
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
         original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "gemma-3-1b": lambda: Gemma3TextConfig(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
+        sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=True),
     "mixtral-8x7b": lambda: MixtralConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -103,7 +114,7 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
         tie_word_embeddings=False),
 }
-DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini")
+DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini", "gemma-3-1b")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")
 IMPLS = ("for-loop", "foreach")
 SHAPES = [(b, t) for b in (1, 4, 8) for t in (512, 4096)]

@@ -25,6 +25,10 @@ from labkit.transformer.model import Block, GroupedQueryAttention, Rotary, SwiGL
 
 # tp = 1, 2 and 4 divide its heads (8), kv heads (4) and ffn (176); still grouped-query attention
 CFG = preset("tiny").replace(name="tiny-tp", heads=8, kv_heads=4, head_dim=8)
+# Gemma's block: a norm after each sub-layer (their weights' gradients summed over the ranks
+# under sp), Gemma-style norms, q and k norms, GeGLU, the scaled embedding
+GEMMA = CFG.replace(name="tiny-tp-gemma", norms="sandwich", norm_style="gemma", qk_norm=True,
+                    activation="gelu_tanh", embed_scale=True)
 BATCH, SEQ = 2, 16                  # SEQ: a multiple of 4 (sequence parallelism splits it)
 MEMORY_SEQ = 256                    # one block's saved activations, measured in fp32
 STEPS = 3                           # AdamW steps of the whole model, fp32
@@ -82,9 +86,9 @@ def tokens(seq=SEQ, batch=BATCH):
     return torch.randint(0, CFG.vocab_size, (batch, seq + 1), generator=g)
 
 
-def fresh_model(dtype):
+def fresh_model(dtype, cfg=CFG):
     torch.manual_seed(0)
-    return build_model(CFG, dtype=dtype)
+    return build_model(cfg, dtype=dtype)
 
 
 def run_model(model, one_process: bool = False):
@@ -147,9 +151,10 @@ def compare(ctx, precision: str = "fp64") -> dict:
             out[name, sp] = run_part(parallel, x, probe) | dict(sent=dict(comm.sent))
             if name == "mlp" and sp:
                 out["mlp gathered", sp] = run_part(GatherThenLinears(parallel), x, probe)
-        model = fresh_model(dtype)
-        parallelize(model, ctx, sp)
-        out["model", sp] = run_model(model)
+        for key, cfg in (("model", CFG), ("gemma", GEMMA)):
+            model = fresh_model(dtype, cfg)
+            parallelize(model, ctx, sp)
+            out[key, sp] = run_model(model)
         for precision in ("fp32", "bf16-mixed"):
             out["train", precision, sp] = tensor_parallel_step(ctx, CFG, BATCH, SEQ, sp,
                                                                precision, STEPS)

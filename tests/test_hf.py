@@ -13,8 +13,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
-                          LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+                          Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig,
+                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 import labkit as lk  # noqa: E402
 
@@ -39,6 +40,17 @@ CONFIGS = {
     "phi3": lambda: Phi3Config(**SMALL, num_key_value_heads=2, pad_token_id=0),
     "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, num_key_value_heads=2, head_dim=32, num_experts=8,
                                         num_experts_per_tok=2, moe_intermediate_size=32),
+    # Gemma 3: four norms a layer, GeGLU, q and k norms, heads wider than hidden / heads, tied;
+    # one RoPE base for both kinds of layer and a window longer than the test's rows, so that
+    # the logits compare (both change values only); query_pre_attn_scalar = head_dim likewise
+    "gemma3_text": lambda: Gemma3TextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
+                         for kind in ("full_attention", "sliding_attention")}),
+    # Gemma 2 without its soft-capping (which labkit refuses, below)
+    "gemma2": lambda: Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=32,
+                                   query_pre_attn_scalar=32, sliding_window=64,
+                                   final_logit_softcapping=None, attn_logit_softcapping=None),
     "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
     "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, **MOE, "q_lora_rank": 20,
                                                "n_group": 2, "topk_group": 1}),
@@ -53,7 +65,9 @@ DENSE_MLA = {
 
 def hf_model(config):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    # Gemma 2 has no SDPA path in transformers (SDPA cannot soft-cap): eager
+    attention = "eager" if config.model_type == "gemma2" else "sdpa"
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
 
 # ---- the mapping ---------------------------------------------------------------------------
@@ -141,6 +155,10 @@ def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
              "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
              "mlp.down_proj": "mlp.w_down", "mlp.gate": "mlp.router",
              "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
+    if cfg.norms == "sandwich":              # Gemma: a norm before and after each sub-layer
+        names.update({"post_attention_layernorm": "attn_post_norm",
+                      "pre_feedforward_layernorm": "mlp_norm",
+                      "post_feedforward_layernorm": "mlp_post_norm"})
     for key, value in sd.items():
         if not key.startswith("model.layers."):
             continue
@@ -184,7 +202,8 @@ def assert_same_logits(config):
         torch.testing.assert_close(ours(tokens), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3", "phi3",
+                                  "gemma3_text", "gemma2"])
 def test_labkit_model_with_hugging_face_weights_gives_the_same_logits(kind):
     assert_same_logits(CONFIGS[kind]())
 
@@ -221,6 +240,12 @@ def test_mixtral_with_one_expert_gives_the_same_logits():
     ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "topk_method": "noaux_tc"},
      "topk_method='noaux_tc'"),
     ({"model_type": "llama", "hidden_size": 64}, "lacks num_hidden_layers"),
+    (Gemma2Config(**SMALL).to_dict(), "final_logit_softcapping=30.0"),
+    ({**Gemma2Config(**SMALL).to_dict(), "final_logit_softcapping": None},
+     "attn_logit_softcapping=50.0"),
+    ({**Gemma3TextConfig(**SMALL).to_dict(), "hidden_activation": "gelu"},
+     "hidden_activation='gelu'"),
+    (Gemma3Config(text_config=dict(SMALL)).to_dict(), r"pass config\['text_config'\]"),
 ])
 def test_refuses_what_labkit_cannot_build(config, match):
     with pytest.raises(ValueError, match=match):

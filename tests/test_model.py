@@ -25,7 +25,8 @@ def test_llama_2_7b_has_its_published_parameter_count():
     ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496),
     ("qwen2.5-7b", 7_615_616_512), ("mixtral-8x7b", 46_702_792_704),
     ("qwen3-30b-a3b", 30_532_122_624), ("llama-3.1-405b", 405_853_388_800),
-    ("qwen2.5-72b", 72_706_203_648), ("qwen3-8b", 8_190_735_360)])
+    ("qwen2.5-72b", 72_706_203_648), ("qwen3-8b", 8_190_735_360),
+    ("gemma-3-1b", 999_885_952)])
 def test_current_presets_have_their_hugging_face_parameter_counts(name, total):
     # the checkpoints' model.safetensors.index.json: total_size / 2 bytes of bf16
     assert lk.count_params(name).total == total

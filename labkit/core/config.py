@@ -12,12 +12,17 @@ from importlib import resources
 from pathlib import Path
 
 ATTENTION_KINDS = ("gqa", "mla")
+NORM_PLACEMENTS = ("pre", "sandwich")
+NORM_STYLES = ("llama", "gemma")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer. Sizes are element counts; no biases but Qwen2's
-    on q, k and v (``qkv_bias``); Qwen3 normalises each head's q and k (``qk_norm``).
+    on q, k and v (``qkv_bias``); Qwen3 normalises each head's q and k (``qk_norm``); Gemma
+    normalises each sub-layer's output as well as its input (``norms="sandwich"``), gates its
+    MLP with tanh-approximated GELU and scales the embedding by sqrt(hidden).
 
     Dense models leave the MoE fields at 0; DeepSeek models use MLA attention
     (``attention="mla"``) and an MoE block in every layer after the first ``dense_layers``.
@@ -37,6 +42,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False       # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False        # an RMSNorm of each head's q and k before RoPE (Qwen3)
+    norms: str = "pre"           # "sandwich": each sub-layer's output normalised too (Gemma 2/3)
+    activation: str = "silu"     # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    embed_scale: bool = False    # the embedding's output times sqrt(hidden) (Gemma)
+    norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
     attention: str = "gqa"
     q_lora_rank: int = 0         # 0: queries projected straight from hidden
@@ -122,6 +131,15 @@ def validate(cfg: ModelConfig) -> None:
     _positive(cfg, "hidden", "layers", "heads", "kv_heads", "ffn", "vocab_size", "max_seq")
     if cfg.attention not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention {cfg.attention!r}; use one of {ATTENTION_KINDS}")
+    if cfg.norms not in NORM_PLACEMENTS:
+        raise ValueError(f"unknown norms {cfg.norms!r}; use one of {NORM_PLACEMENTS}")
+    if cfg.norm_style not in NORM_STYLES:
+        raise ValueError(f"unknown norm_style {cfg.norm_style!r}; use one of {NORM_STYLES}")
+    if cfg.activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {cfg.activation!r}; use one of {ACTIVATIONS}")
+    if cfg.activation != "silu" and cfg.routed_experts:
+        raise ValueError(f"activation={cfg.activation!r}: labkit's routed experts are SwiGLUs; "
+                         f"use activation='silu' with routed_experts > 0")
     if cfg.attention == "gqa":
         if cfg.hidden % cfg.heads:
             raise ValueError(f"heads={cfg.heads} does not divide hidden={cfg.hidden}; "

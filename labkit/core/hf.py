@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` configs -> ``labkit.ModelConfig``: any public model, predicted.
 
-``from_hf_config`` maps the configs of nine model types (``model_type`` in config.json):
+``from_hf_config`` maps the configs of eleven model types (``model_type`` in config.json):
 
 | model_type      | transformers class   | what labkit builds                                 |
 | --------------- | -------------------- | -------------------------------------------------- |
@@ -12,6 +12,9 @@
 |                 |                      | hold the same weights)                             |
 | ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
 | ``qwen3_moe``   | ``Qwen3MoeConfig``   | as Qwen3, an MoE block (top-k routed) per layer    |
+| ``gemma2``      | ``Gemma2Config``     | sandwich norms, GeGLU, scaled embedding, tied head |
+|                 |                      | (without soft-capping only: see below)             |
+| ``gemma3_text`` | ``Gemma3TextConfig`` | as Gemma 2 plus Qwen3's q and k norms              |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
 | ``deepseek_v3`` | ``DeepseekV3Config`` | as V2 plus the router's selection bias             |
 
@@ -22,7 +25,8 @@ in a few named tensors (``benchmarks/hf_models.py`` measures and lists them). So
 settings change the *values* a model computes but no tensor's shape, and are accepted as
 they are: RoPE scaling (linear, dynamic, yarn, llama3: other frequencies), DeepSeek's
 routing details (group-limited top-k, sigmoid scores, ``norm_topk_prob``,
-``routed_scaling_factor``: other weights for the same number of chosen experts), and a
+``routed_scaling_factor``: other weights for the same number of chosen experts), Gemma's
+``query_pre_attn_scalar`` and local RoPE base, and a
 checkpoint's own storage format (``quantization_config``, ``torch_dtype``: the training
 precision is ``estimate``'s and ``measure_step``'s ``precision``). Anything that changes
 shapes and that labkit cannot build raises a ``ValueError`` naming it and what to do.
@@ -34,8 +38,8 @@ from __future__ import annotations
 
 from labkit.core.config import ModelConfig
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2",
-             "deepseek_v3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
+             "gemma3_text", "deepseek_v2", "deepseek_v3")
 
 _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face model itself "
             "with labkit.measure_step(lambda: AutoModelForCausalLM.from_config(cfg))")
@@ -43,7 +47,7 @@ _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face mod
 
 def from_hf_config(hf_config) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
-    Qwen3-MoE or DeepSeek-V2/V3 config.
+    Qwen3-MoE, Gemma 2, Gemma 3 (its language model) or DeepSeek-V2/V3 config.
 
     ``hf_config``: a ``transformers`` config object or a plain dict (config.json's contents).
     Raises ``ValueError`` for a model type not listed in ``labkit.core.hf.SUPPORTED`` and for
@@ -52,6 +56,10 @@ def from_hf_config(hf_config) -> ModelConfig:
     """
     c = _as_dict(hf_config)
     model_type = c.get("model_type")
+    if model_type == "gemma3":
+        raise ValueError("gemma3 is Gemma 3's image-text model: from_hf_config maps its language "
+                         "model, whose config is text_config - pass config['text_config'] "
+                         "(config.text_config); the vision tower is not modelled")
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported model_type {model_type!r}: from_hf_config maps "
                          f"{', '.join(SUPPORTED)}; {_BY_HAND}")
@@ -71,12 +79,14 @@ def from_hf_config(hf_config) -> ModelConfig:
         rope_theta=_rope_theta(c),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
+    if model_type.startswith("gemma"):
+        fields.update(_gemma_fields(c, model_type))
     if model_type.startswith("deepseek"):
         fields.update(_deepseek_fields(c, model_type))
     else:
         fields.update(head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                       qkv_bias=model_type == "qwen2",   # Qwen2's q, k, v always have biases
-                      qk_norm=model_type.startswith("qwen3"))
+                      qk_norm=model_type.startswith(("qwen3", "gemma3")))
         if model_type == "mixtral":
             fields.update(_mixtral_fields(c))
         if model_type == "qwen3_moe":
@@ -111,7 +121,7 @@ def _check_common(c: dict, model_type: str) -> None:
     if missing:
         raise ValueError(f"{model_type} config lacks {', '.join(missing)}; pass the whole "
                          f"config.json (or the transformers config object)")
-    if c.get("hidden_act", "silu") != "silu":
+    if c.get("hidden_act", "silu") != "silu" and not model_type.startswith("gemma"):
         raise _unsupported(model_type, f"hidden_act={c['hidden_act']!r} (labkit's MLP is "
                                        f"SwiGLU, which needs 'silu')")
     if c.get("attention_bias"):
@@ -131,7 +141,28 @@ def _rope_theta(c: dict) -> float:
     ``rope_parameters["rope_theta"]`` (transformers 5). A ``rope_scaling`` / ``rope_type``
     other than default changes the frequencies only, no shape, so it is not mapped."""
     params = c.get("rope_parameters") or {}
+    params = params.get("full_attention", params)      # Gemma 3: one set per kind of layer
     return float(c.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _gemma_fields(c: dict, model_type: str) -> dict:
+    """Gemma 2 and 3: each sub-layer's input and output normalised (four RMSNorms a layer,
+    each scaling by 1 + weight in fp32), a GeGLU MLP (tanh-approximated GELU), the embedding times sqrt(hidden) and tied to the
+    LM head unless the config says not. Their alternating sliding-window layers are not
+    modelled, as Mistral's window is not (below). Soft-capping is refused: a tanh over the
+    (tokens, vocab) logits keeps one more logits-sized tensor, and over the attention scores
+    it makes transformers run eager attention, which keeps each layer's (T, T) scores."""
+    act = c.get("hidden_activation") or c.get("hidden_act")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise _unsupported(model_type, f"hidden_activation={act!r} (labkit's GeGLU uses the "
+                                       f"tanh approximation, 'gelu_pytorch_tanh')")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise _unsupported(model_type, f"{key}={c[key]} (soft-capping: a tanh over the "
+                                           f"{'logits' if key[0] == 'f' else 'attention scores'}"
+                                           f", tensors labkit's model does not keep)")
+    return dict(norms="sandwich", norm_style="gemma", activation="gelu_tanh", embed_scale=True,
+                tie_embeddings=bool(c.get("tie_word_embeddings", True)))
 
 
 def _mixtral_fields(c: dict) -> dict:

@@ -100,9 +100,11 @@ def mlp_weights(c: ModelConfig, moe: bool) -> list[Weight]:
 
 
 def block_weights(c: ModelConfig, moe: bool) -> list[Weight]:
-    """Every parameter tensor of a block (an MoE block after the first ``dense_layers``)."""
-    return ([_vector("attn_norm", c.hidden)] + attention_weights(c)
-            + [_vector("mlp_norm", c.hidden)] + mlp_weights(c, moe))
+    """Every parameter tensor of a block (an MoE block after the first ``dense_layers``), in the
+    model's order; Gemma's sandwich adds a norm after each sub-layer."""
+    post = (lambda name: [_vector(name, c.hidden)]) if c.norms == "sandwich" else (lambda name: [])
+    return ([_vector("attn_norm", c.hidden)] + attention_weights(c) + post("attn_post_norm")
+            + [_vector("mlp_norm", c.hidden)] + mlp_weights(c, moe) + post("mlp_post_norm"))
 
 
 def lora_targets(c: ModelConfig, moe: bool) -> list[Weight]:
@@ -237,6 +239,12 @@ def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
     return 4 * width + 4 + (0 if frozen else input_bytes * width)
 
 
+def _norm(c: ModelConfig, width: float, input_bytes: int, frozen: bool = False) -> float:
+    """``_rmsnorm`` in the model's norm style: Gemma's keeps its normalised x in fp32 (for the
+    fp32 product with 1 + weight), whatever x's dtype."""
+    return _rmsnorm(width, 4 if c.norm_style == "gemma" else input_bytes, frozen)
+
+
 def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
                           attention: str, mla: bool = False) -> list[Term]:
     """What the attention core keeps, with its output. SDPA and the tiled core: q, k, v (kv
@@ -265,13 +273,14 @@ def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
     """
     H, cdt = c.heads // tp, d.name
     # under autocast the q and k norms' fp32 weights make q and k fp32: RoPE casts nothing
-    cast = d.compute != 4 and not (c.qk_norm and d.mixed)
+    # (Gemma's norms cast their output back to the input's bf16)
+    cast = d.compute != 4 and not (c.qk_norm and d.mixed and c.norm_style != "gemma")
     rope = Term("RoPE cos/sin cast to the compute dtype", cdt,
                 per_position=4 * c.rope_dim * d.compute if cast else 0)
     if c.attention == "gqa":
         Hkv = max(1, c.kv_heads // tp)
         norms = [Term("q and k RMSNorms (per head)", "fp32" if d.compute == 4 or frozen
-                      else "fp32 + bf16", (H + Hkv) * _rmsnorm(c.head_dim, d.compute, frozen))
+                      else "fp32 + bf16", (H + Hkv) * _norm(c, c.head_dim, d.compute, frozen))
                  ] if c.qk_norm else []
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
@@ -392,9 +401,13 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
     # (its input, the frozen embedding's output, needs no gradient)
     frozen, norms = lora_rank > 0, 1 if first else 2
+    # Gemma's sandwich: each sub-layer's output (in the compute dtype) normalised before the add
+    post = ([Term("RMSNorms of the sub-layers' outputs", "fp32" if d.compute == 4 or frozen
+                  else "fp32 + bf16", 2 * _norm(c, c.hidden, d.compute, frozen) / split)]
+            if c.norms == "sandwich" else [])
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
-                       else "fp32 + bf16", norms * _rmsnorm(c.hidden, d.stream, frozen) / split)]
-                 + _attention_saved(c, d, tp, split, attention, frozen)
+                       else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]
+                 + post + _attention_saved(c, d, tp, split, attention, frozen)
                  + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else [])
@@ -415,7 +428,7 @@ def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool =
     width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
     softmax = 4 if d.compute == 4 or d.mixed else 2                   # bytes of P, dP, dS
     terms = [Term("attention RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _rmsnorm(c.hidden, d.stream) / split)]
+                  _norm(c, c.hidden, d.stream) / split)]
     for t in _attention_saved(c, d, tp, split, "naive"):
         if t.per_pair:
             terms += [replace(t, per_pair=H * softmax),
@@ -453,7 +466,7 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | No
             Term(SOFTMAX, "fp32", 4 * c.vocab_size / tp) if tp > 1 else
             Term("log-softmax over the vocabulary", "fp32", 4 * c.vocab_size))
     terms = [Term("final RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _rmsnorm(c.hidden, d.stream, frozen) / split),
+                  _norm(c, c.hidden, d.stream, frozen) / split),
              Term("input of the LM head", d.name,
                   0 if frozen else d.linear_inputs(1, c.hidden) / split), loss]
     # a frozen head under sp is cast again in its backward (``parallel.tensor.GatheredLinears``)

@@ -135,7 +135,14 @@ class Moments:
             # with ep, a block's experts' bucket (stage 1: the stage's) is made by their weight
             # gradients, first in its backward after the shared experts: all it kept still there
             experts = self._experts_bucket(i, range(i + 1, len(self.layers)))
-            for candidate in [tensors] + ([kept + experts] if experts else []):
+            # Gemma's sandwich: the layer's backward starts in its MLP output's RMSNorm, with
+            # five fp32 (N, hidden) temporaries as the final norm's (its fp32 input is saved)
+            wide = self.N * c.hidden // (self.L.tp if self.L.sp else 1)
+            post_norm = [kept + [
+                Tensor("MLP output RMSNorm's backward temporaries", "other", "fp32", 5 * 4 * wide),
+                Tensor("gradient of the residual stream", "other", self.wdt, wide * stream)]
+            ] if c.norms == "sandwich" else []
+            for candidate in [tensors] + ([kept + experts] if experts else []) + post_norm:
                 if worst is None or _total(candidate) > _total(worst[1]):
                     worst = (i, candidate)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.units import TORCH_DTYPE_NAMES, check_positive, torch_dtype
 from labkit.predict import kv_cache_bytes
-from labkit.transformer.model import LatentAttention, Transformer, build_model, rotate
+from labkit.transformer.model import LatentAttention, Transformer, build_model, embed_tokens, rotate
 
 
 # ---- caches --------------------------------------------------------------------------------
@@ -209,14 +209,15 @@ def step(model: Transformer, tokens, cache: Cache, absorb: bool = True):
                          f"tables' length); build the model with a larger max_seq")
     rotary = (model.rope.cos[start:start + T], model.rope.sin[start:start + T])   # (T, rope_dim)
     mask = causal_mask(T, start, tokens.device)
-    x = model.embed(tokens)                                                       # (B, T, hidden)
+    x = embed_tokens(model.embed, tokens, model.cfg)                              # (B, T, hidden)
     for layer, block in enumerate(model.blocks):
         h = block.attn_norm(x)
         if isinstance(block.attn, LatentAttention):
-            x = x + mla_attention(block.attn, h, rotary, mask, cache, layer, absorb)
+            h = mla_attention(block.attn, h, rotary, mask, cache, layer, absorb)
         else:
-            x = x + gqa_attention(block.attn, h, rotary, mask, cache, layer)
-        x = x + block.mlp(block.mlp_norm(x))
+            h = gqa_attention(block.attn, h, rotary, mask, cache, layer)
+        x = x + block.attn_post_norm(h)                          # Identity unless "sandwich"
+        x = x + block.mlp_post_norm(block.mlp(block.mlp_norm(x)))
     cache.length += T
     return model.lm_head(model.norm(x))                                           # (B, T, vocab)
 

@@ -25,16 +25,19 @@ from labkit.transformer.loss import chunked_cross_entropy
 class RMSNorm(nn.Module):
     """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA's and DeepSeek's reference code
     writes it: normalise in fp32, cast back to x's dtype, then scale by the weight. In bf16
-    it keeps the normalised x in bf16 (F.rms_norm would keep it in fp32)."""
+    it keeps the normalised x in bf16 (F.rms_norm would keep it in fp32). ``style="gemma"``:
+    Gemma's, which scales by (1 + weight) in fp32, then casts: it keeps the normalised x in fp32."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, style: str = "llama"):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.gemma = eps, style == "gemma"
+        self.weight = nn.Parameter(torch.zeros(dim) if self.gemma else torch.ones(dim))
 
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -197,9 +200,10 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        # Qwen3: each head's q and k normalised before RoPE
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # Qwen3, Gemma 3: each head's q and k normalised before RoPE
+        norm = lambda: (RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_style)     # noqa: E731
+                        if cfg.qk_norm else nn.Identity())
+        self.q_norm, self.k_norm = norm(), norm()
 
     def forward(self, x, rope: Rotary, mask=None):
         B, T, _ = x.shape
@@ -251,17 +255,27 @@ class LatentAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, H * vdim))                 # (B, T, hidden)
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP and the shared experts."""
+def gelu_tanh(x):
+    """GELU with the tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden: int, ffn: int):
+
+GATES = {"silu": F.silu, "gelu_tanh": gelu_tanh}      # ModelConfig.activation -> function
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer, 2020): the dense MLP and the shared experts.
+    ``activation="gelu_tanh"`` makes it GeGLU (Gemma); each keeps the same tensors."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str = "silu"):
         super().__init__()
         self.w_gate = nn.Linear(hidden, ffn, bias=False)
         self.w_up = nn.Linear(hidden, ffn, bias=False)
         self.w_down = nn.Linear(ffn, hidden, bias=False)
+        self.act = GATES[activation]
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
 
 
 class RoutedExperts(nn.Module):
@@ -337,19 +351,32 @@ class MoE(nn.Module):
         return y.view(B, T, h)
 
 
+def embed_tokens(embed: nn.Module, tokens, cfg: ModelConfig):
+    """(B, T) -> (B, T, hidden); Gemma scales the embedding by sqrt(hidden), in its dtype."""
+    x = embed(tokens)
+    return x * torch.tensor(cfg.hidden ** 0.5, dtype=x.dtype) if cfg.embed_scale else x
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With
+    ``norms="sandwich"`` (Gemma 2/3) each sub-layer's output is normalised before it is added:
+    x + post_norm(attn(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_style)       # noqa: E731
+        post_norm = norm if cfg.norms == "sandwich" else nn.Identity
+        self.attn_norm = norm()
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MoE(cfg) if layer >= cfg.dense_layers else SwiGLU(cfg.hidden, cfg.ffn)
+        self.attn_post_norm = post_norm()
+        self.mlp_norm = norm()
+        self.mlp = (MoE(cfg) if layer >= cfg.dense_layers else
+                    SwiGLU(cfg.hidden, cfg.ffn, cfg.activation))
+        self.mlp_post_norm = post_norm()
 
     def forward(self, x, rope: Rotary, mask=None):
-        x = x + self.attn(self.attn_norm(x), rope, mask)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask))
+        return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -368,7 +395,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.rope = Rotary(cfg.rope_dim, cfg.max_seq, cfg.rope_theta)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_style)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -403,7 +430,7 @@ class Transformer(nn.Module):
         if tokens.shape[1] > self.cfg.max_seq:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq="
                              f"{self.cfg.max_seq}; build the model with a larger max_seq")
-        x = self.embed(tokens)                                                    # (B, T, hidden)
+        x = embed_tokens(self.embed, tokens, self.cfg)                            # (B, T, hidden)
         rope = self.rope if position_ids is None else PackedRotary(self.rope, position_ids)
         mask = None
         if doc_ids is not None and varlen:

@@ -34,6 +34,7 @@ from labkit.core.config import ModelConfig, preset
 from labkit.parallel.pipeline.schedules import (SCHEDULES, Op, OpSpan,  # noqa: F401
                                                 PipelineTimeline, Schedule, chunk_layers, in_flight,
                                                 make_schedule, stage_layers)
+from labkit.transformer.model import embed_tokens
 
 # ---- one chunk of the model --------------------------------------------------------------------
 def mean_loss(logits, targets):
@@ -48,6 +49,7 @@ class PipelineChunk(nn.Module):
     def __init__(self, model, layers: range, first: bool, last: bool):
         super().__init__()
         self.embed = model.embed if first else None
+        self.cfg = model.cfg
         self.blocks = nn.ModuleList(model.blocks[i] for i in layers)
         self.rope = model.rope
         self.norm = model.norm if last else None
@@ -57,7 +59,7 @@ class PipelineChunk(nn.Module):
         """Tokens (B, T) on the first chunk, else the residual stream (B, T, hidden) ->
         the residual stream, or on the last chunk the logits (B, T, vocab) or the mean loss."""
         if self.embed is not None:
-            x = self.embed(x)                                                # (B, T, hidden)
+            x = embed_tokens(self.embed, x, self.cfg)                        # (B, T, hidden)
         for block in self.blocks:
             x = block(x, self.rope)
         if self.lm_head is None:

@@ -61,7 +61,7 @@ from labkit.parallel.tensor.comm import (all_gather_tokens, copy_to_parallel, re
 from labkit.quantisation.lora import apply_lora
 from labkit.quantisation.quant import LoRALinear
 from labkit.training.step import make_optimizer, param_dtype, train_step
-from labkit.transformer.model import (Block, GroupedQueryAttention, SwiGLU, Transformer,
+from labkit.transformer.model import (Block, GroupedQueryAttention, RMSNorm, SwiGLU, Transformer,
                                       attention_core, build_model)
 
 # weight -> how tensor parallelism splits it (the table in the docstring)
@@ -305,12 +305,19 @@ class ParallelAttention(nn.Module):
         self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
         self.wq, self.wk, self.wv = (_column(w, comm) for w in (attn.wq, attn.wk, attn.wv))
         self.wo = _row(attn.wo, comm, sp)
+        # Qwen3's and Gemma 3's q and k norms: one weight for every head, replicated; each
+        # rank's heads add a part of its gradient
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        for norm in (self.q_norm, self.k_norm):
+            if isinstance(norm, RMSNorm):
+                sum_grad_over_ranks(norm.weight, comm)
 
     def forward(self, x, rope, mask=None):                      # x (B, T, h), (B, T/N, h) if sp
         q, k, v = column_parallel(x, (self.wq, self.wk, self.wv), self.comm, self.sp)
         B, T, _ = q.shape                                                     # all T tokens
-        q = q.view(B, T, self.heads, self.head_dim).transpose(1, 2)           # (B, H/N, T, d)
-        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
+        q = self.q_norm(q.view(B, T, self.heads, self.head_dim)).transpose(1, 2)    # (B, H/N, T, d)
+        k = self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
+        # k (B, Hkv/N, T, d)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
         y = attention_core(rope(q), rope(k), v, mask)                         # (B, H/N, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))         # (B, T, h), (B, T/N, h) if sp
@@ -324,11 +331,11 @@ class ParallelSwiGLU(nn.Module):
         super().__init__()
         self.w_gate, self.w_up = (_column(w, comm) for w in (mlp.w_gate, mlp.w_up))
         self.w_down = _row(mlp.w_down, comm, sp)
-        self.comm, self.sp = comm, sp
+        self.comm, self.sp, self.act = comm, sp, mlp.act
 
     def forward(self, x):                                       # x (B, T, h), (B, T/N, h) if sp
         gate, up = column_parallel(x, (self.w_gate, self.w_up), self.comm, self.sp)
-        return self.w_down(F.silu(gate) * up)                   # (B, T, h), (B, T/N, h) if sp
+        return self.w_down(self.act(gate) * up)                 # (B, T, h), (B, T/N, h) if sp
 
 
 # ---- the LM head and the loss -----------------------------------------------------------------
@@ -426,8 +433,9 @@ def parallelize_block(block: Block, comm: CommCounter, sp: bool = False) -> Bloc
     block.attn = ParallelAttention(block.attn, comm, sp)
     block.mlp = ParallelSwiGLU(block.mlp, comm, sp)
     if sp:
-        for norm in (block.attn_norm, block.mlp_norm):
-            sum_grad_over_ranks(norm.weight, comm)
+        for norm in (block.attn_norm, block.attn_post_norm, block.mlp_norm, block.mlp_post_norm):
+            if isinstance(norm, RMSNorm):                     # the post-norms: Gemma's only
+                sum_grad_over_ranks(norm.weight, comm)
     return block
 
 
