@@ -17,6 +17,11 @@ CONFIGS = {                                   # one small model per attention ty
     "MLA": lk.preset("tiny-moe"),                              # queries straight from hidden
     "MLA, low-rank queries": lk.preset("tiny-moe", q_lora_rank=16),   # as DeepSeek-V2
 }
+NORMED = {                                    # GQA with q and k norms
+    "Qwen3": lk.preset("tiny", qk_norm=True),
+    "Gemma 3": lk.preset("tiny", qk_norm=True, norms="sandwich", norm_style="gemma",
+                         activation="gelu_tanh", embed_scale=True, tie_embeddings=True),
+}
 
 
 def model_and_prompt(cfg, batch=2, tokens=7, seed=0):
@@ -33,6 +38,20 @@ def test_cached_generation_equals_uncached(kind, one_thread):
     torch.testing.assert_close(cached.logits, uncached.logits, atol=1e-5, rtol=0)
     assert cached.cache.length == cached.cache.capacity == 7 + 6 - 1
     assert uncached.cache is None and uncached.cache_bytes == 0
+
+
+@pytest.mark.parametrize("kind", NORMED)
+def test_cached_generation_normalises_q_and_k_as_the_forward_does(kind, one_thread):
+    """The cached step runs the model's q and k norms (and Gemma's post norms and scaled
+    embedding): the same tokens and logits as the uncached forward."""
+    model, prompt = model_and_prompt(NORMED[kind])
+    with torch.no_grad():                                       # norm weights away from 1 (0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    cached, uncached = generate(model, prompt, 6), generate(model, prompt, 6, cache=False)
+    assert torch.equal(cached.tokens, uncached.tokens)
+    torch.testing.assert_close(cached.logits, uncached.logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["GQA", "MLA"])

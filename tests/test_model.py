@@ -28,7 +28,8 @@ def test_llama_2_7b_has_its_published_parameter_count():
     ("qwen2.5-72b", 72_706_203_648), ("qwen3-8b", 8_190_735_360),
     ("gemma-3-1b", 999_885_952)])
 def test_current_presets_have_their_hugging_face_parameter_counts(name, total):
-    # the checkpoints' model.safetensors.index.json: total_size / 2 bytes of bf16
+    # the checkpoints' model.safetensors.index.json: total_size / 2 bytes of bf16; gemma-3-1b
+    # (one model.safetensors): the count of transformers' Gemma3ForCausalLM on the meta device
     assert lk.count_params(name).total == total
 
 

@@ -13,7 +13,8 @@
 | ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
 | ``qwen3_moe``   | ``Qwen3MoeConfig``   | as Qwen3, an MoE block (top-k routed) per layer    |
 | ``gemma2``      | ``Gemma2Config``     | sandwich norms, GeGLU, scaled embedding, tied head |
-|                 |                      | (without soft-capping only: see below)             |
+|                 |                      | (without soft-capping only, which no released      |
+|                 |                      | Gemma 2 is: ``_gemma_fields``)                     |
 | ``gemma3_text`` | ``Gemma3TextConfig`` | as Gemma 2 plus Qwen3's q and k norms              |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
 | ``deepseek_v3`` | ``DeepseekV3Config`` | as V2 plus the router's selection bias             |
@@ -58,8 +59,9 @@ def from_hf_config(hf_config) -> ModelConfig:
     model_type = c.get("model_type")
     if model_type == "gemma3":
         raise ValueError("gemma3 is Gemma 3's image-text model: from_hf_config maps its language "
-                         "model, whose config is text_config - pass config['text_config'] "
-                         "(config.text_config); the vision tower is not modelled")
+                         "model - pass transformers.AutoConfig.from_pretrained(name).text_config "
+                         "(a Gemma3TextConfig, its defaults filled in; config.json's text_config "
+                         "lists only what differs from them); the vision tower is not counted")
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported model_type {model_type!r}: from_hf_config maps "
                          f"{', '.join(SUPPORTED)}; {_BY_HAND}")
@@ -146,21 +148,28 @@ def _rope_theta(c: dict) -> float:
 
 
 def _gemma_fields(c: dict, model_type: str) -> dict:
-    """Gemma 2 and 3: each sub-layer's input and output normalised (four RMSNorms a layer,
-    each scaling by 1 + weight in fp32), a GeGLU MLP (tanh-approximated GELU), the embedding times sqrt(hidden) and tied to the
-    LM head unless the config says not. Their alternating sliding-window layers are not
-    modelled, as Mistral's window is not (below). Soft-capping is refused: a tanh over the
-    (tokens, vocab) logits keeps one more logits-sized tensor, and over the attention scores
-    it makes transformers run eager attention, which keeps each layer's (T, T) scores."""
-    act = c.get("hidden_activation") or c.get("hidden_act")
+    """Gemma 2 and 3: each sub-layer's input and output normalised (two RMSNorms around each,
+    Gemma 3's q and k norms too, each scaling by 1 + weight in fp32), a GeGLU MLP (tanh GELU),
+    the embedding times sqrt(hidden) and tied to the LM head unless the config says not.
+
+    Their alternating sliding-window layers are not modelled, as Mistral's window is not
+    (below): in training from T > window transformers adds a mask, and a KV cache of a
+    windowed layer keeps only the window (``kv_cache_bytes`` counts every token).
+    Soft-capping is refused, and every released Gemma 2 sets it: over the logits it keeps
+    one more (tokens, vocab) tensor, the tanh's output; over the attention scores labkit's
+    attention cores cannot apply it (FlashAttention-2 and FlexAttention do, inside the
+    kernel; transformers' default for Gemma 2 is eager attention, which keeps each layer's
+    (T, T) scores whether or not it soft-caps)."""
+    act = c.get("hidden_activation") or "gelu_pytorch_tanh"   # transformers ignores hidden_act
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise _unsupported(model_type, f"hidden_activation={act!r} (labkit's GeGLU uses the "
                                        f"tanh approximation, 'gelu_pytorch_tanh')")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if c.get(key) is not None:
-            raise _unsupported(model_type, f"{key}={c[key]} (soft-capping: a tanh over the "
-                                           f"{'logits' if key[0] == 'f' else 'attention scores'}"
-                                           f", tensors labkit's model does not keep)")
+            what = ("a tanh over the logits, one more (tokens, vocab) tensor kept" if key[0] == "f"
+                    else "a tanh over the attention scores, which labkit's attention cores "
+                         "cannot apply")
+            raise _unsupported(model_type, f"{key}={c[key]} (soft-capping: {what})")
     return dict(norms="sandwich", norm_style="gemma", activation="gelu_tanh", embed_scale=True,
                 tie_embeddings=bool(c.get("tie_word_embeddings", True)))
 

@@ -403,7 +403,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     frozen, norms = lora_rank > 0, 1 if first else 2
     # Gemma's sandwich: each sub-layer's output (in the compute dtype) normalised before the add
     post = ([Term("RMSNorms of the sub-layers' outputs", "fp32" if d.compute == 4 or frozen
-                  else "fp32 + bf16", 2 * _norm(c, c.hidden, d.compute, frozen) / split)]
+                  or c.norm_style == "gemma" else "fp32 + bf16",
+                  2 * _norm(c, c.hidden, d.compute, frozen) / split)]
             if c.norms == "sandwich" else [])
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]

@@ -130,9 +130,11 @@ def gqa_attention(attn, x, rotary, mask, cache: KVCache, layer: int):
     B, T, _ = x.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
     start = cache.length
-    q = rotate(attn.wq(x).view(B, T, H, d).transpose(1, 2), *rotary)             # (B, H, T, d)
+    # q and k normalised per head first where the model does (Qwen3, Gemma 3; else Identity)
+    q = rotate(attn.q_norm(attn.wq(x).view(B, T, H, d)).transpose(1, 2), *rotary)  # (B, H, T, d)
     if cache.writes(layer):
-        k = rotate(attn.wk(x).view(B, T, Hkv, d).transpose(1, 2), *rotary)      # (B, Hkv, T, d)
+        k = attn.k_norm(attn.wk(x).view(B, T, Hkv, d)).transpose(1, 2)           # (B, Hkv, T, d)
+        k = rotate(k, *rotary)
         v = attn.wv(x).view(B, T, Hkv, d).transpose(1, 2)                         # (B, Hkv, T, d)
         cache.write(layer, k=k, v=v)
     k, v = cache.read(layer, start + T)                                           # (B, Hkv, L, d)

@@ -405,7 +405,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Normal(0, 0.02) weights (GPT-2 / LLaMA practice), ones for norms."""
+        """Normal(0, 0.02) weights (GPT-2 / LLaMA practice); norms as built (ones; Gemma's
+        zeros, which scale by 1 + weight)."""
         for name, p in self.named_parameters():
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02)

@@ -16,6 +16,8 @@ estimate):
     mlp.w_gate, mlp.w_up          column   ffn / N outputs each
     mlp.w_down                    row      ffn / N inputs, partial sums
     attn_norm, mlp_norm           replicated  (each rank normalises its T/N tokens under sp)
+    attn_post_norm, mlp_post_norm replicated  Gemma's sandwich: as the norms above
+    attn.q_norm, attn.k_norm      replicated  one weight for every head: gradients summed
     embed                         vocab    rows split: each rank looks up the tokens it holds
     norm                          replicated  (on each rank's T/N tokens under sp)
     lm_head                       vocab    rows split: each rank computes vocab / N logits
@@ -29,7 +31,8 @@ Korthikanti et al., section 4.2.2), so every saved tensor is 1/N of one process'
 
 ``parallelize(model, ctx, sp)`` turns a ``labkit.transformer.model.Transformer`` whose weights are
 the same on every rank into this rank's part, slicing the one-process weights, so the results can be
-compared with one process. GQA attention and dense SwiGLU blocks only (no MLA, no MoE).
+compared with one process. GQA attention and dense SwiGLU blocks only (no MLA, no MoE). The
+split linear layers (and LoRA's adapters on them) are in ``linears``.
 
 The LM head is column-parallel over the vocabulary, as Megatron's: rank i holds rows
 [i V/N, (i + 1) V/N) and computes only those (B, T, V/N) logits (under sp from the tokens
@@ -58,6 +61,8 @@ from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.parallel.tensor.comm import (all_gather_tokens, copy_to_parallel, reduce_from_parallel,
                                          reduce_scatter_to_sequence, reduce_scatter_tokens,
                                          sum_grad_over_ranks)
+from labkit.parallel.tensor.linears import (ColumnParallelLinear, ColumnParallelLoRA, rank_slice,
+                                            split_column, split_row)
 from labkit.quantisation.lora import apply_lora
 from labkit.quantisation.quant import LoRALinear
 from labkit.training.step import make_optimizer, param_dtype, train_step
@@ -92,123 +97,6 @@ def check_tp(cfg: ModelConfig, tp: int):
                              f"an equal share; choose tp among {fits}{pad}")
 
 
-# ---- the two linear layers --------------------------------------------------------------------
-class ColumnParallelLinear(nn.Module):
-    """Y = X A + b with A split along its columns (outputs), A = [A_1, ..., A_N]: rank i holds
-    A_i (in -> out/N) and b_i, and computes its out/N outputs Y_i = X A_i + b_i; no message.
-
-    X must be the same on every rank: the sub-layer enters the parallel region once
-    (``column_parallel``) for all the projections that read X (q, k, v; gate, up), so that X
-    is sent and saved once (Megatron fuses those weights into one matrix instead).
-    """
-
-    def __init__(self, linear: nn.Linear, rank: int, world: int):
-        super().__init__()
-        self.weight = _mine(linear.weight, 0, rank, world)                    # (out/N, in)
-        self.bias = None if linear.bias is None else _mine(linear.bias, 0, rank, world)
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)                            # (..., out/N)
-
-
-class RowParallelLinear(nn.Module):
-    """Y = X A with A split along its rows (inputs), A = [A_1; ...; A_N], and X split along its
-    columns as a column-parallel layer leaves it, X = [X_1, ..., X_N]: rank i computes the
-    partial sum X_i A_i over all outputs, and g adds the N of them (all-reduce) - or, under
-    sequence parallelism, ḡ adds them and leaves each rank its T/N tokens (reduce-scatter).
-    """
-
-    def __init__(self, linear: nn.Linear, comm: CommCounter, sp: bool = False):
-        super().__init__()
-        if linear.bias is not None:
-            raise ValueError("a row-parallel projection adds its bias once, after the sum: "
-                             "labkit's wo and w_down have none; build the linear with bias=False")
-        self.weight = _mine(linear.weight, 1, comm.rank, comm.world)          # (out, in/N)
-        self.comm, self.sp = comm, sp
-
-    def forward(self, x):                                                     # (B, T, in/N)
-        partial = F.linear(x, self.weight)                                    # (B, T, out)
-        if self.sp:
-            return reduce_scatter_to_sequence(partial, self.comm)             # (B, T/N, out)
-        return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
-
-
-def _mine(weight: nn.Parameter, dim: int, rank: int, world: int) -> nn.Parameter:
-    """This rank's 1/N slice of a one-process weight along ``dim``, a copy of its own; frozen
-    if the weight is (LoRA's base)."""
-    mine = weight.detach().chunk(world, dim=dim)[rank].clone()
-    return nn.Parameter(mine, requires_grad=weight.requires_grad)
-
-
-# ---- LoRA's adapters on the split linears ---------------------------------------------------
-class _SplitLoRA(LoRALinear):
-    """An adapter over a split linear: ``lora``'s rank, alpha, scaling and dropout; the
-    subclass splits its base, A and B. Under sp (``column_parallel``) a column target's A reads
-    the all-gathered tokens, keeping only this rank's, and a row target's sum is
-    reduce-scattered."""
-
-    def __init__(self, lora: LoRALinear):
-        nn.Module.__init__(self)
-        if lora.dropout.p:
-            raise ValueError("LoRA dropout would draw another mask on each rank of a split "
-                             "adapter; use dropout=0 with tp")
-        if not isinstance(lora.base, nn.Linear):
-            raise ValueError("an NF4 (QLoRA) base cannot be split after quantisation: quantise "
-                             "each rank's slice instead; here use weight_format=None with tp")
-        self.r, self.alpha, self.scaling, self.dropout = (lora.r, lora.alpha, lora.scaling,
-                                                          lora.dropout)
-
-    def merge(self):
-        raise ValueError("merge() folds B A into a whole weight: merge the LoRALinear before "
-                         "parallelize, or gather this rank's slices first")
-
-
-class ColumnParallelLoRA(_SplitLoRA):
-    """A column-parallel target and its adapter, split as Megatron's and PEFT's parallel LoRA
-    split them: B (out/N x r) like the weight's outputs, A (r x in) whole on every rank. A's
-    gradient on a rank is a partial sum over its outputs, all-reduced (Megatron all-reduces the
-    gradient of x A^T instead: the same sum)."""
-
-    def __init__(self, lora: LoRALinear, comm: CommCounter):
-        super().__init__(lora)
-        self.base = ColumnParallelLinear(lora.base, comm.rank, comm.world)
-        self.A = nn.Parameter(lora.A.detach().clone())                        # (r, in)
-        self.B = _mine(lora.B, 0, comm.rank, comm.world)                      # (out/N, r)
-        sum_grad_over_ranks(self.A, comm)
-
-
-class RowParallelLoRA(_SplitLoRA):
-    """A row-parallel target and its adapter: A (r x in/N) split like the weight's inputs, B
-    (out x r) whole. x_i A_i^T B^T is a partial sum over the ranks as x_i W_i^T is: both go into
-    one all-reduce. B's gradient, from the partial x_i A_i^T, is all-reduced (Megatron
-    all-reduces x A^T in the forward pass instead)."""
-
-    def __init__(self, lora: LoRALinear, comm: CommCounter, sp: bool = False):
-        super().__init__(lora)
-        self.base = RowParallelLinear(lora.base, comm, sp)
-        self.A = _mine(lora.A, 1, comm.rank, comm.world)                      # (r, in/N)
-        self.B = nn.Parameter(lora.B.detach().clone())                        # (out, r)
-        self.comm = comm
-        sum_grad_over_ranks(self.B, comm)
-
-    def forward(self, x):                                                     # (B, T, in/N)
-        partial = self.added(F.linear(x, self.base.weight), self.update(x))   # (B, T, out)
-        if self.base.sp:
-            return reduce_scatter_to_sequence(partial, self.comm)             # (B, T/N, out)
-        return reduce_from_parallel(partial, self.comm)                       # (B, T, out)
-
-
-def _column(linear, comm: CommCounter):
-    if isinstance(linear, LoRALinear):
-        return ColumnParallelLoRA(linear, comm)
-    return ColumnParallelLinear(linear, comm.rank, comm.world)
-
-
-def _row(linear, comm: CommCounter, sp: bool):
-    return RowParallelLoRA(linear, comm, sp) if isinstance(linear, LoRALinear) else (
-        RowParallelLinear(linear, comm, sp))
-
-
 class VocabParallelEmbedding(nn.Module):
     """The embedding's rows split over the ranks: rank i holds tokens [i V/N, (i + 1) V/N).
     Each rank looks up the tokens it holds (zeros for the others) and g adds the N lookups
@@ -216,7 +104,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, embed: nn.Embedding, comm: CommCounter, sp: bool = False):
         super().__init__()
-        self.weight = _mine(embed.weight, 0, comm.rank, comm.world)           # (V/N, h)
+        self.weight = rank_slice(embed.weight, 0, comm.rank, comm.world)           # (V/N, h)
         self.first = comm.rank * self.weight.shape[0]           # the first token this rank holds
         self.comm, self.sp = comm, sp
 
@@ -303,8 +191,8 @@ class ParallelAttention(nn.Module):
         world = comm.world
         self.heads, self.kv_heads = attn.heads // world, attn.kv_heads // world
         self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
-        self.wq, self.wk, self.wv = (_column(w, comm) for w in (attn.wq, attn.wk, attn.wv))
-        self.wo = _row(attn.wo, comm, sp)
+        self.wq, self.wk, self.wv = (split_column(w, comm) for w in (attn.wq, attn.wk, attn.wv))
+        self.wo = split_row(attn.wo, comm, sp)
         # Qwen3's and Gemma 3's q and k norms: one weight for every head, replicated; each
         # rank's heads add a part of its gradient
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
@@ -324,13 +212,13 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelSwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up column-parallel (ffn/N each) and down
+    """down(silu(gate(x)) * up(x)) (or the model's GeGLU) with gate and up column-parallel (ffn/N each) and down
     row-parallel: the elementwise product needs no message (Megatron's MLP, figure 3a)."""
 
     def __init__(self, mlp: SwiGLU, comm: CommCounter, sp: bool = False):
         super().__init__()
-        self.w_gate, self.w_up = (_column(w, comm) for w in (mlp.w_gate, mlp.w_up))
-        self.w_down = _row(mlp.w_down, comm, sp)
+        self.w_gate, self.w_up = (split_column(w, comm) for w in (mlp.w_gate, mlp.w_up))
+        self.w_down = split_row(mlp.w_down, comm, sp)
         self.comm, self.sp, self.act = comm, sp, mlp.act
 
     def forward(self, x):                                       # x (B, T, h), (B, T/N, h) if sp
