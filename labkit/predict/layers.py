@@ -402,9 +402,9 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     # (its input, the frozen embedding's output, needs no gradient)
     frozen, norms = lora_rank > 0, 1 if first else 2
     # Gemma's sandwich: each sub-layer's output (in the compute dtype) normalised before the add
-    post = ([Term("RMSNorms of the sub-layers' outputs", "fp32" if d.compute == 4 or frozen
-                  or c.norm_style == "gemma" else "fp32 + bf16",
-                  2 * _norm(c, c.hidden, d.compute, frozen) / split)]
+    dtype = "fp32" if d.compute == 4 or frozen or c.norm_style == "gemma" else "fp32 + bf16"
+    post = ([Term(f"RMSNorm of the {part}'s output", dtype,
+                  _norm(c, c.hidden, d.compute, frozen) / split) for part in ("attention", "MLP")]
             if c.norms == "sandwich" else [])
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]
@@ -450,6 +450,7 @@ def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool =
 
 
 SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"
+MLP_POST_NORM = "RMSNorm of the MLP's output"           # freed first in a layer's backward
 
 
 def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None,

@@ -9,8 +9,8 @@ from fractions import Fraction
 
 from labkit.core.recipe import compute_bytes
 from labkit.core.units import HOST
-from labkit.predict.layers import (SOFTMAX, block_weights, head_weights, lora_targets,
-                                   naive_backward_alive)
+from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights, head_weights,
+                                   lora_targets, naive_backward_alive)
 from labkit.predict.terms import Tensor, _total
 
 
@@ -127,7 +127,10 @@ class Moments:
                                       if self.zero == 3 else []) + self._prefetched(i)
             kept = always + self._kept_up_to(saved, i) + grads + this_block + [
                 self._recomputed(i, saved, full, unit_start)]
-            tensors = kept + [
+            # by w_down's gradient Gemma's MLP output norm has freed what it kept
+            dropped = [self._drop_mlp_post_norm(terms, i) for terms in (saved, full)]
+            tensors = (always + self._kept_up_to(dropped[0], i) + grads + this_block + [
+                self._recomputed(i, *dropped, unit_start)] if c.norms == "sandwich" else kept) + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
@@ -158,6 +161,12 @@ class Moments:
             out[f"backward: reduce-scatter of layer {self.layers[worst_reduce[0]]}"] = (
                 "backward", worst_reduce[1])
         return out
+
+    @staticmethod
+    def _drop_mlp_post_norm(per_layer: list, i: int) -> list:
+        """``per_layer`` (each layer's ``Saved``) with layer i's MLP output norm freed."""
+        return [Saved(t for t in terms if t.name != MLP_POST_NORM) if j == i else terms
+                for j, terms in enumerate(per_layer)]
 
     def _experts_bucket(self, i: int, blocks_done) -> list[Tensor]:
         """The bucket block i's routed experts fill in its backward under ZeRO with ep: from
