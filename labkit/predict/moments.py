@@ -9,8 +9,9 @@ from fractions import Fraction
 
 from labkit.core.recipe import compute_bytes
 from labkit.core.units import HOST
-from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights, head_weights,
-                                   lora_targets, naive_backward_alive)
+from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights,
+                                   embedding_weights, head_weights, lora_targets,
+                                   naive_backward_alive)
 from labkit.predict.terms import Tensor, _total
 
 
@@ -102,8 +103,7 @@ class Moments:
         through x^2, its mean and rsqrt), with the LM head's gradients done."""
         c, split = self.c, (self.L.tp if self.L.sp else 1)
         fp32_wide = self.N * c.hidden * 4 // split                               # (N, hidden) fp32
-        done = (0 if self.lora else
-                sum(w.local(self.L.tp) for w in head_weights(c)) * self.bytes.weights)
+        done = 0 if self.lora else self._head_grad_elements() * self.bytes.weights
         return {"backward: final norm": ("backward", alive + [
             Tensor("final RMSNorm's input", "activations", "fp32", fp32_wide),
             Tensor("final RMSNorm's backward temporaries", "other", "fp32", 5 * fp32_wide),
@@ -115,8 +115,7 @@ class Moments:
         """Inside each layer's backward (last layer first): what the layers below still keep,
         the gradients done so far, the layer's transients and what recomputation rebuilt."""
         c, stream, flight = self.c, self.bytes.weights, self.in_flight
-        head_grads = (sum(w.local(self.L.tp) for w in head_weights(c)) * stream
-                      if self.last and not self.lora else 0)
+        head_grads = self._head_grad_elements() * stream if self.last and not self.lora else 0
         worst, worst_reduce = None, None
         for i in reversed(range(len(self.layers))):
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
@@ -162,6 +161,12 @@ class Moments:
                 "backward", worst_reduce[1])
         return out
 
+    def _head_grad_elements(self) -> int:
+        """Elements of the gradients the LM head's backward makes: its own and the final norm's;
+        with tied embeddings the one weight's, the embedding's too (whole from then on)."""
+        tied = embedding_weights(self.c) if self.c.tie_embeddings and self.first else []
+        return sum(w.local(self.L.tp) for w in head_weights(self.c) + tied)
+
     @staticmethod
     def _drop_mlp_post_norm(per_layer: list, i: int) -> list:
         """``per_layer`` (each layer's ``Saved``) with layer i's MLP output norm freed."""
@@ -195,7 +200,7 @@ class Moments:
             return {}
         c, B, T, L, stream = self.c, self.B, self.T, self.L, self.bytes.weights
         alive = naive_backward_alive(c, self.recipe.precision, L.tp, L.sp)
-        head_grads = sum(w.local(L.tp) for w in head_weights(c)) * stream if self.last else 0
+        head_grads = self._head_grad_elements() * stream if self.last else 0
         worst = None
         # a recomputed unit's input, held by its checkpoint, is the first norm's fp32 input
         # itself when the stream is fp32; in bf16 that norm keeps an fp32 copy beside it
