@@ -54,8 +54,8 @@ import labkit as lk
 
 import transformers
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+                          MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 import transformers.integrations.moe as hf_moe
 
 transformers.logging.set_verbosity_error()
@@ -101,6 +101,11 @@ MODELS = {
         num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
         sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
         tie_word_embeddings=True),
+    "olmo-2-7b": lambda: Olmo2Config(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=100352, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False),
     "mixtral-8x7b": lambda: MixtralConfig(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
@@ -114,7 +119,8 @@ MODELS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
         tie_word_embeddings=False),
 }
-DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini", "gemma-3-1b")
+DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini", "gemma-3-1b",
+         "olmo-2-7b")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")
 IMPLS = ("for-loop", "foreach")
 SHAPES = [(b, t) for b in (1, 4, 8) for t in (512, 4096)]

@@ -43,6 +43,12 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(top_k=2), "need routed_experts > 0"),
     (dict(attention="linear"), "unknown attention 'linear'"),
     (dict(attention="mla"), "kv_lora_rank must be a positive integer"),
+    (dict(norms="peri"), "unknown norms 'peri'"),
+    (dict(norm_style="t5"), "unknown norm_style 't5'"),
+    (dict(qk_norm_width="heads"), "unknown qk_norm_width 'heads'"),
+    (dict(activation="relu"), "unknown activation 'relu'"),
+    (dict(activation="gelu_tanh", routed_experts=4, top_k=2, moe_ffn=32),
+     "use activation='silu' with routed_experts > 0"),
 ])
 def test_impossible_configs_raise_a_value_error_naming_the_fix(fields, message):
     with pytest.raises(ValueError, match=message):

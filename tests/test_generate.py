@@ -19,6 +19,8 @@ CONFIGS = {                                   # one small model per attention ty
 }
 NORMED = {                                    # GQA with q and k norms
     "Qwen3": lk.preset("tiny", qk_norm=True),
+    "OLMo 2": lk.preset("tiny", qk_norm=True, qk_norm_width="all", norms="post",
+                        norm_style="olmo"),
     "Gemma 3": lk.preset("tiny", qk_norm=True, norms="sandwich", norm_style="gemma",
                          activation="gelu_tanh", embed_scale=True, tie_embeddings=True),
 }

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config,  # noqa: E402
                           Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig,
-                          MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+                          MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 import labkit as lk  # noqa: E402
 
@@ -51,6 +51,10 @@ CONFIGS = {
     "gemma2": lambda: Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=32,
                                    query_pre_attn_scalar=32, sliding_window=64,
                                    final_logit_softcapping=None, attn_logit_softcapping=None),
+    # OLMo 2: norms after each sub-layer only, q and k normalised over all heads; OLMo 3 adds
+    # sliding-window layers (a window longer than the test's rows: the same logits)
+    "olmo2": lambda: Olmo2Config(**SMALL, num_key_value_heads=2),
+    "olmo3": lambda: Olmo3Config(**SMALL, num_key_value_heads=2, sliding_window=64),
     "deepseek_v2": lambda: DeepseekV2Config(**{**SMALL, **MLA, **MOE}),
     "deepseek_v3": lambda: DeepseekV3Config(**{**SMALL, **MLA, **MOE, "q_lora_rank": 20,
                                                "n_group": 2, "topk_group": 1}),
@@ -155,7 +159,7 @@ def labkit_state_dict(hf, cfg: lk.ModelConfig) -> dict:
              "mlp.gate_proj": "mlp.w_gate", "mlp.up_proj": "mlp.w_up",
              "mlp.down_proj": "mlp.w_down", "mlp.gate": "mlp.router",
              "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm"}
-    if cfg.norms == "sandwich":              # Gemma: a norm before and after each sub-layer
+    if cfg.post_norms:            # Gemma: a norm before and after each sub-layer; OLMo 2: after
         names.update({"post_attention_layernorm": "attn_post_norm",
                       "pre_feedforward_layernorm": "mlp_norm",
                       "post_feedforward_layernorm": "mlp_post_norm"})
@@ -203,7 +207,7 @@ def assert_same_logits(config):
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen2-tied", "qwen3", "phi3",
-                                  "gemma3_text", "gemma2"])
+                                  "gemma3_text", "gemma2", "olmo2", "olmo3"])
 def test_labkit_model_with_hugging_face_weights_gives_the_same_logits(kind):
     assert_same_logits(CONFIGS[kind]())
 

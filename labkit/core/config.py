@@ -12,8 +12,9 @@ from importlib import resources
 from pathlib import Path
 
 ATTENTION_KINDS = ("gqa", "mla")
-NORM_PLACEMENTS = ("pre", "sandwich")
-NORM_STYLES = ("llama", "gemma")
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+NORM_STYLES = ("llama", "gemma", "olmo")
+QK_NORM_WIDTHS = ("head", "all")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -22,7 +23,8 @@ class ModelConfig:
     """Shape of a decoder-only transformer. Sizes are element counts; no biases but Qwen2's
     on q, k and v (``qkv_bias``); Qwen3 normalises each head's q and k (``qk_norm``); Gemma
     normalises each sub-layer's output as well as its input (``norms="sandwich"``), gates its
-    MLP with tanh-approximated GELU and scales the embedding by sqrt(hidden).
+    MLP with tanh-approximated GELU and scales the embedding by sqrt(hidden); OLMo 2 normalises
+    only the outputs (``norms="post"``), and its q and k over all heads at once.
 
     Dense models leave the MoE fields at 0; DeepSeek models use MLA attention
     (``attention="mla"``) and an MoE block in every layer after the first ``dense_layers``.
@@ -42,10 +44,13 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False       # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False        # an RMSNorm of each head's q and k before RoPE (Qwen3)
-    norms: str = "pre"           # "sandwich": each sub-layer's output normalised too (Gemma 2/3)
+    qk_norm_width: str = "head"  # "all": OLMo 2 normalises the whole q and k projections
+    norms: str = "pre"           # "sandwich": sub-layer outputs normalised too (Gemma 2/3);
+                                 # "post": only the outputs (OLMo 2)
     activation: str = "silu"     # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     embed_scale: bool = False    # the embedding's output times sqrt(hidden) (Gemma)
-    norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast
+    norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast;
+                                 # "olmo": by the weight in fp32, then cast
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
     attention: str = "gqa"
     q_lora_rank: int = 0         # 0: queries projected straight from hidden
@@ -87,6 +92,16 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.routed_experts > 0
+
+    @property
+    def pre_norms(self) -> bool:
+        """Whether each sub-layer's input is normalised (all but OLMo 2's post-norm blocks)."""
+        return self.norms != "post"
+
+    @property
+    def post_norms(self) -> bool:
+        """Whether each sub-layer's output is normalised before the residual add."""
+        return self.norms != "pre"
 
     @property
     def moe_layers(self) -> int:
@@ -133,6 +148,9 @@ def validate(cfg: ModelConfig) -> None:
         raise ValueError(f"unknown attention {cfg.attention!r}; use one of {ATTENTION_KINDS}")
     if cfg.norms not in NORM_PLACEMENTS:
         raise ValueError(f"unknown norms {cfg.norms!r}; use one of {NORM_PLACEMENTS}")
+    if cfg.qk_norm_width not in QK_NORM_WIDTHS:
+        raise ValueError(f"unknown qk_norm_width {cfg.qk_norm_width!r}; use one of "
+                         f"{QK_NORM_WIDTHS}")
     if cfg.norm_style not in NORM_STYLES:
         raise ValueError(f"unknown norm_style {cfg.norm_style!r}; use one of {NORM_STYLES}")
     if cfg.activation not in ACTIVATIONS:

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` configs -> ``labkit.ModelConfig``: any public model, predicted.
 
-``from_hf_config`` maps the configs of eleven model types (``model_type`` in config.json):
+``from_hf_config`` maps the configs of thirteen model types (``model_type`` in config.json):
 
 | model_type      | transformers class   | what labkit builds                                 |
 | --------------- | -------------------- | -------------------------------------------------- |
@@ -16,6 +16,9 @@
 |                 |                      | (without soft-capping only, which no released      |
 |                 |                      | Gemma 2 is: ``_gemma_fields``)                     |
 | ``gemma3_text`` | ``Gemma3TextConfig`` | as Gemma 2 plus Qwen3's q and k norms              |
+| ``olmo2``       | ``Olmo2Config``      | as LLaMA, but each sub-layer's output normalised   |
+|                 |                      | (not its input), q and k over all heads at once    |
+| ``olmo3``       | ``Olmo3Config``      | as OLMo 2 (its sliding-window layers: see below)   |
 | ``deepseek_v2`` | ``DeepseekV2Config`` | MLA attention, DeepSeekMoE (shared + routed)       |
 | ``deepseek_v3`` | ``DeepseekV3Config`` | as V2 plus the router's selection bias             |
 
@@ -40,7 +43,7 @@ from __future__ import annotations
 from labkit.core.config import ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
-             "gemma3_text", "deepseek_v2", "deepseek_v3")
+             "gemma3_text", "olmo2", "olmo3", "deepseek_v2", "deepseek_v3")
 
 _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face model itself "
             "with labkit.measure_step(lambda: AutoModelForCausalLM.from_config(cfg))")
@@ -48,7 +51,7 @@ _BY_HAND = ("build a labkit.ModelConfig by hand, or measure the Hugging Face mod
 
 def from_hf_config(hf_config) -> ModelConfig:
     """The ``ModelConfig`` of a Hugging Face LLaMA, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
-    Qwen3-MoE, Gemma 2, Gemma 3 (its language model) or DeepSeek-V2/V3 config.
+    Qwen3-MoE, Gemma 2, Gemma 3 (its language model), OLMo 2/3 or DeepSeek-V2/V3 config.
 
     ``hf_config``: a ``transformers`` config object or a plain dict (config.json's contents).
     Raises ``ValueError`` for a model type not listed in ``labkit.core.hf.SUPPORTED`` and for
@@ -83,12 +86,17 @@ def from_hf_config(hf_config) -> ModelConfig:
     )
     if model_type.startswith("gemma"):
         fields.update(_gemma_fields(c, model_type))
+    if model_type.startswith("olmo"):
+        # OLMo 2 and 3 (Walsh et al., 2025): each sub-layer's output normalised before the add,
+        # no norm of its input; q and k normalised over all heads at once; the norms multiply
+        # by their weight in fp32. OLMo 3's sliding-window layers are not modelled (below).
+        fields.update(norms="post", norm_style="olmo", qk_norm_width="all")
     if model_type.startswith("deepseek"):
         fields.update(_deepseek_fields(c, model_type))
     else:
         fields.update(head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                       qkv_bias=model_type == "qwen2",   # Qwen2's q, k, v always have biases
-                      qk_norm=model_type.startswith(("qwen3", "gemma3")))
+                      qk_norm=model_type.startswith(("qwen3", "gemma3", "olmo")))
         if model_type == "mixtral":
             fields.update(_mixtral_fields(c))
         if model_type == "qwen3_moe":

@@ -70,7 +70,10 @@ def attention_weights(c: ModelConfig) -> list[Weight]:
               Weight("attn.wv", c.hidden, c.kv_heads * c.head_dim)]
         if c.qkv_bias:
             ws += [Weight(w.name + ".bias", 1, w.fan_out, "column", matmul=False) for w in ws]
-        if c.qk_norm:        # one weight per head dimension, shared by the heads
+        if c.qk_norm and c.qk_norm_width == "all":   # OLMo 2: over each whole projection
+            ws += [Weight(f"attn.{n}_norm", 1, w.fan_out, "column", matmul=False)
+                   for n, w in zip("qk", ws)]
+        elif c.qk_norm:      # one weight per head dimension, shared by the heads
             ws += [_vector("attn.q_norm", c.head_dim), _vector("attn.k_norm", c.head_dim)]
         return ws + [Weight("attn.wo", H * c.head_dim, c.hidden, "row")]
     if c.q_lora_rank:    # the down-projections and the latent's norms are replicated over tp
@@ -101,10 +104,12 @@ def mlp_weights(c: ModelConfig, moe: bool) -> list[Weight]:
 
 def block_weights(c: ModelConfig, moe: bool) -> list[Weight]:
     """Every parameter tensor of a block (an MoE block after the first ``dense_layers``), in the
-    model's order; Gemma's sandwich adds a norm after each sub-layer."""
-    post = (lambda name: [_vector(name, c.hidden)]) if c.norms == "sandwich" else (lambda name: [])
-    return ([_vector("attn_norm", c.hidden)] + attention_weights(c) + post("attn_post_norm")
-            + [_vector("mlp_norm", c.hidden)] + mlp_weights(c, moe) + post("mlp_post_norm"))
+    model's order: a norm before each sub-layer, after it (OLMo 2), or both (Gemma)."""
+    def norm(name: str, present: bool) -> list[Weight]:
+        return [_vector(name, c.hidden)] if present else []
+    return (norm("attn_norm", c.pre_norms) + attention_weights(c)
+            + norm("attn_post_norm", c.post_norms) + norm("mlp_norm", c.pre_norms)
+            + mlp_weights(c, moe) + norm("mlp_post_norm", c.post_norms))
 
 
 def lora_targets(c: ModelConfig, moe: bool) -> list[Weight]:
@@ -240,9 +245,9 @@ def _rmsnorm(width: float, input_bytes: int, frozen: bool = False) -> float:
 
 
 def _norm(c: ModelConfig, width: float, input_bytes: int, frozen: bool = False) -> float:
-    """``_rmsnorm`` in the model's norm style: Gemma's keeps its normalised x in fp32 (for the
-    fp32 product with 1 + weight), whatever x's dtype."""
-    return _rmsnorm(width, 4 if c.norm_style == "gemma" else input_bytes, frozen)
+    """``_rmsnorm`` in the model's norm style: Gemma's and OLMo 2's keep the normalised x in
+    fp32 (for the fp32 product with the weight), whatever x's dtype."""
+    return _rmsnorm(width, input_bytes if c.norm_style == "llama" else 4, frozen)
 
 
 def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
@@ -274,14 +279,17 @@ def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
     H, cdt = c.heads // tp, d.name
     # under autocast the q and k norms' fp32 weights make q and k fp32: RoPE casts nothing
     # (Gemma's norms cast their output back to the input's bf16)
-    cast = d.compute != 4 and not (c.qk_norm and d.mixed and c.norm_style != "gemma")
+    cast = d.compute != 4 and not (c.qk_norm and d.mixed and c.norm_style == "llama")
     rope = Term("RoPE cos/sin cast to the compute dtype", cdt,
                 per_position=4 * c.rope_dim * d.compute if cast else 0)
     if c.attention == "gqa":
         Hkv = max(1, c.kv_heads // tp)
-        norms = [Term("q and k RMSNorms (per head)", "fp32" if d.compute == 4 or frozen
-                      else "fp32 + bf16", (H + Hkv) * _norm(c, c.head_dim, d.compute, frozen))
-                 ] if c.qk_norm else []
+        whole = c.qk_norm_width == "all"       # OLMo 2: one norm over all of this rank's heads
+        norms = [Term(f"q and k RMSNorms ({'all heads' if whole else 'per head'})",
+                      "fp32" if d.compute == 4 or frozen or c.norm_style != "llama"
+                      else "fp32 + bf16",
+                      _norm(c, (H + Hkv) * c.head_dim, d.compute, frozen) + 4 if whole else
+                      (H + Hkv) * _norm(c, c.head_dim, d.compute, frozen))] if c.qk_norm else []
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
@@ -401,11 +409,12 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     # LoRA: frozen norms keep no normalised x; the model's first norm keeps nothing at all
     # (its input, the frozen embedding's output, needs no gradient)
     frozen, norms = lora_rank > 0, 1 if first else 2
-    # Gemma's sandwich: each sub-layer's output (in the compute dtype) normalised before the add
-    dtype = "fp32" if d.compute == 4 or frozen or c.norm_style == "gemma" else "fp32 + bf16"
+    # Gemma's sandwich, OLMo 2: each sub-layer's output (compute dtype) normalised before the add
+    dtype = "fp32" if d.compute == 4 or frozen or c.norm_style != "llama" else "fp32 + bf16"
     post = ([Term(f"RMSNorm of the {part}'s output", dtype,
                   _norm(c, c.hidden, d.compute, frozen) / split) for part in ("attention", "MLP")]
-            if c.norms == "sandwich" else [])
+            if c.post_norms else [])
+    norms *= c.pre_norms                      # OLMo 2 normalises no sub-layer's input
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]
                  + post + _attention_saved(c, d, tp, split, attention, frozen)
@@ -429,7 +438,7 @@ def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool =
     width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
     softmax = 4 if d.compute == 4 or d.mixed else 2                   # bytes of P, dP, dS
     terms = [Term("attention RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _norm(c, c.hidden, d.stream) / split)]
+                  _norm(c, c.hidden, d.stream) / split)] if c.pre_norms else []
     for t in _attention_saved(c, d, tp, split, "naive"):
         if t.per_pair:
             terms += [replace(t, per_pair=H * softmax),

@@ -126,10 +126,10 @@ class Moments:
                                       if self.zero == 3 else []) + self._prefetched(i)
             kept = always + self._kept_up_to(saved, i) + grads + this_block + [
                 self._recomputed(i, saved, full, unit_start)]
-            # by w_down's gradient Gemma's MLP output norm has freed what it kept
+            # by w_down's gradient the MLP output norm (Gemma, OLMo 2) has freed what it kept
             dropped = [self._drop_mlp_post_norm(terms, i) for terms in (saved, full)]
             tensors = (always + self._kept_up_to(dropped[0], i) + grads + this_block + [
-                self._recomputed(i, *dropped, unit_start)] if c.norms == "sandwich" else kept) + [
+                self._recomputed(i, *dropped, unit_start)] if c.post_norms else kept) + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
                 Tensor("activation gradients in flight", "other", self.cdt,
@@ -137,13 +137,16 @@ class Moments:
             # with ep, a block's experts' bucket (stage 1: the stage's) is made by their weight
             # gradients, first in its backward after the shared experts: all it kept still there
             experts = self._experts_bucket(i, range(i + 1, len(self.layers)))
-            # Gemma's sandwich: the layer's backward starts in its MLP output's RMSNorm, with
-            # five fp32 (N, hidden) temporaries as the final norm's (its fp32 input is saved)
+            # Gemma's and OLMo 2's layers: the backward starts in the MLP output's RMSNorm. Its
+            # backward, its input from a linear, peaks 4 fp32 (N, hidden) above what it kept
+            # (measured alone; 4.5 for a LLaMA-style norm in bf16)
             wide = self.N * c.hidden // (self.L.tp if self.L.sp else 1)
+            temporaries = 4 * 4 * wide + (2 * wide if c.norm_style == "llama" and
+                                          self.bytes.weights == 2 else 0)
             post_norm = [kept + [
-                Tensor("MLP output RMSNorm's backward temporaries", "other", "fp32", 5 * 4 * wide),
+                Tensor("MLP output RMSNorm's backward temporaries", "other", "fp32", temporaries),
                 Tensor("gradient of the residual stream", "other", self.wdt, wide * stream)]
-            ] if c.norms == "sandwich" else []
+            ] if c.post_norms else []
             for candidate in [tensors] + ([kept + experts] if experts else []) + post_norm:
                 if worst is None or _total(candidate) > _total(worst[1]):
                     worst = (i, candidate)

@@ -130,12 +130,11 @@ def gqa_attention(attn, x, rotary, mask, cache: KVCache, layer: int):
     B, T, _ = x.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
     start = cache.length
-    # q and k normalised per head first where the model does (Qwen3, Gemma 3; else Identity)
-    q = rotate(attn.q_norm(attn.wq(x).view(B, T, H, d)).transpose(1, 2), *rotary)  # (B, H, T, d)
+    # q and k normalised as the model does (Qwen3, Gemma 3, OLMo 2)
+    q = rotate(attn.heads_of(x, attn.wq, H, attn.q_norm), *rotary)                 # (B, H, T, d)
     if cache.writes(layer):
-        k = attn.k_norm(attn.wk(x).view(B, T, Hkv, d)).transpose(1, 2)           # (B, Hkv, T, d)
-        k = rotate(k, *rotary)
-        v = attn.wv(x).view(B, T, Hkv, d).transpose(1, 2)                         # (B, Hkv, T, d)
+        k = rotate(attn.heads_of(x, attn.wk, Hkv, attn.k_norm), *rotary)          # (B, Hkv, T, d)
+        v = attn.heads_of(x, attn.wv, Hkv)                                        # (B, Hkv, T, d)
         cache.write(layer, k=k, v=v)
     k, v = cache.read(layer, start + T)                                           # (B, Hkv, L, d)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
@@ -218,7 +217,7 @@ def step(model: Transformer, tokens, cache: Cache, absorb: bool = True):
             h = mla_attention(block.attn, h, rotary, mask, cache, layer, absorb)
         else:
             h = gqa_attention(block.attn, h, rotary, mask, cache, layer)
-        x = x + block.attn_post_norm(h)                          # Identity unless "sandwich"
+        x = x + block.attn_post_norm(h)                          # Identity unless post norms
         x = x + block.mlp_post_norm(block.mlp(block.mlp_norm(x)))
     cache.length += T
     return model.lm_head(model.norm(x))                                           # (B, T, vocab)

@@ -26,18 +26,21 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA's and DeepSeek's reference code
     writes it: normalise in fp32, cast back to x's dtype, then scale by the weight. In bf16
     it keeps the normalised x in bf16 (F.rms_norm would keep it in fp32). ``style="gemma"``:
-    Gemma's, which scales by (1 + weight) in fp32, then casts: it keeps the normalised x in fp32."""
+    Gemma's, which scales by (1 + weight) in fp32, then casts; ``"olmo"``: OLMo 2's, which
+    scales by the weight in fp32, then casts. Both keep the normalised x in fp32."""
 
     def __init__(self, dim: int, eps: float, style: str = "llama"):
         super().__init__()
-        self.eps, self.gemma = eps, style == "gemma"
-        self.weight = nn.Parameter(torch.zeros(dim) if self.gemma else torch.ones(dim))
+        self.eps, self.style = eps, style
+        self.weight = nn.Parameter(torch.zeros(dim) if style == "gemma" else torch.ones(dim))
 
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
+        if self.style == "gemma":
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if self.style == "olmo":
+            return (self.weight.float() * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -200,17 +203,31 @@ class GroupedQueryAttention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
-        # Qwen3, Gemma 3: each head's q and k normalised before RoPE
-        norm = lambda: (RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_style)     # noqa: E731
-                        if cfg.qk_norm else nn.Identity())
-        self.q_norm, self.k_norm = norm(), norm()
+        # q and k normalised before RoPE: each head (Qwen3, Gemma 3) or all heads at once (OLMo 2)
+        self.whole = cfg.qk_norm_width == "all"
+
+        def norm(heads):
+            width = heads * cfg.head_dim if self.whole else cfg.head_dim
+            return RMSNorm(width, cfg.norm_eps, cfg.norm_style) if cfg.qk_norm else nn.Identity()
+        self.q_norm, self.k_norm = norm(cfg.heads), norm(cfg.kv_heads)
+
+    def heads_of(self, x, linear, heads: int, norm=None):
+        """(B, T, hidden) -> a projection's heads (B, heads, T, d), normalised as the model does
+        before RoPE (``norm``: None for v)."""
+        B, T, _ = x.shape
+        y = linear(x)                                                            # (B, T, heads*d)
+        if norm is not None and self.whole:
+            y = norm(y)
+        y = y.view(B, T, heads, self.head_dim)                                   # (B, T, heads, d)
+        if norm is not None and not self.whole:
+            y = norm(y)
+        return y.transpose(1, 2)
 
     def forward(self, x, rope: Rotary, mask=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.wq(x).view(B, T, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.wk(x).view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, d)
-        # q (B, H, T, d), k (B, Hkv, T, d)
+        q = self.heads_of(x, self.wq, self.heads, self.q_norm)                    # (B, H, T, d)
+        k = self.heads_of(x, self.wk, self.kv_heads, self.k_norm)                 # (B, Hkv, T, d)
+        v = self.heads_of(x, self.wv, self.kv_heads)                              # (B, Hkv, T, d)
         y = attention_core(rope(q), rope(k), v, mask)                            # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
 
@@ -359,17 +376,19 @@ def embed_tokens(embed: nn.Module, tokens, cfg: ModelConfig):
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With
-    ``norms="sandwich"`` (Gemma 2/3) each sub-layer's output is normalised before it is added:
-    x + post_norm(attn(norm(x)))."""
+    ``norms="sandwich"`` (Gemma 2/3) each sub-layer's output is normalised before it is added,
+    x + post_norm(attn(norm(x))); with ``norms="post"`` (OLMo 2) only the output,
+    x + post_norm(attn(x)). A norm a placement lacks is ``nn.Identity``."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_style)       # noqa: E731
-        post_norm = norm if cfg.norms == "sandwich" else nn.Identity
-        self.attn_norm = norm()
+        pre_norm = norm if cfg.pre_norms else nn.Identity
+        post_norm = norm if cfg.post_norms else nn.Identity
+        self.attn_norm = pre_norm()
         self.attn = LatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)
         self.attn_post_norm = post_norm()
-        self.mlp_norm = norm()
+        self.mlp_norm = pre_norm()
         self.mlp = (MoE(cfg) if layer >= cfg.dense_layers else
                     SwiGLU(cfg.hidden, cfg.ffn, cfg.activation))
         self.mlp_post_norm = post_norm()

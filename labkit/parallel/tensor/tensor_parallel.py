@@ -16,7 +16,7 @@ estimate):
     mlp.w_gate, mlp.w_up          column   ffn / N outputs each
     mlp.w_down                    row      ffn / N inputs, partial sums
     attn_norm, mlp_norm           replicated  (each rank normalises its T/N tokens under sp)
-    attn_post_norm, mlp_post_norm replicated  Gemma's sandwich: as the norms above
+    attn_post_norm, mlp_post_norm replicated  Gemma's, OLMo 2's: as the norms above
     attn.q_norm, attn.k_norm      replicated  one weight for every head: gradients summed
     embed                         vocab    rows split: each rank looks up the tokens it holds
     norm                          replicated  (on each rank's T/N tokens under sp)
@@ -82,6 +82,10 @@ def check_tp(cfg: ModelConfig, tp: int):
         raise ValueError(f"{cfg.name}: tensor parallelism here splits GQA attention and dense "
                          "SwiGLU blocks; MLA and MoE blocks are not supported (use a dense GQA "
                          "model such as 'small')")
+    if cfg.qk_norm and cfg.qk_norm_width == "all" and tp > 1:
+        raise ValueError(f"{cfg.name} normalises q and k over all heads at once (OLMo 2): split "
+                         "over ranks, each norm would need every rank's heads (an all-reduce of "
+                         "the statistics, which this module does not send); use tp=1")
     if cfg.tie_embeddings:
         raise ValueError(f"{cfg.name} ties its embedding to the LM head: one weight that the "
                          "embedding's lookup and the head's matmul would split and send "
