@@ -198,6 +198,14 @@ def test_kv_cache_of_multi_head_grouped_multi_query_and_latent_attention():
     assert lk.kv_cache_bytes("deepseek-v2", seq=4096) == 60 * (512 + 64) * 4096 * 2
 
 
+def test_a_windowed_layers_cache_stops_at_the_window():
+    # gemma-3-1b: 22 of its 26 layers see the last 512 tokens, 4 see all; one kv head of 256
+    per_token_layer = 2 * 1 * 256 * 2                       # K and V, bf16
+    assert lk.kv_cache_bytes("gemma-3-1b", seq=32768) == (4 * 32768 + 22 * 512) * per_token_layer
+    assert lk.kv_cache_bytes("gemma-3-1b", seq=32768, windows=False) == 26 * 32768 * per_token_layer
+    assert lk.kv_cache_bytes("gemma-3-1b", seq=512) == 26 * 512 * per_token_layer   # inside it
+
+
 def test_megatron_formula_and_ours_count_the_same_layer_input():
     # full recompute keeps only each layer's input: 2sbh bytes in fp16 in both
     cfg = lk.preset("llama-2-7b")

@@ -131,6 +131,18 @@ def test_maps_every_named_field_of_a_deepseek_v3_config():
         64, 3, 4, 160, 300, 128)
 
 
+@pytest.mark.parametrize("config, window, windowed", [
+    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64), 64, 2),   # every layer
+    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None), 0, 0),
+    (Qwen2Config(**SMALL, num_key_value_heads=2), 0, 0),           # use_sliding_window=False
+    (Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 12}, sliding_window=64), 64, 10),  # 5:1
+    (Olmo3Config(**{**SMALL, "num_hidden_layers": 8}, sliding_window=64), 64, 6),      # 3:1
+])
+def test_maps_the_sliding_window_and_the_layers_that_use_it(config, window, windowed):
+    cfg = lk.from_hf_config(config)
+    assert (cfg.sliding_window, cfg.windowed_layers) == (window, windowed)
+
+
 def test_reads_rope_theta_from_an_old_style_config_json():
     old = {**CONFIGS["llama"]().to_dict(), "rope_theta": 500000.0,
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}

@@ -49,6 +49,11 @@ class ModelConfig:
                                  # "post": only the outputs (OLMo 2)
     activation: str = "silu"     # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     embed_scale: bool = False    # the embedding's output times sqrt(hidden) (Gemma)
+    # sliding-window attention (Mistral, Gemma 2/3, OLMo 3): ``windowed_layers`` of the layers
+    # attend to the last ``sliding_window`` tokens only. labkit's model attends to every earlier
+    # token (the same tensors in training); ``kv_cache_bytes`` counts what a windowed cache keeps
+    sliding_window: int = 0
+    windowed_layers: int = 0
     norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast;
                                  # "olmo": by the weight in fp32, then cast
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
@@ -194,6 +199,11 @@ def validate(cfg: ModelConfig) -> None:
                              f"layers={cfg.layers}")
     elif cfg.top_k or cfg.shared_experts or cfg.moe_ffn:
         raise ValueError("top_k, shared_experts and moe_ffn need routed_experts > 0")
+    if cfg.sliding_window < 0 or not 0 <= cfg.windowed_layers <= cfg.layers or (
+            cfg.windowed_layers > 0) != (cfg.sliding_window > 0):
+        raise ValueError(f"sliding_window={cfg.sliding_window}, windowed_layers="
+                         f"{cfg.windowed_layers}: give both (a window of tokens and how many of "
+                         f"the {cfg.layers} layers use it) or neither")
 
 
 # ---- presets -----------------------------------------------------------------------

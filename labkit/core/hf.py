@@ -89,8 +89,9 @@ def from_hf_config(hf_config) -> ModelConfig:
     if model_type.startswith("olmo"):
         # OLMo 2 and 3 (Walsh et al., 2025): each sub-layer's output normalised before the add,
         # no norm of its input; q and k normalised over all heads at once; the norms multiply
-        # by their weight in fp32. OLMo 3's sliding-window layers are not modelled (below).
+        # by their weight in fp32. OLMo 3's sliding-window layers: as Gemma's (_gemma_fields).
         fields.update(norms="post", norm_style="olmo", qk_norm_width="all")
+    fields.update(_window_fields(c))
     if model_type.startswith("deepseek"):
         fields.update(_deepseek_fields(c, model_type))
     else:
@@ -101,7 +102,8 @@ def from_hf_config(hf_config) -> ModelConfig:
             fields.update(_mixtral_fields(c))
         if model_type == "qwen3_moe":
             fields.update(_qwen3_moe_fields(c))
-        # Sliding-window attention (Mistral, Qwen2's use_sliding_window) is not modelled: at
+        # Sliding-window attention (Mistral, Qwen2's use_sliding_window) is not modelled in
+        # training (``kv_cache_bytes`` caps a windowed layer's cache at the window): at
         # seq < sliding_window (4096 for Mistral-7B) the window covers every earlier token and
         # transformers runs SDPA causal without a mask, as labkit does: the same tensors. From
         # seq = sliding_window on it builds a (B, 1, T, T) mask, which SDPA copies to a float
@@ -146,6 +148,18 @@ def _check_common(c: dict, model_type: str) -> None:
                                        f"head; labkit rotates the whole head)")
 
 
+def _window_fields(c: dict) -> dict:
+    """The sliding window and how many layers use it: those ``layer_types`` names
+    "sliding_attention" (Gemma 2/3, OLMo 3, transformers 5's Qwen2), else every layer when a
+    window is set and not turned off (Mistral; Qwen2's ``use_sliding_window``)."""
+    window, types = c.get("sliding_window") or 0, c.get("layer_types")
+    if types:
+        windowed = sum(t == "sliding_attention" for t in types)
+    else:
+        windowed = c["num_hidden_layers"] if window and c.get("use_sliding_window", True) else 0
+    return dict(sliding_window=window if windowed else 0, windowed_layers=windowed if window else 0)
+
+
 def _rope_theta(c: dict) -> float:
     """RoPE's base: top-level ``rope_theta`` (config.json, transformers 4.x) or
     ``rope_parameters["rope_theta"]`` (transformers 5). A ``rope_scaling`` / ``rope_type``
@@ -160,9 +174,9 @@ def _gemma_fields(c: dict, model_type: str) -> dict:
     Gemma 3's q and k norms too, each scaling by 1 + weight in fp32), a GeGLU MLP (tanh GELU),
     the embedding times sqrt(hidden) and tied to the LM head unless the config says not.
 
-    Their alternating sliding-window layers are not modelled, as Mistral's window is not
-    (below): in training from T > window transformers adds a mask, and a KV cache of a
-    windowed layer keeps only the window (``kv_cache_bytes`` counts every token).
+    Their alternating sliding-window layers are not modelled in training, as Mistral's window
+    is not (below: from T > window transformers adds a mask); ``kv_cache_bytes`` caps those
+    layers' caches at the window.
     Soft-capping is refused, and every released Gemma 2 sets it: over the logits it keeps
     one more (tokens, vocab) tensor, the tanh's output; over the attention scores labkit's
     attention cores cannot apply it (FlashAttention-2 and FlexAttention do, inside the

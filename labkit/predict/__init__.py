@@ -73,9 +73,11 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
 
 
 def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
-                   dtype: str = "bf16", tp: int = 1) -> int:
+                   dtype: str = "bf16", tp: int = 1, windows: bool = True) -> int:
     """Bytes of the inference KV cache: per token and layer 2 * kv_heads * head_dim numbers
-    (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope."""
+    (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope. A layer
+    with a sliding window keeps only its last ``sliding_window`` tokens (``windows=False``:
+    every token, as a cache that ignores the window would)."""
     c = preset(cfg) if isinstance(cfg, str) else cfg
     check_positive("batch", batch)
     check_positive("seq", seq)
@@ -84,4 +86,6 @@ def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
         per_token = c.kv_lora_rank + c.qk_rope_dim                             # not split by tp
     else:
         per_token = 2 * max(1, c.kv_heads // tp) * c.head_dim
-    return int(batch * seq * c.layers * per_token * dtype_bytes(dtype))
+    windowed = c.windowed_layers if windows else 0
+    tokens = (c.layers - windowed) * seq + windowed * min(seq, c.sliding_window)
+    return int(batch * tokens * per_token * dtype_bytes(dtype))

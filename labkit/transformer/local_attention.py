@@ -171,5 +171,5 @@ def window_kv_cache(cfg: ModelConfig | str = "mistral-7b", seq: int = 32768,
     c = preset(cfg) if isinstance(cfg, str) else cfg
     kept = min(seq, window + n_global)
     weights = int(count_params(c).total * dtype_bytes(dtype))
-    return WindowCache(seq, window, weights, kv_cache_bytes(c, batch, seq, dtype),
-                       kv_cache_bytes(c, batch, kept, dtype))
+    return WindowCache(seq, window, weights, kv_cache_bytes(c, batch, seq, dtype, windows=False),
+                       kv_cache_bytes(c, batch, kept, dtype, windows=False))
