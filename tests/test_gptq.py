@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from labkit import build_model, preset
-from labkit.quantisation.gptq import (METHODS, compare, gptq_quantize, layer_inputs, quantize_model,
-                                      quantize_weight, rtn_quantize, trained_small)
+from labkit.quantisation.gptq import (gptq_quantize, layer_inputs, quantize_model, quantize_weight,
+                                      rtn_quantize)
 from labkit.quantisation.quant import pack_4bit
 
 torch.set_num_threads(1)
@@ -112,20 +112,7 @@ def test_quantize_model_counts_every_block_linear_and_leaves_the_original(method
     assert changed == (method != "fp32") and (q.weight_error > 0) == (method != "fp32")
 
 
-@pytest.mark.slow   # trains `small` for 100 steps: 16-19 s on 2 shared cores, then ~6 s
-def test_compare_on_trained_small_gptq_loss_is_not_above_rtn():
-    trained = trained_small()
-    assert sum(trained.losses[-10:]) / 10 < 2.0                 # from ln 4096 = 8.3 to ~1.7
-    rows = {row.method: row for row in compare(METHODS, trained)}
-    assert rows["fp32"].bits_per_param == 32 and rows["fp32"].loss_increase == 0
-    assert rows["gptq int4 g64"].bits_per_param == rows["rtn int4 g64"].bits_per_param == 4.3125
-    assert rows["nf4"].bits_per_param < 4.13
-    assert 8 < rows["int8 absmax per channel"].bits_per_param < 8.2
-    # measured: RTN +0.0010 to +0.0019, GPTQ +0.0000 to +0.0003 nats over fp32 1.67-1.76
-    # (1,024 held-out tokens; the fp32 loss itself moves with the CPU kernels)
-    assert rows["gptq int4 g64"].loss <= rows["rtn int4 g64"].loss + 1e-3
-    assert all(abs(row.loss_increase) < 0.05 for row in rows.values())
-    assert rows["gptq int4 g64"].weight_error > rows["rtn int4 g64"].weight_error
-    # what GPTQ minimises: measured 0.0046 against RTN's 0.0200 on the held-out inputs
-    assert rows["gptq int4 g64"].output_error < 0.5 * rows["rtn int4 g64"].output_error
-    assert rows["fp32"].output_error == 0 < rows["int8 absmax per channel"].output_error
+# On a trained model (``trained_small``: `small`, 100 steps), lab 06's checked cell asserts what
+# GPTQ is for: its output error below half of RTN's at int4 and int3 g64, its weight error above,
+# its held-out loss no higher than RTN's (within 0.001 nats), every scheme within 0.05 nats of
+# fp32, the bits a parameter, and training's loss under 2 nats (the browser and papermill runs).
