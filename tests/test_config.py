@@ -47,8 +47,8 @@ def test_unknown_preset_lists_the_known_ones():
     (dict(norm_style="t5"), "unknown norm_style 't5'"),
     (dict(qk_norm_width="heads"), "unknown qk_norm_width 'heads'"),
     (dict(activation="relu"), "unknown activation 'relu'"),
-    (dict(sliding_window=512), "give both"),
-    (dict(windowed_layers=2), "give both"),
+    (dict(global_every=2), "set sliding_window"),
+    (dict(sliding_window=-1), "sliding_window must be an integer >= 0"),
     (dict(activation="gelu_tanh", routed_experts=4, top_k=2, moe_ffn=32),
      "use activation='silu' with routed_experts > 0"),
 ])

@@ -131,16 +131,36 @@ def test_maps_every_named_field_of_a_deepseek_v3_config():
         64, 3, 4, 160, 300, 128)
 
 
-@pytest.mark.parametrize("config, window, windowed", [
-    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64), 64, 2),   # every layer
-    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None), 0, 0),
-    (Qwen2Config(**SMALL, num_key_value_heads=2), 0, 0),           # use_sliding_window=False
-    (Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 12}, sliding_window=64), 64, 10),  # 5:1
-    (Olmo3Config(**{**SMALL, "num_hidden_layers": 8}, sliding_window=64), 64, 6),      # 3:1
+def _as_config_json(config) -> dict:
+    """A config as an older config.json has it: no ``layer_types``."""
+    return {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+
+
+GEMMA3_12 = Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 12}, sliding_window=64)
+
+
+@pytest.mark.parametrize("config, window, every, windowed", [
+    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=64), 64, 0, 2),  # every layer
+    (MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None), 0, 0, 0),
+    (Qwen2Config(**SMALL, num_key_value_heads=2), 0, 0, 0),      # use_sliding_window=False
+    (GEMMA3_12, 64, 6, 10),                                        # 5 windowed : 1 global
+    ({**_as_config_json(GEMMA3_12), "sliding_window_pattern": 6}, 64, 6, 10),   # config.json
+    (_as_config_json(Gemma2Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=64,
+                                  final_logit_softcapping=None, attn_logit_softcapping=None)),
+     64, 2, 2),                                                    # alternating
+    (Olmo3Config(**{**SMALL, "num_hidden_layers": 8}, sliding_window=64), 64, 4, 6),  # 3 : 1
 ])
-def test_maps_the_sliding_window_and_the_layers_that_use_it(config, window, windowed):
+def test_maps_the_sliding_window_and_the_layers_that_use_it(config, window, every, windowed):
     cfg = lk.from_hf_config(config)
-    assert (cfg.sliding_window, cfg.windowed_layers) == (window, windowed)
+    assert (cfg.sliding_window, cfg.global_every, cfg.windowed_layers) == (window, every, windowed)
+    assert cfg.replace(layers=1).windowed_layers == (1 if window else 0)   # any depth
+
+
+def test_windows_labkit_cannot_place_are_refused_with_the_fix():
+    qwen = Qwen2Config(**SMALL, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
+                       max_window_layers=1)                        # layer 0 full, layer 1 windowed
+    with pytest.raises(ValueError, match=r"windows on layers \[1\].*sliding_window=None"):
+        lk.from_hf_config(qwen)
 
 
 def test_reads_rope_theta_from_an_old_style_config_json():

@@ -49,11 +49,12 @@ class ModelConfig:
                                  # "post": only the outputs (OLMo 2)
     activation: str = "silu"     # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     embed_scale: bool = False    # the embedding's output times sqrt(hidden) (Gemma)
-    # sliding-window attention (Mistral, Gemma 2/3, OLMo 3): ``windowed_layers`` of the layers
-    # attend to the last ``sliding_window`` tokens only. labkit's model attends to every earlier
-    # token (the same tensors in training); ``kv_cache_bytes`` counts what a windowed cache keeps
+    # sliding-window attention (Mistral, Gemma 2/3, OLMo 3): layers attend to the last
+    # ``sliding_window`` tokens only, but for every ``global_every``-th layer (0: none), which
+    # attends to all. labkit's model attends to every earlier token (the same tensors in
+    # training up to seq = sliding_window); ``kv_cache_bytes`` counts what a windowed cache keeps
     sliding_window: int = 0
-    windowed_layers: int = 0
+    global_every: int = 0
     norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast;
                                  # "olmo": by the weight in fp32, then cast
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
@@ -107,6 +108,13 @@ class ModelConfig:
     def post_norms(self) -> bool:
         """Whether each sub-layer's output is normalised before the residual add."""
         return self.norms != "pre"
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers that attend to the last ``sliding_window`` tokens only."""
+        if not self.sliding_window:
+            return 0
+        return self.layers - (self.layers // self.global_every if self.global_every else 0)
 
     @property
     def moe_layers(self) -> int:
@@ -199,11 +207,13 @@ def validate(cfg: ModelConfig) -> None:
                              f"layers={cfg.layers}")
     elif cfg.top_k or cfg.shared_experts or cfg.moe_ffn:
         raise ValueError("top_k, shared_experts and moe_ffn need routed_experts > 0")
-    if cfg.sliding_window < 0 or not 0 <= cfg.windowed_layers <= cfg.layers or (
-            cfg.windowed_layers > 0) != (cfg.sliding_window > 0):
-        raise ValueError(f"sliding_window={cfg.sliding_window}, windowed_layers="
-                         f"{cfg.windowed_layers}: give both (a window of tokens and how many of "
-                         f"the {cfg.layers} layers use it) or neither")
+    for name in ("sliding_window", "global_every"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0 (0: none), got {value!r}")
+    if cfg.global_every and not cfg.sliding_window:
+        raise ValueError(f"global_every={cfg.global_every} says which layers attend beyond a "
+                         "sliding window: set sliding_window (tokens) too, or global_every=0")
 
 
 # ---- presets -----------------------------------------------------------------------

@@ -89,9 +89,9 @@ def from_hf_config(hf_config) -> ModelConfig:
     if model_type.startswith("olmo"):
         # OLMo 2 and 3 (Walsh et al., 2025): each sub-layer's output normalised before the add,
         # no norm of its input; q and k normalised over all heads at once; the norms multiply
-        # by their weight in fp32. OLMo 3's sliding-window layers: as Gemma's (_gemma_fields).
+        # by their weight in fp32. OLMo 3's sliding-window layers: ``_window_fields``.
         fields.update(norms="post", norm_style="olmo", qk_norm_width="all")
-    fields.update(_window_fields(c))
+    fields.update(_window_fields(c, model_type))
     if model_type.startswith("deepseek"):
         fields.update(_deepseek_fields(c, model_type))
     else:
@@ -148,16 +148,32 @@ def _check_common(c: dict, model_type: str) -> None:
                                        f"head; labkit rotates the whole head)")
 
 
-def _window_fields(c: dict) -> dict:
-    """The sliding window and how many layers use it: those ``layer_types`` names
-    "sliding_attention" (Gemma 2/3, OLMo 3, transformers 5's Qwen2), else every layer when a
-    window is set and not turned off (Mistral; Qwen2's ``use_sliding_window``)."""
-    window, types = c.get("sliding_window") or 0, c.get("layer_types")
-    if types:
-        windowed = sum(t == "sliding_attention" for t in types)
-    else:
-        windowed = c["num_hidden_layers"] if window and c.get("use_sliding_window", True) else 0
-    return dict(sliding_window=window if windowed else 0, windowed_layers=windowed if window else 0)
+def _window_fields(c: dict, model_type: str) -> dict:
+    """The sliding window and which layers attend beyond it: every ``global_every``-th (0: none).
+    From ``layer_types`` (transformers 5) when given, else as transformers derives it: Gemma 3's
+    ``sliding_window_pattern`` (config.json), Gemma 2 alternating (odd layers global), every
+    layer for Mistral, Phi-3 and a Qwen2 whose ``use_sliding_window`` windows all of them.
+    Windows on other layers (Qwen2's first ``max_window_layers`` kept full) are refused."""
+    window, layers = c.get("sliding_window") or 0, c["num_hidden_layers"]
+    types = c.get("layer_types")
+    if types is None and window:
+        every = {"gemma3_text": c.get("sliding_window_pattern") or 6, "gemma2": 2}.get(model_type, 0)
+        if model_type == "qwen2" and not c.get("use_sliding_window", False):
+            return dict(sliding_window=0, global_every=0)
+        full = c.get("max_window_layers", 0) if model_type == "qwen2" else 0
+        types = ["full_attention" if i < full or (every and (i + 1) % every == 0)
+                 else "sliding_attention" for i in range(layers)]
+    windowed = [t == "sliding_attention" for t in (types or [])]
+    if not window or not any(windowed):
+        return dict(sliding_window=0, global_every=0)
+    for every in [0] + list(range(2, layers + 1)):
+        if windowed == [not (every and (i + 1) % every == 0) for i in range(layers)]:
+            return dict(sliding_window=window, global_every=every)
+    raise ValueError(f"{model_type}: sliding windows on layers "
+                     f"{[i for i, w in enumerate(windowed) if w]}; labkit's windowed layers are "
+                     f"all but every k-th - pass the config with sliding_window=None to estimate "
+                     f"it without windows (training memory is the same up to seq = the window; "
+                     f"the KV cache then counts every token)")
 
 
 def _rope_theta(c: dict) -> float:

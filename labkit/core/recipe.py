@@ -257,6 +257,11 @@ class Layout:
         if cfg.heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide heads={cfg.heads}; choose tp among "
                              f"the divisors of {cfg.heads}")
+        if self.pp > 1 and cfg.tie_embeddings:
+            raise ValueError(f"pp={self.pp} with tied embeddings: the first stage's embedding is "
+                             "the last stage's LM head, a copy the estimate does not count "
+                             "(Megatron-LM keeps one and all-reduces its gradient); use pp=1, "
+                             "or untie them (tie_embeddings=False)")
         if self.pp * self.virtual_stages > cfg.layers:
             raise ValueError(f"pp={self.pp} x virtual_stages={self.virtual_stages} is larger than "
                              f"layers={cfg.layers}; a pipeline chunk needs at least one layer")

@@ -77,7 +77,8 @@ def kv_cache_bytes(cfg: ModelConfig | str, batch: int = 1, seq: int = 4096,
     """Bytes of the inference KV cache: per token and layer 2 * kv_heads * head_dim numbers
     (MHA, GQA, MQA), or for MLA the latent plus the shared RoPE key, kv_lora + rope. A layer
     with a sliding window keeps only its last ``sliding_window`` tokens (``windows=False``:
-    every token, as a cache that ignores the window would)."""
+    every token, as a cache that ignores the window would). The cache's steady size: a server
+    holds one chunk of new tokens more while it prefills."""
     c = preset(cfg) if isinstance(cfg, str) else cfg
     check_positive("batch", batch)
     check_positive("seq", seq)

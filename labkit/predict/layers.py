@@ -70,7 +70,10 @@ def attention_weights(c: ModelConfig) -> list[Weight]:
               Weight("attn.wv", c.hidden, c.kv_heads * c.head_dim)]
         if c.qkv_bias:
             ws += [Weight(w.name + ".bias", 1, w.fan_out, "column", matmul=False) for w in ws]
-        if c.qk_norm and c.qk_norm_width == "all":   # OLMo 2: over each whole projection
+        # OLMo 2: over each whole projection; under tp counted with this rank's heads, its
+        # statistics all-reduced (labkit's tensor parallelism refuses it; transformers' tp plan
+        # gathers q and k instead)
+        if c.qk_norm and c.qk_norm_width == "all":
             ws += [Weight(f"attn.{n}_norm", 1, w.fan_out, "column", matmul=False)
                    for n, w in zip("qk", ws)]
         elif c.qk_norm:      # one weight per head dimension, shared by the heads

@@ -193,6 +193,9 @@ class Moments:
         a, B, T = unit_start[i], self.B, self.T
         rebuilt = (sum(f.bytes(B, T) for f in full[a:i + 1])
                    - sum(s.bytes(B, T) for s in saved[a:i + 1]))
+        if not self.c.pre_norms and self.mixed and self.kept[a] != "none":
+            # OLMo's linears keep bf16 copies of a unit's input, not the fp32 input it holds
+            rebuilt += sum(t.bytes(B, T) for t in saved[a] if t.name.startswith("block input"))
         return Tensor("recomputed activations", "other", self.cdt, rebuilt)
 
     def _naive_attention_moment(self, always, saved, full, unit_start) -> dict:
@@ -439,6 +442,9 @@ class Moments:
         c, stream = self.c, self.bytes.weights
         # LoRA: the backward pass never reaches the frozen embedding
         embedding_grad = 0 if self.lora else c.vocab_size * c.hidden * stream // self.L.tp
+        # a tied weight: the LM head's share of its gradient waits in autograd's buffer until
+        # the embedding's is made, then the two are summed into a third tensor
+        tied = embedding_grad if c.tie_embeddings and self.last else 0
         residual = Tensor("gradient of the residual stream", "other", self.wdt,
                           0 if self.lora else self.N * c.hidden * stream)
         grads = (self._grads_in_backward(range(len(self.layers))) if self.zero else
@@ -446,6 +452,8 @@ class Moments:
                          self._done(self.n_train * self.bytes.grads - embedding_grad))])
         out = {"backward: embedding": ("backward", always + grads + [
             Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
+            Tensor("the LM head's share of the tied weight's gradient, and their sum", "other",
+                   self.wdt, 2 * tied),
             residual])}
         if self.zero >= 2 and self.rest:    # the last unit done: the root's bucket reduced
             out["backward: reduce-scatter of the embedding, final norm and LM head"] = (

@@ -326,7 +326,7 @@ def cache_bytes_per_token(model_or_cfg: Transformer | ModelConfig | str, tokens:
     name = {torch_dtype(n): n for n in TORCH_DTYPE_NAMES}.get(dtype)
     if name is None:
         raise ValueError(f"no format name for {dtype}; cache in one of {', '.join(TORCH_DTYPE_NAMES)}")
-    predicted = kv_cache_bytes(cfg, 1, tokens, name) // tokens
+    predicted = kv_cache_bytes(cfg, 1, tokens, name, windows=False) // tokens  # labkit's keeps all
     return CacheBytes(cfg.name, attention_kind(cfg), name, measured, predicted)
 
 

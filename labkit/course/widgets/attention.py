@@ -22,9 +22,11 @@ CONTEXT_CURVE = [2 ** k for k in range(10, 18)]       # 1024 ... 131072: the cac
 
 def mha_cache_bytes(cfg: ModelConfig, batch: int, context: int) -> int:
     """The KV cache ``cfg`` would need with multi-head attention: 2 x heads x head_dim numbers
-    per token and layer (MLA: DeepSeek-V2's baseline, ``generate.mla_reduction``), in bf16."""
-    per_layer = (mla_reduction(cfg).mha_per_layer if cfg.attention == "mla"
-                 else 2 * cfg.heads * cfg.head_dim)
+    per token and layer (MLA: DeepSeek-V2's baseline, ``generate.mla_reduction``), in bf16;
+    windowed layers (Gemma 3) keep their window, as ``kv_cache_bytes`` counts them."""
+    if cfg.attention != "mla":
+        return kv_cache_bytes(cfg.replace(kv_heads=cfg.heads), batch, context, CORE_DTYPE)
+    per_layer = mla_reduction(cfg).mha_per_layer
     return batch * context * cfg.layers * per_layer * dtype_bytes(CORE_DTYPE)
 
 

@@ -82,10 +82,11 @@ def check_tp(cfg: ModelConfig, tp: int):
         raise ValueError(f"{cfg.name}: tensor parallelism here splits GQA attention and dense "
                          "SwiGLU blocks; MLA and MoE blocks are not supported (use a dense GQA "
                          "model such as 'small')")
-    if cfg.qk_norm and cfg.qk_norm_width == "all" and tp > 1:
+    if cfg.qk_norm and cfg.qk_norm_width == "all":
         raise ValueError(f"{cfg.name} normalises q and k over all heads at once (OLMo 2): split "
                          "over ranks, each norm would need every rank's heads (an all-reduce of "
-                         "the statistics, which this module does not send); use tp=1")
+                         "the statistics, which this module does not send); train it without "
+                         "tensor parallelism (Transformer as built)")
     if cfg.tie_embeddings:
         raise ValueError(f"{cfg.name} ties its embedding to the LM head: one weight that the "
                          "embedding's lookup and the head's matmul would split and send "
@@ -209,7 +210,7 @@ class ParallelAttention(nn.Module):
         B, T, _ = q.shape                                                     # all T tokens
         q = self.q_norm(q.view(B, T, self.heads, self.head_dim)).transpose(1, 2)    # (B, H/N, T, d)
         k = self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
-        # k (B, Hkv/N, T, d)
+        # k (B, Hkv/N, T, d); per-head norms only (check_tp refuses OLMo's whole-projection ones)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
         y = attention_core(rope(q), rope(k), v, mask)                         # (B, H/N, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))         # (B, T, h), (B, T/N, h) if sp
@@ -326,7 +327,7 @@ def parallelize_block(block: Block, comm: CommCounter, sp: bool = False) -> Bloc
     block.mlp = ParallelSwiGLU(block.mlp, comm, sp)
     if sp:
         for norm in (block.attn_norm, block.attn_post_norm, block.mlp_norm, block.mlp_post_norm):
-            if isinstance(norm, RMSNorm):                     # the post-norms: Gemma's only
+            if isinstance(norm, RMSNorm):          # Identity where a placement has no norm
                 sum_grad_over_ranks(norm.weight, comm)
     return block
 
