@@ -281,7 +281,7 @@ def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
     """
     H, cdt = c.heads // tp, d.name
     # under autocast the q and k norms' fp32 weights make q and k fp32: RoPE casts nothing
-    # (Gemma's norms cast their output back to the input's bf16)
+    # (Gemma's and OLMo's norms cast their output back to the input's bf16)
     cast = d.compute != 4 and not (c.qk_norm and d.mixed and c.norm_style == "llama")
     rope = Term("RoPE cos/sin cast to the compute dtype", cdt,
                 per_position=4 * c.rope_dim * d.compute if cast else 0)
