@@ -91,6 +91,17 @@ def test_nothing_fits_advises_more_gpus_found_by_the_same_search():
     assert p.advice[0].startswith("8 x rtx-4090-24gb: full")
 
 
+def test_advice_gives_the_fewest_gpus_with_offload_and_without():
+    """One A100 holds no DeepSeek-V2-Lite step; two do with ZeRO-Offload, whose host share grows
+    with the GPUs tried (the advice once kept one GPU's and jumped to 8), eight without it."""
+    p = plan("deepseek-v2-lite", "a100-80gb", 1, seq=4096, top=1)
+    assert not p.fits
+    offloaded, on_gpus = p.advice[:2]
+    assert offloaded.startswith("2 x a100-80gb: full, ZeRO-2-Offload")
+    assert on_gpus.startswith("8 x a100-80gb: full, ZeRO-2,") and "Offload" not in on_gpus
+    assert plan("deepseek-v2-lite", "a100-80gb", 2, seq=4096, top=1).fits[0].layout.offload
+
+
 def test_more_memory_never_removes_a_fitting_layout():
     # offload is a fallback (searched only when nothing else fits), so compare without it
     fitting, best = None, float("inf")

@@ -81,7 +81,8 @@ class Plan:
         for v in self.verified:
             lines.append(f"   verified #{v['rank']}: {v['result']}")
         if self.advice:
-            lines += ["", "what would fit:"] + [f"  - {a}" for a in self.advice]
+            head = "what would fit on the GPUs alone (faster):" if self.fits else "what would fit:"
+            lines += ["", head] + [f"  - {a}" for a in self.advice]
         groups = self.rejected_by_reason()
         if groups:
             lines += ["", f"rejected families ({len(self.rejected)}), by reason:"]
@@ -155,9 +156,10 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     RECOMPUTE; LoRA and QLoRA are run with checkpointing, so every one by default).
     ``host_gbps``: GB/s of host memory bandwidth per node (default: the GPU type's
     ``host_gbps`` times the GPUs on a node), shared by the node's ranks' CPU optimizer steps.
-    ``optimizer``: full fine-tuning's, one or several of ``OPTIMIZERS`` ("adamw", "adamw-8bit":
-    8-bit moments change the training's numbers, so it is searched only when asked for; on a
-    tie AdamW ranks first).
+    ``optimizer``: full fine-tuning's, one or several of ``OPTIMIZERS`` ("adamw": CUDA's default
+    foreach; "adamw-8bit": 8-bit moments change the training's numbers, so it is searched only
+    when asked for; "adamw-fused": ``fused=True``; on a tie AdamW ranks first). When only
+    ZeRO-Offload fits, the advice says what would fit on the GPUs instead.
     """
     start = time.perf_counter()
     c = _model(model)
@@ -181,11 +183,12 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         check_choice("optimizer", o, OPTIMIZERS)
     if not trainable or not recompute or not optimizers:
         raise ValueError("give at least one trainable (all, lora, qlora), one recompute "
-                         "policy (none, selective, full) and one optimizer (adamw, adamw-8bit) "
+                         "policy (none, selective, full) and one optimizer (adamw, adamw-8bit, adamw-fused) "
                          "to search")
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = usable_memory(g, headroom)
+    asked = dict(gpu=g, host_ram=host_ram, host_gbps=host_gbps)   # the advice scales its own
     host_ram = (g.host_ram_per_gpu * min(gpus, gpus_per_node) if host_ram is None
                 else check_positive("host_ram", host_ram))
     host_usable = int(host_ram * HOST_USABLE)
@@ -209,9 +212,10 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     out.assumptions = _assumptions(g, gpus_per_node, usable, headroom, host_ram, recompute,
                                    optimizers)
     out.overlap = _overlap_check(fits)
-    if not fits and advice:
-        out.advice = _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable,
-                             offload, global_batch, host_ram, recompute, optimizers)
+    if advice and (not fits or fits[0].layout.offload):
+        # an offloaded fit runs at the host's pace: the advice is what fits on the GPUs
+        out.advice = _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable,
+                             offload, global_batch, recompute, optimizers, bool(fits))
     out.search_s = time.perf_counter() - start          # the search, not the verification
     if verify:
         out.verified = verify_candidates(c, fits[:verify], seq, progress)
@@ -229,6 +233,8 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
                        f"and labkit's AdamW8bit keep them; its block scales not counted, its "
                        f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
                        "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
+        + ("; AdamW fused (fused=True: no step temporaries, the same numbers)"
+           if "adamw-fused" in optimizers else "")
         + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
         f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
         f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
@@ -284,20 +290,20 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
         row = {"rank": rank, "label": k.label(), "estimated": e.total}
         if L == Layout() or (r.trainable == "lora" and L == Layout(dp=L.dp)):
             measured = measure_step(c, k.micro_batch, seq, r.precision, r.optimizer,
-                                    recompute=r.recompute,
+                                    recompute=r.recompute, optimizer_impl=r.optimizer_impl,
                                     fake=True, device="cuda", trainable=r.trainable,
                                     lora_rank=r.lora_rank, weight_format=r.weight_format).total
             how = ("measure_step, one GPU" if L.dp == 1 else
                    "measure_step, one replica (DDP's adapter buckets not in it)")
         elif ((L.tp, L.pp, L.ep, L.cp, L.offload, L.zero_stage) == (1, 1, 1, 1, False, 3)
-              and r.optimizer == "adamw"):      # FSDP2's fake run steps torch's AdamW
+              and r.optimizer == "adamw" and r.optimizer_impl is None):   # FSDP2's: foreach
             measured = fake_fsdp2_peak(c, L.dp, k.micro_batch, seq, r.precision,
                                        recompute=r.recompute, trainable=r.trainable,
                                        lora_rank=r.lora_rank)["peak"]
             how = f"FSDP2 on a fake group of {L.dp}"
         else:
             row["result"] = ("not verifiable on fake tensors here (tp, pp, ep, cp, DDP, offload, "
-                             "or 8-bit AdamW under FSDP2)")
+                             "or 8-bit or fused AdamW under FSDP2)")
             out.append(row)
             continue
         row.update(measured=measured, ratio=measured / e.total,
@@ -336,12 +342,21 @@ def _twice_the_gpus(n: int, gpus_per_node: int) -> int:
     return max(gpus_per_node, 2 * (n // gpus_per_node) * gpus_per_node)
 
 
-def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
-            global_batch, host_ram, recompute=RECOMPUTE, optimizers=("adamw",)) -> list[str]:
-    """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq."""
+def _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
+            global_batch, recompute=RECOMPUTE, optimizers=("adamw",),
+            offloaded_fit: bool = False) -> list[str]:
+    """What would fit, each found by the same search: more GPUs, QLoRA, offload, shorter seq.
+    ``asked``: the GPU type and host figures as the caller gave them (a default host memory
+    and bandwidth grow with the GPUs tried, as they do for a plan of that many).
+    ``offloaded_fit``: only ZeRO-Offload fits, so what would fit on the GPUs alone."""
+    g, searched_offload = asked["gpu"], offload
+    here = "this GPU" if gpus == 1 else f"these {gpus} GPUs"
+    offload = offload and not offloaded_fit
+
     def first_fit(**change):
         kw = dict(gpus=gpus, gpus_per_node=gpus_per_node, seq=seq, global_batch=global_batch,
-                  headroom=headroom, trainable=trainable, offload=offload, host_ram=host_ram,
+                  headroom=headroom, trainable=trainable, offload=offload,
+                  host_ram=asked["host_ram"], host_gbps=asked["host_gbps"],
                   recompute=recompute, optimizer=optimizers)
         kw.update(change)
         found = plan(c, g, top=1, advice=False, **kw)
@@ -354,24 +369,31 @@ def _advice(c, g, gpus, gpus_per_node, seq, batch, headroom, trainable, offload,
             out.append(f"recompute {k.recipe.recompute} on these GPUs (only "
                        f"{' / '.join(recompute)} searched): {k.label()} "
                        f"({fmt_bytes(k.estimate.total)} per GPU)")
-    n = gpus
-    while n < 16384:
+    n, wanted = gpus, offload    # the fewest GPUs; with offload, also the fewest without
+    while n < 16384 and wanted is not None:
         n = _twice_the_gpus(n, gpus_per_node)
-        k = first_fit(gpus=n)
+        k = first_fit(gpus=n, offload=wanted)
         if k:
-            out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU)")
-            break
+            out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU, "
+                       f"{k.time.total:.2f} s a step of {global_batch or n} sequences modelled)")
+            wanted = False if k.layout.offload else None
+    if "all" in trainable and "adamw-fused" not in optimizers:
+        k = first_fit(optimizer=tuple(optimizers) + ("adamw-fused",), offload=False)
+        if k and k.family.optimizer == "adamw-fused":
+            out.append(f"fused AdamW (torch.optim.AdamW(..., fused=True)) on {here}: "
+                       f"{k.label()} ({fmt_bytes(k.estimate.total)} per GPU, "
+                       f"{k.time.total:.2f} s a step modelled)")
     if "all" in trainable and "adamw-8bit" not in optimizers:
         k = first_fit(optimizer=("adamw-8bit",))
         if k:
-            out.append(f"8-bit AdamW on these {gpus} GPUs: {k.label()} "
+            out.append(f"8-bit AdamW on {here}: {k.label()} "
                        f"({fmt_bytes(k.estimate.total)} per GPU)")
     if "qlora" not in trainable:
         k = first_fit(trainable=("qlora",))
         if k:
-            out.append(f"QLoRA on these {gpus} GPUs: {k.label()} "
+            out.append(f"QLoRA on {here}: {k.label()} "
                        f"({fmt_bytes(k.estimate.total)} per GPU)")
-    if not offload:
+    if not searched_offload:
         k = first_fit(offload=True)
         if k:
             out.append(f"ZeRO-Offload on these GPUs: {k.label()}")

@@ -28,9 +28,10 @@ FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf
 # model's K/V hop outlasts the attention it hides behind below about this many tokens (Llama-3-8B
 # on H100s: ~4k); inside a node, or with more key/value heads, the break-even differs
 CP_MIN_TOKENS = 4096
-# full fine-tuning's optimizers the search can try: AdamW, and 8-bit AdamW (bitsandbytes';
-# labkit's AdamW8bit): its two moments in 1 byte each instead of 4
-OPTIMIZERS = ("adamw", "adamw-8bit")
+# full fine-tuning's optimizers the search can try: AdamW (CUDA's default foreach), 8-bit AdamW
+# (bitsandbytes'; labkit's AdamW8bit): its two moments in 1 byte each instead of 4, and AdamW's
+# fused implementation (fused=True: no step temporaries; the same numbers as foreach)
+OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-fused")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,13 @@ class Family:
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
                 + (f", ep {self.ep}" if self.ep > 1 else "")
                 + (f", cp {self.cp}" if self.cp > 1 else "")
-                + (", 8-bit AdamW" if self.optimizer == "adamw-8bit" else ""))
+                + {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}.get(self.optimizer, ""))
+
+    def recipe_fields(self) -> dict:
+        """The Recipe's optimizer and implementation (None: CUDA's default, foreach)."""
+        if self.optimizer == "adamw-fused":
+            return dict(optimizer="adamw", optimizer_impl="fused")
+        return dict(optimizer=self.optimizer)
 
 
 @dataclass
@@ -139,7 +146,8 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                         out += [Family("all", dp, z, False, tp, pp, e) for z in (0, 1, 2, 3)
                                 for e in _powers_of_two(min(dp, c.routed_experts)) if e > 1]
     # full fine-tuning with each optimizer asked for (LoRA's adapters: AdamW, their states tiny)
-    # (not offloaded: a host step runs AdamW, DeepSpeed's CPU Adam has no 8-bit state)
+    # (not offloaded: a host step runs AdamW, DeepSpeed's CPU Adam has no 8-bit state, and
+    # its own implementation)
     out = [replace(f, optimizer=o) for f in out
            for o in (optimizers if f.trainable == "all" and not f.offload else ("adamw",))]
     families = []
@@ -223,7 +231,7 @@ def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, 
         return (per_rank(rest * number, state, f.zero_stage, f.data_ranks)
                 + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
                    if f.ep > 1 else 0))
-    b = state_bytes(FULL, f.optimizer)
+    b = state_bytes(FULL, f.recipe_fields()["optimizer"])
     params = 0 if f.offload and f.zero_stage == 3 else sharded(b.weights, "params")
     if f.offload:
         return params, 0, 0
@@ -267,7 +275,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     """Every member of a family (micro-batch x recompute x schedule) with its modelled time."""
     per_rank_batch = batch // f.dp
     lora, qlora = f.trainable != "all", f.trainable == "qlora"
-    recipe_kw = dict(precision=ADAPTERS if lora else FULL, optimizer=f.optimizer,
+    recipe_kw = dict(precision=ADAPTERS if lora else FULL, **f.recipe_fields(),
                      **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
@@ -369,11 +377,11 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         else:
             fail(k, k.estimate.total, why)
     # equal modelled times (within TIE of the fastest): the larger micro-batch, then AdamW
-    # over 8-bit AdamW (the same time modelled, exact moments), then the leaner layout; a tie
+    # (foreach) over 8-bit or fused AdamW (the same time modelled), then the leaner layout; a tie
     # cut at ``top`` fitted, so it is not "unexplored"
     fastest = min((k.time.total for k in fits), default=1.0) or 1.0
     fits.sort(key=lambda k: (round(k.time.total / fastest / TIE), -k.micro_batch,
-                             k.recipe.optimizer != "adamw", k.estimate.total))
+                             k.family.optimizer != "adamw", k.estimate.total))
     fitted = {k.family for k in fits}
     fits = fits[:top]
     members_of = {}
