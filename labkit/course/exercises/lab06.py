@@ -63,7 +63,8 @@ rank 16 (a common PEFT setting); x {layers} layers = {trained:,} of {total:,} ba
 {answer:.2f}%. Rank 8 on wq and wv only (the LoRA paper's RoBERTa/DeBERTa setting; GPT-3 used
 rank 4): {qv:,} = {qv_share:.3f}%; rank 64 on all-linear, QLoRA's own setting: {r64:,} =
 {r64_share:.2f}%. Common advice says "LoRA trains 0.1-1% of the parameters" (claim 15): true of
-rank-16 all-linear adapters and of attention-only ones, not of QLoRA's rank 64. The share is
+rank-16 all-linear adapters only; attention-only rank 8 trains less than that, QLoRA's rank 64
+more. The share is
 r (in + out) / (in x out) per matrix, so it scales with the rank and the targets:
 {qv_share:.3f}% to {r64_share:.2f}% in these three settings.""",
 )
