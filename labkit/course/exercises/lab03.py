@@ -141,7 +141,8 @@ def _cheapest_fit():
     question="""Predict, then measure. One packed row of 512 tokens (several documents) runs
 through the course model `tiny` in fp32: once isolating the documents with the dense additive
 mask, once with variable-length attention (varlen=True). How much less activation memory does
-the varlen run keep at the end of the forward pass?""",
+the varlen run keep at the end of the forward pass? (labkit's CPU varlen stand-in keeps no
+log-sum-exp, which flash-attn's varlen kernel keeps: which part of the saving would a GPU see?)""",
     unit="KiB",
     hint="The dense mask is one fp32 (B, 1, T, T) tensor shared by every layer; labkit's CPU "
          "varlen attention also keeps no log-sum-exp (B, heads, T) fp32 per layer: its backward "
