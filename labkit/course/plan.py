@@ -158,8 +158,9 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     ``host_gbps`` times the GPUs on a node), shared by the node's ranks' CPU optimizer steps.
     ``optimizer``: full fine-tuning's, one or several of ``OPTIMIZERS`` ("adamw": CUDA's default
     foreach; "adamw-8bit": 8-bit moments change the training's numbers, so it is searched only
-    when asked for; "adamw-fused": ``fused=True``; on a tie AdamW ranks first). When only
-    ZeRO-Offload fits, the advice says what would fit on the GPUs instead.
+    when asked for; "adamw-fused": ``fused=True``, also searched when nothing fits with
+    foreach; on a tie AdamW ranks first). When only ZeRO-Offload fits, the advice says what
+    would fit on the GPUs instead.
     """
     start = time.perf_counter()
     c = _model(model)
@@ -198,10 +199,19 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
             raise ValueError(f"host_gbps is the node's DRAM bandwidth in GB/s, a positive "
                              f"number (e.g. 409.6), got {host_gbps!r}")
         g = replace(g, host_gbps=host_gbps / min(gpus, gpus_per_node))
+    # fused AdamW only when nothing fits with foreach (CUDA's default, the same modelled time),
     # ZeRO-Offload only when nothing fits on the devices: it is never faster
     fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
                                             trainable, False, top, recompute=recompute,
                                             optimizers=optimizers)
+    fused = ("adamw-fused",) if "adamw" in optimizers and "adamw-fused" not in optimizers \
+        and "all" in trainable else ()
+    if not fits and fused:
+        fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
+                                                   usable, trainable, False, top,
+                                                   recompute=recompute,
+                                                   optimizers=optimizers + fused)
+        optimizers, n = (optimizers + fused if fits else optimizers), n + more
     if not fits and offload:
         fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
                                                    usable, trainable, True, top, host_usable,
@@ -233,8 +243,8 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
                        f"and labkit's AdamW8bit keep them; its block scales not counted, its "
                        f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
                        "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
-        + ("; AdamW fused (fused=True: no step temporaries, the same numbers)"
-           if "adamw-fused" in optimizers else "")
+        + ("; fused AdamW (fused=True: no step temporaries, the same numbers), searched when "
+           "asked for or when nothing fits with foreach" if "adamw-fused" in optimizers else "")
         + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
         f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
         f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
@@ -377,12 +387,6 @@ def _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable, offl
             out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU, "
                        f"{k.time.total:.2f} s a step of {global_batch or n} sequences modelled)")
             wanted = False if k.layout.offload else None
-    if "all" in trainable and "adamw-fused" not in optimizers:
-        k = first_fit(optimizer=tuple(optimizers) + ("adamw-fused",), offload=False)
-        if k and k.family.optimizer == "adamw-fused":
-            out.append(f"fused AdamW (torch.optim.AdamW(..., fused=True)) on {here}: "
-                       f"{k.label()} ({fmt_bytes(k.estimate.total)} per GPU, "
-                       f"{k.time.total:.2f} s a step modelled)")
     if "all" in trainable and "adamw-8bit" not in optimizers:
         k = first_fit(optimizer=("adamw-8bit",))
         if k:
