@@ -163,7 +163,8 @@ def test_several_runs_show_each_labs_fastest_and_slowest(labs):
          "machine": later}]}
     table = build_workshop.lab_table(labs, timings)
     assert "| 1 min 00 s - 2 min 30 s (2 runs) |" in table
-    assert "| 3 min 20 s; did not finish in 1 of 2 runs (timed out: rerun it before class) |" in table
+    assert ("| 3 min 20 s; did not finish in 1 of 2 runs (a cell passed the timer's limit: time it "
+            "on the room's machines before class) |") in table
     assert "in 2 runs (2026-01-01, 2026-01-02)" in table
     assert "up to 2.5 times as long" in table
 

@@ -238,14 +238,15 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
     return [
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
-        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach, CUDA's "
-        f"default" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
+        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach, "
+        f"torch.optim's CUDA default (Megatron-LM and DeepSpeed run a fused Adam)" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
                        f"and labkit's AdamW8bit keep them; its block scales not counted, its "
                        f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
                        "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
         + ("; fused AdamW (fused=True: no step temporaries, the same numbers), searched when "
            "asked for or when nothing fits with foreach" if "adamw-fused" in optimizers else "")
-        + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks "
+        + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks but the "
+        f"routed experts, which labkit stacks and neither adapts nor quantises "
         f"(the embeddings, head and adapters in bf16, as QLoRA's qlora.py casts them; Hugging "
         f"Face's prepare_model_for_kbit_training keeps them in fp32 and needs more: estimate "
         f"such a run with labkit.course.published.HF_QLORA, lab 09), "

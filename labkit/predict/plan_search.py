@@ -440,3 +440,13 @@ def _largest(e: Estimate) -> str:
     """The largest category at the peak, for a rejection's reason."""
     key = max(CATEGORIES, key=lambda k: getattr(e, k))
     return f"largest: {CATEGORIES[key]} {fmt_bytes(getattr(e, key))}, peak in the {e.peak_phase}"
+
+
+def family_candidates(c: ModelConfig, gpu: GPU, gpus: int, family: Family, seq: int,
+                      batch: int | None = None, gpus_per_node: int = 8,
+                      recompute=RECOMPUTE) -> list[Candidate]:
+    """One family's candidates (micro-batch x recompute x schedule), fastest first, each with
+    its modelled time and no estimate: how the planner times a layout it may not rank."""
+    out = _candidates(c, family, _Counts(c), gpu, gpus, gpus_per_node, seq, batch or gpus,
+                      recompute)
+    return sorted(out, key=lambda k: k.time.total)

@@ -198,8 +198,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"forward and backward matmul, as bitsandbytes' unfused path does: {DEQUANT_BYTES:.2f} "
         f"bytes of GPU memory traffic per weight (codes and scales read, the bf16 copy "
         f"written) at {HBM_EFFICIENCY:.0%} of {gpu.hbm_gbps:g} GB/s (dequant), not overlapped; "
-        f"its fused 4-bit forward for micro-batches of 1,536 tokens or fewer, and the kernels' "
-        f"launch costs, are not modelled; labkit's own QuantLinear, which goes through fp32, is "
+        f"the kernels' launch costs are not modelled (bitsandbytes' fused 4-bit matmul runs "
+        f"only where no gradient is needed); labkit's own QuantLinear, which goes through fp32, is "
         f"slower",
         "micro-batch size changes no modelled time but the pipeline's bubble and message count; "
         "ties go to the larger micro-batch (better utilisation in practice, not modelled)",

@@ -100,7 +100,7 @@ def _llama_kv():
     "01-mla-kv-ratio",
     question="""DeepSeek-V2-Lite's multi-head latent attention caches one compressed latent
 (plus a shared RoPE key) per token and layer instead of full keys and values. How many
-times smaller is its KV cache per token than LLaMA-2-7B's (both bf16)?""",
+times smaller is its KV cache per token, over all layers, than LLaMA-2-7B's (both bf16)?""",
     unit="times",
     hint="MLA caches kv_lora_rank + qk_rope_dim numbers per token and layer; compare "
          "lk.kv_cache_bytes of both models at the same length.",
