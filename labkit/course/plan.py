@@ -76,6 +76,10 @@ class Plan:
             lines.append("   step time of #1: " + ", ".join(
                 f"{k} {v:.2f} s" for k, v in best.as_dict().items() if v and k != "total"))
             lines.append(f"   {self.overlap}")
+            if any(c.family.trainable == "qlora" for c in self.fits):
+                lines.append("   QLoRA as qlora.py runs it (bf16 adapters and embeddings); Hugging "
+                             "Face + PEFT keeps them in fp32 and needs about a fifth more per token: "
+                             "estimate it with labkit.course.published.HF_QLORA (lab 09)")
         else:
             lines.append("nothing fits.")
         for v in self.verified:
