@@ -203,24 +203,9 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
             raise ValueError(f"host_gbps is the node's DRAM bandwidth in GB/s, a positive "
                              f"number (e.g. 409.6), got {host_gbps!r}")
         g = replace(g, host_gbps=host_gbps / min(gpus, gpus_per_node))
-    # fused AdamW only when nothing fits with foreach (CUDA's default, the same modelled time),
-    # ZeRO-Offload only when nothing fits on the devices: it is never faster
-    fits, rejected, unexplored, n = _search(c, g, gpus, gpus_per_node, seq, batch, usable,
-                                            trainable, False, top, recompute=recompute,
-                                            optimizers=optimizers)
-    fused = ("adamw-fused",) if "adamw" in optimizers and "adamw-fused" not in optimizers \
-        and "all" in trainable else ()
-    if not fits and fused:
-        fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
-                                                   usable, trainable, False, top,
-                                                   recompute=recompute,
-                                                   optimizers=optimizers + fused)
-        optimizers, n = (optimizers + fused if fits else optimizers), n + more
-    if not fits and offload:
-        fits, rejected, unexplored, more = _search(c, g, gpus, gpus_per_node, seq, batch,
-                                                   usable, trainable, True, top, host_usable,
-                                                   recompute, optimizers)
-        n += more
+    (fits, rejected, unexplored, n), optimizers = _search_in_turn(
+        c, g, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top, host_usable,
+        recompute, optimizers)
     out = Plan(c.name, g, gpus, min(gpus, gpus_per_node), seq, batch, usable, fits, rejected,
                unexplored, estimates=n)
     out.assumptions = _assumptions(g, gpus_per_node, usable, headroom, host_ram, recompute,
@@ -234,6 +219,28 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
     if verify:
         out.verified = verify_candidates(c, fits[:verify], seq, progress)
     return out
+
+
+def _search_in_turn(c, g, gpus, gpus_per_node, seq, batch, usable, trainable, offload, top,
+                    host_usable, recompute, optimizers):
+    """((fits, rejected, unexplored, estimates), the optimizers searched): foreach AdamW first;
+    fused AdamW only when nothing fits with foreach (CUDA's default, the same modelled time);
+    ZeRO-Offload only when nothing fits on the devices (it is never faster)."""
+    found = _search(c, g, gpus, gpus_per_node, seq, batch, usable, trainable, False, top,
+                    recompute=recompute, optimizers=optimizers)
+    n = found[3]
+    fused = ("adamw-fused",) if "adamw" in optimizers and "adamw-fused" not in optimizers \
+        and "all" in trainable else ()
+    if not found[0] and fused:
+        found = _search(c, g, gpus, gpus_per_node, seq, batch, usable, trainable, False, top,
+                        recompute=recompute, optimizers=optimizers + fused)
+        n += found[3]
+        optimizers = optimizers + fused if found[0] else optimizers
+    if not found[0] and offload:
+        found = _search(c, g, gpus, gpus_per_node, seq, batch, usable, trainable, True, top,
+                        host_usable, recompute, optimizers)
+        n += found[3]
+    return (*found[:3], n), optimizers
 
 
 def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: int,
