@@ -77,9 +77,10 @@ class Plan:
                 f"{k} {v:.2f} s" for k, v in best.as_dict().items() if v and k != "total"))
             lines.append(f"   {self.overlap}")
             if any(c.family.trainable == "qlora" for c in self.fits):
-                lines.append("   QLoRA as qlora.py runs it (bf16 adapters and embeddings); Hugging "
-                             "Face + PEFT keeps them in fp32 and needs about a fifth more per token: "
-                             "estimate it with labkit.course.published.HF_QLORA (lab 09)")
+                lines.append("   QLoRA as qlora.py runs it (bf16 adapters and embeddings); "
+                             "Hugging Face + PEFT keeps them in fp32 and needs about a fifth more "
+                             "per token: estimate it with labkit.course.published.HF_QLORA "
+                             "(lab 09)")
         else:
             lines.append("nothing fits.")
         for v in self.verified:
@@ -188,8 +189,8 @@ def plan(model, gpu, gpus: int, gpus_per_node: int = 8, seq: int = 4096,
         check_choice("optimizer", o, OPTIMIZERS)
     if not trainable or not recompute or not optimizers:
         raise ValueError("give at least one trainable (all, lora, qlora), one recompute "
-                         "policy (none, selective, full) and one optimizer (adamw, adamw-8bit, adamw-fused) "
-                         "to search")
+                         "policy (none, selective, full) and one optimizer (adamw, adamw-8bit, "
+                         "adamw-fused) to search")
     if seq > c.max_seq:
         c = c.replace(max_seq=seq)           # the RoPE tables cover the planned sequence
     usable = usable_memory(g, headroom)
@@ -250,10 +251,11 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
         f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach, "
-        f"torch.optim's CUDA default (Megatron-LM and DeepSpeed run a fused Adam)" + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
-                       f"and labkit's AdamW8bit keep them; its block scales not counted, its "
-                       f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
-                       "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
+        f"torch.optim's CUDA default (Megatron-LM and DeepSpeed run a fused Adam)"
+        + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
+           f"and labkit's AdamW8bit keep them; its block scales not counted, its "
+           f"step's time the same as AdamW's)" if "adamw-8bit" in optimizers else
+           "; 8-bit AdamW only when asked for (--optimizer adamw-8bit)")
         + ("; fused AdamW (fused=True: no step temporaries, the same numbers), searched when "
            "asked for or when nothing fits with foreach" if "adamw-fused" in optimizers else "")
         + f"; LoRA/QLoRA: {ADAPTERS} rank-16 adapters on every linear of the blocks but the "

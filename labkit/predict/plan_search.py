@@ -32,6 +32,7 @@ CP_MIN_TOKENS = 4096
 # (bitsandbytes'; labkit's AdamW8bit): its two moments in 1 byte each instead of 4, and AdamW's
 # fused implementation (fused=True: no step temporaries; the same numbers as foreach)
 OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-fused")
+OPTIMIZER_LABELS = {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Family:
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
                 + (f", ep {self.ep}" if self.ep > 1 else "")
                 + (f", cp {self.cp}" if self.cp > 1 else "")
-                + {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}.get(self.optimizer, ""))
+                + OPTIMIZER_LABELS.get(self.optimizer, ""))
 
     def recipe_fields(self) -> dict:
         """The Recipe's optimizer and implementation (None: CUDA's default, foreach)."""
