@@ -88,9 +88,9 @@ HALF_DAY = Day("Half day: the core", "09:00", 4 * 60 + 15,
                ("00", "01", (BREAK, 10), "02", (BREAK, 10), "03", (BREAK, 10), "09"))
 # every lab takes longer than a working day (labs_total in the guide): the full day leaves the
 # three most specialised ones (05 parallelism layouts, 06 quantisation, 08 the host) to self-study
-FULL_DAY = Day("Full day: seven labs", "09:00", 7 * 60,
-               ("00", "01", (BREAK, 10), "02", "03", (BREAK, 15), "04", (LUNCH, 45), "07",
-                (BREAK, 10), "09"))
+FULL_DAY = Day("Full day: seven labs", "09:00", 7 * 60 + 10,
+               ("00", "01", (BREAK, 10), "02", (BREAK, 10), "03", (BREAK, 15), "04",
+                (LUNCH, 45), "07", (BREAK, 10), "09"))
 DAYS = (HALF_DAY, FULL_DAY)
 
 
