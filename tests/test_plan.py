@@ -340,7 +340,7 @@ def test_cli_takes_several_trainables_a_headroom_and_a_gpu_as_json(capsys):
 
 def test_advice_names_a_recompute_policy_the_filter_left_out():
     p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=4096, trainable="lora", recompute="none")
-    assert not p.fits and p.advice[0].startswith("recompute full on these GPUs (only none searched)")
+    assert not p.fits and p.advice[0].startswith("recompute full on this GPU (only none searched)")
     assert any("recompute none" in a and "LoRA/QLoRA" in a for a in p.assumptions)
 
 
@@ -658,3 +658,19 @@ def test_an_8bit_adamw_plan_is_verified_with_8bit_adamw():
     p = plan("small", "rtx-4090-24gb", 1, seq=512, optimizer="adamw-8bit", verify=1)
     [v] = p.verified
     assert "8-bit AdamW" in v["label"] and v["ratio"] == pytest.approx(1, abs=0.01)
+
+
+def test_family_candidates_time_a_layout_the_search_never_ranks():
+    """DeepSeek-V3's own layout (ZeRO-1, pp 16, ep 64) on 2,048 H800s: every member of its
+    family is timed, fastest first, with its own layout and no estimate; DeepSeek's batch of
+    15,360 gives each pipeline more micro-batches."""
+    from labkit.predict.plan_search import Family, family_candidates
+    own = Family("all", dp=128, zero_stage=1, offload=False, tp=1, pp=16, ep=64)
+    found = family_candidates(lk.preset("deepseek-v3"), GPUS["h800-80gb"], 2048, own, seq=4096,
+                              recompute=("full",))
+    assert found and all(k.family == own and k.estimate is None for k in found)
+    assert [k.time.total for k in found] == sorted(k.time.total for k in found)
+    assert all((k.layout.pp, k.layout.ep, k.recipe.recompute) == (16, 64, "full") for k in found)
+    more = family_candidates(lk.preset("deepseek-v3"), GPUS["h800-80gb"], 2048, own, seq=4096,
+                             batch=15_360, recompute=("full",))
+    assert max(k.micro_batches for k in more) > max(k.micro_batches for k in found)

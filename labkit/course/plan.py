@@ -390,7 +390,7 @@ def _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable, offl
     if tuple(recompute) != RECOMPUTE:        # the policies left out may fit as they are
         k = first_fit(recompute=RECOMPUTE)
         if k:
-            out.append(f"recompute {k.recipe.recompute} on these GPUs (only "
+            out.append(f"recompute {k.recipe.recompute} on {here} (only "
                        f"{' / '.join(recompute)} searched): {k.label()} "
                        f"({fmt_bytes(k.estimate.total)} per GPU)")
     n, wanted = gpus, offload    # the fewest GPUs; with offload, also the fewest without
@@ -414,7 +414,7 @@ def _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable, offl
     if not searched_offload:
         k = first_fit(offload=True)
         if k:
-            out.append(f"ZeRO-Offload on these GPUs: {k.label()}")
+            out.append(f"ZeRO-Offload on {here}: {k.label()}")
     s = seq // 2
     while s >= 256:
         k = first_fit(seq=s)
