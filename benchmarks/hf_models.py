@@ -32,6 +32,10 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
   token in bf16, 4T in fp32: 8-16 KiB at T = 4096), so 0.960-0.977x its peak at 4 x 4096; its
   RMSNorms keep x / rms(x) in fp32 for the product with 1 + weight, as labkit's Gemma-style
   norm does (``norm_style="gemma"``).
+- Gemma 2 (gemma-2-9b; transformers 5.25): transformers runs it eagerly (SDPA cannot soft-cap
+  the scores), so the estimate uses labkit's naive core, which keeps what eager attention
+  keeps: the fp32 softmax and its bf16 copy, the tanh of the soft-capped scores (8 bytes per
+  pair and head in 16-bit, 12 in fp32) and of the logits: 1.000-1.001x on --quick.
 - MoE (Mixtral, Qwen3-MoE; transformers 5.25): labkit's MoE keeps each token's gate-weighted
   expert outputs (top_k x h in the compute dtype), which transformers sums without keeping:
   65,536 B/token/layer at Qwen3-30B-A3B's top-8 in fp32, 16% of its layer, so 1.07x its peak
@@ -53,7 +57,8 @@ from torch.utils._pytree import tree_leaves
 import labkit as lk
 
 import transformers
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma3TextConfig, LlamaConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, Gemma2Config, Gemma3TextConfig,
+                          LlamaConfig,
                           MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config,
                           Qwen3Config, Qwen3MoeConfig)
 import transformers.integrations.moe as hf_moe
@@ -101,6 +106,12 @@ MODELS = {
         num_key_value_heads=1, head_dim=256, vocab_size=262144, max_position_embeddings=32768,
         sliding_window=512, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
         tie_word_embeddings=True),
+    # google/gemma-2-9b's config.json: soft-capped scores (50) and logits (30)
+    "gemma-2-9b": lambda: Gemma2Config(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "olmo-2-7b": lambda: Olmo2Config(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=100352, max_position_embeddings=4096,
@@ -120,7 +131,7 @@ MODELS = {
         tie_word_embeddings=False),
 }
 DENSE = ("llama-2-7b", "mistral-7b", "qwen2-7b", "qwen3-8b", "phi-3-mini", "gemma-3-1b",
-         "olmo-2-7b")
+         "gemma-2-9b", "olmo-2-7b")
 PRECISIONS = ("fp32", "bf16", "bf16-mixed", "bf16-master")
 IMPLS = ("for-loop", "foreach")
 SHAPES = [(b, t) for b in (1, 4, 8) for t in (512, 4096)]
@@ -142,8 +153,14 @@ def grouped_mm_only_for_bf16():
         hf_moe._can_use_grouped_mm = original
 
 
+def attention(config) -> tuple[str, str]:
+    """(transformers' attention, labkit's core): SDPA's fused kernel, but for Gemma 2, which
+    transformers runs eagerly (SDPA cannot soft-cap): labkit's naive core keeps what that keeps."""
+    return ("eager", "naive") if config.model_type == "gemma2" else ("sdpa", "sdpa")
+
+
 def build(config):
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention(config)[0])
 
 
 # ---- estimate / measured -------------------------------------------------------------------
@@ -164,7 +181,7 @@ def ratio(estimated: int, measured: int, peak: int) -> str:
 def compare(name: str, precision: str, impl: str, B: int, T: int) -> tuple[str, float]:
     config = MODELS[name]()
     est = lk.estimate(lk.from_hf_config(config), batch=B, seq=T, precision=precision,
-                      optimizer_impl=impl, device="cpu")
+                      optimizer_impl=impl, device="cpu", attention=attention(config)[1])
     start = time.perf_counter()
     m = lk.measure_step(lambda: build(config), batch=B, seq=T, precision=precision,
                         optimizer_impl=impl, fake=True)

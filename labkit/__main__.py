@@ -28,8 +28,8 @@ from labkit import __version__
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.gpus import GPUS, HEADROOM, JSON_EXAMPLE, gpu, usable_memory
 from labkit.core.hf import from_hf_config
-from labkit.core.recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES, Layout,
-                                fine_tuning_fields)
+from labkit.core.recipe import (ATTENTION_IMPLS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
+                                SCHEDULES, Layout, fine_tuning_fields)
 from labkit.core.recompute import RECOMPUTE_POLICIES
 from labkit.core.units import CATEGORIES, fmt_bytes
 from labkit.course.plan import OPTIMIZERS as PLANNED_OPTIMIZERS, RECOMPUTE, TRAINABLE, plan
@@ -169,6 +169,10 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
                         help="every parameter, LoRA adapters on the frozen model, or QLoRA "
                              "(adapters on NF4 weights)")
     parser.add_argument("--lora-rank", type=COUNT, default=16, help="rank of the LoRA adapters")
+    parser.add_argument("--attention", default="sdpa", choices=ATTENTION_IMPLS,
+                        help="attention core: sdpa (fused, no T x T kept; soft-capped models run "
+                             "labkit's tiled core, as FlashAttention-2), naive (the T x T "
+                             "matrices kept, as transformers' eager attention), tiled")
     _json_option(parser)
 
 
@@ -301,7 +305,8 @@ def _run(args) -> str:
     step = dict(batch=args.batch, seq=args.seq, precision=args.precision,
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device,
-                lora_rank=args.lora_rank, **fine_tuning_fields(args.trainable))
+                lora_rank=args.lora_rank, attention=args.attention,
+                **fine_tuning_fields(args.trainable))
     result, extra, title = (_estimated if args.command == "estimate" else _measured)(args, step)
     if args.json:
         return json.dumps({**result.as_dict(), **extra}, indent=2, default=str)

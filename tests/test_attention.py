@@ -128,12 +128,13 @@ def test_naive_attention_keeps_a_t_by_t_matrix_per_head():
 
 
 @pytest.mark.parametrize("dtype, autocast, pair_bytes", [(torch.float32, False, 4),
-                                                         (torch.bfloat16, False, 2),
+                                                         (torch.bfloat16, False, 6),
                                                          (torch.bfloat16, True, 6)])
-def test_naive_keeps_probabilities_of_4_2_or_6_bytes_as_the_estimate_says(dtype, autocast,
-                                                                         pair_bytes):
-    """Against SDPA, to the byte: the probabilities, k and v repeated to every head, no
-    log-sum-exp (the inputs as the model makes them: bf16 under autocast)."""
+def test_naive_keeps_probabilities_of_4_or_6_bytes_as_the_estimate_says(dtype, autocast,
+                                                                       pair_bytes):
+    """Against SDPA, to the byte: the probabilities (an fp32 softmax and its bf16 copy from bf16
+    scores, as transformers' eager attention), k and v repeated to every head, no log-sum-exp
+    (the inputs as the model makes them: bf16 under autocast)."""
     B, H, Hkv, T, d = 1, 4, 2, 64, 16
     kept = {}
     for name, fn in [("naive", naive_attention), ("sdpa", lambda q, k, v: (

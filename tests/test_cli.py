@@ -57,6 +57,20 @@ def test_measure_runs_a_step_on_fake_tensors_with_cuda_defaults(capsys):
     assert printed["optimizer implementation"] == "foreach"
 
 
+def test_attention_names_the_core_gemma_2s_eager_attention_keeps_the_tanh_of(capsys):
+    # transformers runs Gemma 2 eagerly: naive keeps each layer's (T, T) probabilities (fp32 +
+    # the bf16 copy under autocast) and the soft-capped scores (bf16), 8 bytes per pair a head
+    saved = {}
+    for core in ("sdpa", "naive"):
+        assert main(["estimate", "--model", "gemma-2-9b", "--seq", "1024", "--attention", core,
+                     "--json"]) == 0
+        saved[core] = json.loads(capsys.readouterr().out)["saved_activations"]
+    cfg = lk.preset("gemma-2-9b")
+    kept_k_v = 2 * 1024 * (cfg.heads - cfg.kv_heads) * cfg.head_dim * 2 * cfg.layers  # repeated
+    assert saved["naive"] - saved["sdpa"] == (cfg.layers * cfg.heads * 1024 ** 2 * 8 + kept_k_v
+                                              - cfg.layers * 1024 * cfg.heads * 4)   # no lse
+
+
 def test_estimate_explains_the_tensors_at_the_peak_and_the_weight_cache(capsys):
     assert main(["estimate", "--model", "llama-2-7b", "--batch", "4", "--seq", "4096", "--explain"]) == 0
     out = capsys.readouterr().out
@@ -182,9 +196,9 @@ def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.core.recipe import SCHEDULES
     from labkit.course.plan import OPTIMIZERS as PLANNED, RECOMPUTE, TRAINABLE
     from labkit.core.gpus import GPUS
-    from labkit.core.recipe import DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+    from labkit.core.recipe import ATTENTION_IMPLS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 
-    vocabulary = {"--precision": PRECISIONS, "--optimizer": OPTIMIZERS,
+    vocabulary = {"--precision": PRECISIONS, "--attention": ATTENTION_IMPLS, "--optimizer": OPTIMIZERS,
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
                   "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
                   "--zero-stage": (0, 1, 2, 3)}

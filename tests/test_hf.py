@@ -47,10 +47,11 @@ CONFIGS = {
         **SMALL, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
         rope_parameters={kind: {"rope_type": "default", "rope_theta": 10000.0}
                          for kind in ("full_attention", "sliding_attention")}),
-    # Gemma 2 without its soft-capping (which labkit refuses, below)
+    # Gemma 2 with its soft-capping made to bite: the small model's scores and logits are
+    # about 0.1-1 where released Gemma 2 caps at 50 and 30, so the caps are scaled down alike
     "gemma2": lambda: Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=32,
                                    query_pre_attn_scalar=32, sliding_window=64,
-                                   final_logit_softcapping=None, attn_logit_softcapping=None),
+                                   attn_logit_softcapping=0.1, final_logit_softcapping=0.3),
     # OLMo 2: norms after each sub-layer only, q and k normalised over all heads; OLMo 3 adds
     # sliding-window layers (a window longer than the test's rows: the same logits)
     "olmo2": lambda: Olmo2Config(**SMALL, num_key_value_heads=2),
@@ -276,9 +277,6 @@ def test_mixtral_with_one_expert_gives_the_same_logits():
     ({**SMALL, **MLA, **MOE, "model_type": "deepseek_v2", "topk_method": "noaux_tc"},
      "topk_method='noaux_tc'"),
     ({"model_type": "llama", "hidden_size": 64}, "lacks num_hidden_layers"),
-    (Gemma2Config(**SMALL).to_dict(), "final_logit_softcapping=30.0"),
-    ({**Gemma2Config(**SMALL).to_dict(), "final_logit_softcapping": None},
-     "attn_logit_softcapping=50.0"),
     ({**Gemma3TextConfig(**SMALL).to_dict(), "hidden_activation": "gelu"},
      "hidden_activation='gelu'"),
     (Gemma3Config(text_config=dict(SMALL)).to_dict(), r"from_pretrained\(name\).text_config"),
@@ -286,6 +284,27 @@ def test_mixtral_with_one_expert_gives_the_same_logits():
 def test_refuses_what_labkit_cannot_build(config, match):
     with pytest.raises(ValueError, match=match):
         lk.from_hf_config(config)
+
+
+def test_maps_gemma2s_soft_capping_and_without_it():
+    capped = lk.from_hf_config(Gemma2Config(**SMALL).to_dict())          # transformers' defaults
+    assert (capped.attn_softcap, capped.logit_softcap) == (50.0, 30.0)
+    plain = lk.from_hf_config({**Gemma2Config(**SMALL).to_dict(), "final_logit_softcapping": None,
+                               "attn_logit_softcapping": None})
+    assert (plain.attn_softcap, plain.logit_softcap) == (0.0, 0.0)
+
+
+def test_soft_capping_changes_the_logits_it_is_checked_by():
+    # the logits test above would pass with the caps ignored if they did not bite
+    config = CONFIGS["gemma2"]()
+    hf = hf_model(config)
+    uncapped = hf_model(Gemma2Config(**{**config.to_dict(), "attn_logit_softcapping": None,
+                                        "final_logit_softcapping": None}))
+    uncapped.load_state_dict(hf.state_dict())
+    tokens = torch.randint(0, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        gap = (hf(input_ids=tokens).logits - uncapped(input_ids=tokens).logits).abs().max()
+    assert gap > 1e-2
 
 
 def test_refuses_an_unknown_config_object():

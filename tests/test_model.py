@@ -26,10 +26,11 @@ def test_llama_2_7b_has_its_published_parameter_count():
     ("qwen2.5-7b", 7_615_616_512), ("mixtral-8x7b", 46_702_792_704),
     ("qwen3-30b-a3b", 30_532_122_624), ("llama-3.1-405b", 405_853_388_800),
     ("qwen2.5-72b", 72_706_203_648), ("qwen3-8b", 8_190_735_360),
-    ("gemma-3-1b", 999_885_952)])
+    ("gemma-3-1b", 999_885_952), ("gemma-2-9b", 9_241_705_984)])
 def test_current_presets_have_their_hugging_face_parameter_counts(name, total):
     # the checkpoints' model.safetensors.index.json: total_size / 2 bytes of bf16; gemma-3-1b
-    # (one model.safetensors): the count of transformers' Gemma3ForCausalLM on the meta device
+    # (one model.safetensors): the count of transformers' Gemma3ForCausalLM on the meta device;
+    # gemma-2-9b: 18,483,411,968 bytes in its index, also Gemma2ForCausalLM's count on meta
     assert lk.count_params(name).total == total
 
 

@@ -55,6 +55,10 @@ class ModelConfig:
     # training up to seq = sliding_window); ``kv_cache_bytes`` counts what a windowed cache keeps
     sliding_window: int = 0
     global_every: int = 0
+    # soft-capping (Gemma 2): x -> cap * tanh(x / cap) on each layer's attention scores before
+    # the softmax, and on the logits (0: none)
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
     norm_style: str = "llama"    # "gemma": RMSNorms scale by (1 + weight) in fp32, then cast;
                                  # "olmo": by the weight in fp32, then cast
     # MLA (DeepSeek-V2/V3): low-rank queries, one compressed latent for keys and values
@@ -207,10 +211,22 @@ def validate(cfg: ModelConfig) -> None:
                              f"layers={cfg.layers}")
     elif cfg.top_k or cfg.shared_experts or cfg.moe_ffn:
         raise ValueError("top_k, shared_experts and moe_ffn need routed_experts > 0")
+    _validate_attention_span(cfg)
+
+
+def _validate_attention_span(cfg: ModelConfig) -> None:
+    """Sliding windows and soft-capping: numbers >= 0, windows only where layers use them."""
     for name in ("sliding_window", "global_every"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0 (0: none), got {value!r}")
+    for name in ("attn_softcap", "logit_softcap"):
+        value = getattr(cfg, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0 (0: no soft-capping), got {value!r}")
+    if cfg.attn_softcap and cfg.attention == "mla":
+        raise ValueError("attn_softcap soft-caps grouped-query attention's scores (Gemma 2); "
+                         "labkit's MLA does not: set attn_softcap=0")
     if cfg.global_every and not cfg.sliding_window:
         raise ValueError(f"global_every={cfg.global_every} says which layers attend beyond a "
                          "sliding window: set sliding_window (tokens) too, or global_every=0")

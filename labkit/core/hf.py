@@ -13,8 +13,7 @@
 | ``mixtral``     | ``MixtralConfig``    | as Mistral, an MoE block (top-k routed) per layer  |
 | ``qwen3_moe``   | ``Qwen3MoeConfig``   | as Qwen3, an MoE block (top-k routed) per layer    |
 | ``gemma2``      | ``Gemma2Config``     | sandwich norms, GeGLU, scaled embedding, tied head |
-|                 |                      | (without soft-capping only, which no released      |
-|                 |                      | Gemma 2 is: ``_gemma_fields``)                     |
+|                 |                      | and soft-capped scores and logits                  |
 | ``gemma3_text`` | ``Gemma3TextConfig`` | as Gemma 2 plus Qwen3's q and k norms              |
 | ``olmo2``       | ``Olmo2Config``      | as LLaMA, but each sub-layer's output normalised   |
 |                 |                      | (not its input), q and k over all heads at once    |
@@ -193,23 +192,20 @@ def _gemma_fields(c: dict, model_type: str) -> dict:
     Their alternating sliding-window layers are not modelled in training, as Mistral's window
     is not (below: from T > window transformers adds a mask); ``kv_cache_bytes`` caps those
     layers' caches at the window.
-    Soft-capping is refused, and every released Gemma 2 sets it: over the logits it keeps
-    one more (tokens, vocab) tensor, the tanh's output; over the attention scores labkit's
-    attention cores cannot apply it (FlashAttention-2 and FlexAttention do, inside the
-    kernel; transformers' default for Gemma 2 is eager attention, which keeps each layer's
-    (T, T) scores whether or not it soft-caps)."""
+    Gemma 2's soft-capping is mapped (``attn_softcap``, ``logit_softcap``): over the logits it
+    keeps one more (tokens, vocab) tensor, the tanh's output; over the attention scores SDPA
+    cannot apply it, so transformers runs Gemma 2 eagerly (``Recipe(attention="naive")`` keeps
+    what that keeps) and labkit's "sdpa" runs its tiled core, as FlashAttention-2's ``softcap``.
+    ``query_pre_attn_scalar`` (the scores' scale) is not mapped: labkit scales by the head
+    width, which changes values, not tensors."""
     act = c.get("hidden_activation") or "gelu_pytorch_tanh"   # transformers ignores hidden_act
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise _unsupported(model_type, f"hidden_activation={act!r} (labkit's GeGLU uses the "
                                        f"tanh approximation, 'gelu_pytorch_tanh')")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if c.get(key) is not None:
-            what = ("a tanh over the logits, one more (tokens, vocab) tensor kept" if key[0] == "f"
-                    else "a tanh over the attention scores, which labkit's attention cores "
-                         "cannot apply")
-            raise _unsupported(model_type, f"{key}={c[key]} (soft-capping: {what})")
     return dict(norms="sandwich", norm_style="gemma", activation="gelu_tanh", embed_scale=True,
-                tie_embeddings=bool(c.get("tie_word_embeddings", True)))
+                tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+                attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
+                logit_softcap=float(c.get("final_logit_softcapping") or 0.0))
 
 
 def _mixtral_fields(c: dict) -> dict:

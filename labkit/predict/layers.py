@@ -8,9 +8,10 @@ SDPA's fused kernel, which keeps no (T, T) matrix: no 5as/h term. The tiled core
 (``labkit.transformer.attention``) keeps what SDPA keeps. The naive core brings the term back: its
 (B, H, T, T) probabilities, b a s^2 numbers per layer (Korthikanti: 2 bytes of softmax output,
 1 of dropout mask, 2 of dropout output, 5as/h per token and hidden unit), are 4 bytes each in
-fp32, 2 in pure bf16 and 6 under autocast (the softmax's fp32 output and the bf16 copy the
-next matmul keeps): 6as/h for bf16-mixed. It also keeps its repeated key and value heads
-(4 head-wide tensors per token instead of 2 H + 2 Hkv) and no log-sum-exp.
+fp32 and 6 in bf16 or under autocast (the fp32 softmax's output, as Meta's LLaMA code and
+transformers' eager attention compute it, and the bf16 copy the next matmul keeps): 6as/h.
+It also keeps its repeated key and value heads (4 head-wide tensors per token instead of
+2 H + 2 Hkv) and no log-sum-exp.
 """
 from __future__ import annotations
 
@@ -254,22 +255,24 @@ def _norm(c: ModelConfig, width: float, input_bytes: int, frozen: bool = False) 
 
 
 def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
-                          attention: str, mla: bool = False) -> list[Term]:
+                          attention: str, mla: bool = False, softcap: bool = False) -> list[Term]:
     """What the attention core keeps, with its output. SDPA and the tiled core: q, k, v (kv
     heads), their output and one fp32 log-sum-exp per row. Naive: k and v repeated to every
-    head, the (T, T) probabilities of each head (fp32 4 bytes, bf16 2, autocast 4 for the fp32
-    softmax + 2 for the bf16 copy its matmul with v keeps), and no output of its own: wo's
-    input is a copy (MLA's: its un-padded part, a term of its own)."""
+    head, the (T, T) probabilities of each head (fp32 4 bytes; 16-bit 4 for the fp32 softmax + 2
+    for the bf16 copy its matmul with v keeps), and no output of its own: wo's
+    input is a copy (MLA's: its un-padded part, a term of its own). ``softcap`` (Gemma 2): the
+    naive core keeps the tanh's (T, T) output too; fused and tiled cores recompute it."""
     cdt, qkv = d.name, ("q, k, padded v" if mla else "q, k, v")
     if attention != "naive":
         return [Term(f"{qkv} and attention output", cdt,
                      (2 * heads + 2 * kv_heads) * head_dim * d.compute),
                 Term("attention log-sum-exp", "fp32", 4 * heads)]
-    probability = 4 if d.compute == 4 else (6 if d.mixed else 2)
+    probability = 4 if d.compute == 4 else 6        # fp32 softmax + the 16-bit copy v takes
     kept = f"{qkv} (one per head)" if mla else "q, repeated k and v, and wo's input"
     return [Term(kept, cdt, (3 if mla else 4) * heads * head_dim * d.compute),
             Term("attention probabilities (T x T per head)",
-                 "fp32 + bf16" if d.mixed else cdt, per_pair=heads * probability)]
+                 "fp32" if d.compute == 4 else "fp32 + bf16", per_pair=heads * probability)] + (
+        [Term(SOFT_CAPPED_SCORES, cdt, per_pair=heads * d.compute)] if softcap else [])
 
 
 def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
@@ -296,7 +299,8 @@ def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
         return Saved([
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
-            *norms, *attention_core_saved(d, H, Hkv, c.head_dim, attention), rope])
+            *norms, *attention_core_saved(d, H, Hkv, c.head_dim, attention,
+                                          softcap=bool(c.attn_softcap)), rope])
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
@@ -433,20 +437,20 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
 def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool = False) -> Saved:
     """What a block holds when its naive attention core's backward peaks, in the softmax's
     backward: the attention norm and the projections' input, q and the repeated k, the
-    gradient of the repeated v (v itself freed), the probabilities (their bf16 copy freed under
-    autocast) and their two gradients dP and dS (B, H, T, T) in the softmax's dtype. The MLP's
+    gradient of the repeated v (v itself freed), the fp32 probabilities (their bf16 copy freed)
+    and their two gradients dP and dS (B, H, T, T) in fp32. The MLP's
     saved tensors and the attention output are freed by then."""
     d, split = Dtypes.of(precision), (tp if sp else 1)
     H = c.heads // tp
     width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
-    softmax = 4 if d.compute == 4 or d.mixed else 2                   # bytes of P, dP, dS
+    softmax = 4                                            # bytes of P, dP, dS: fp32 softmax
     terms = [Term("attention RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
                   _norm(c, c.hidden, d.stream) / split)] if c.pre_norms else []
     for t in _attention_saved(c, d, tp, split, "naive"):
-        if t.per_pair:
+        if t.per_pair and t.name != SOFT_CAPPED_SCORES:      # the tanh's output: kept as it is
             terms += [replace(t, per_pair=H * softmax),
                       Term("gradients of the probabilities and scores (dP, dS)",
-                           "fp32" if softmax == 4 else "bf16", per_pair=2 * H * softmax,
+                           "fp32", per_pair=2 * H * softmax,
                            category="other")]
         elif t.name.startswith("q, "):          # v and wo's input freed, v's gradient formed
             terms.append(Term("q, k (repeated) and the gradient of v", d.name,
@@ -463,6 +467,7 @@ def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool =
 
 SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"
 MLP_POST_NORM = "RMSNorm of the MLP's output"           # freed first in a layer's backward
+SOFT_CAPPED_SCORES = "soft-capped scores, the tanh's output (T x T per head)"
 
 
 def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | None = None,
@@ -473,8 +478,11 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | No
     rank keeps the fp32 softmax of its vocab / tp logits; with ``sp`` the final norm and the head's
     input keep only this rank's tokens (the head all-gathers them, and again in its backward pass).
     ``frozen`` (LoRA): the head's weight needs no gradient, so its input is not kept, nor the final
-    norm's normalised x."""
+    norm's normalised x. Soft-capped logits (Gemma 2) keep the tanh's output too."""
     d, split = Dtypes.of(precision), (tp if sp else 1)
+    if loss_chunk and c.logit_softcap:
+        raise ValueError(f"the chunked loss does not soft-cap the logits (logit_softcap="
+                         f"{c.logit_softcap}): set loss_chunk=None")
     loss = (Term("log-sum-exp per token and token count (chunked loss)", "fp32 + int64", 4,
                  per_layer=8) if loss_chunk else
             Term(SOFTMAX, "fp32", 4 * c.vocab_size / tp) if tp > 1 else
@@ -483,6 +491,8 @@ def head_saved(c: ModelConfig, precision: str, tp: int = 1, loss_chunk: int | No
                   _norm(c, c.hidden, d.stream, frozen) / split),
              Term("input of the LM head", d.name,
                   0 if frozen else d.linear_inputs(1, c.hidden) / split), loss]
+    if c.logit_softcap:                 # Gemma 2: the tanh keeps its output, the logits' size
+        terms.append(Term("soft-capped logits (tanh)", d.name, d.compute * c.vocab_size / tp))
     # a frozen head under sp is cast again in its backward (``parallel.tensor.GatheredLinears``)
     if d.mixed and not (frozen and sp and tp > 1):
         terms.append(Term("bf16 copy of the LM head (autocast)", "bf16",

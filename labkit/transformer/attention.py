@@ -27,33 +27,45 @@ from labkit.predict.layers import Dtypes, attention_core_saved
 
 
 # ---- naive: the (T, T) matrix in memory -------------------------------------------------------
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself if cap is 0.
+    Autograd keeps the tanh's output, a tensor the size of x."""
+    return torch.tanh(x / cap) * cap if cap else x
+
+
 def repeat_kv(x, groups: int):
     """(B, Hkv, T, d) -> (B, Hkv * groups, T, d): each key/value head copied for its queries."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def naive_attention(q, k, v, causal: bool = True):
+def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=None):
     """softmax(q k^T / sqrt(d) + mask) v, every matrix made in memory.
 
     q: (B, H, T, d); k, v: (B, Hkv, Tk, d) with Hkv dividing H (grouped-query attention: the
     key and value heads are repeated). Causal: query i sees keys 0..i (top-left, as SDPA).
-    Autograd keeps the probabilities (B, H, T, Tk) - in fp32 and a bf16 copy under autocast -
-    the repeated k and v, and q.
+    Autograd keeps the probabilities (B, H, T, Tk) - in fp32, and a 16-bit copy for 16-bit
+    inputs or under autocast - the repeated k and v, and q. ``softcap`` > 0: the scores become softcap * tanh(s / softcap)
+    first (Gemma 2, as transformers' eager attention), which keeps the tanh's output too.
+    ``mask``: bool (T, Tk), True where a query may see a key, in place of ``causal``.
     """
     H, T, d, Tk = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
     _check_heads(H, k.shape[1])
     k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])      # (B, H, Tk, d)
     # scale the scores, not q: a scaled copy of q would be kept for the backward pass too
     scores = (q @ k.transpose(-2, -1)) * d ** -0.5                          # (B, H, T, Tk)
-    if causal:     # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
+    scores = soft_cap(scores, softcap)                  # tanh keeps its output for backward
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif causal:   # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
         scores = scores + torch.full((T, Tk), float("-inf"), dtype=scores.dtype,
                                      device=scores.device).triu(1)            # (T, Tk)
-    # under autocast the softmax runs in fp32, as CUDA's autocast runs it (CPU's would leave
-    # it in bf16): a CPU step then keeps what a GPU step keeps, fp32 probabilities and the
-    # bf16 copy the next matmul makes of them
-    fp32 = torch.float32 if torch.is_autocast_enabled(q.device.type) else None
+    # 16-bit scores get an fp32 softmax, as Meta's LLaMA code and transformers' eager
+    # attention run it (and CUDA's autocast; CPU's would leave it in bf16): autograd keeps the
+    # fp32 probabilities and the 16-bit copy the matmul with v takes
+    low = scores.dtype in (torch.float16, torch.bfloat16)
+    fp32 = torch.float32 if low or torch.is_autocast_enabled(q.device.type) else None
     probs = scores.softmax(dim=-1, dtype=fp32)                                 # (B, H, T, Tk)
-    return probs @ v                                                           # (B, H, T, dv)
+    return probs.to(v.dtype) @ v                                               # (B, H, T, dv)
 
 
 def _check_heads(heads: int, kv_heads: int) -> None:
@@ -145,6 +157,14 @@ class Positions:
         return torch.tensor(positions[start:end], device=self.device)
 
 
+def _cap(s, softcap: float):
+    """Soft-capped scores softcap * tanh(s / softcap) and the tanh (None when softcap is 0)."""
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
 def _mask_future(s, positions, i: int, i_end: int, j: int, j_end: int, groups: int) -> None:
     """-inf in the scores ``s`` where a query would see a key past it (nothing without positions)."""
     future = positions.future(i, i_end, j, j_end, groups) if positions is not None else None
@@ -152,10 +172,11 @@ def _mask_future(s, positions, i: int, i_end: int, j: int, j_end: int, groups: i
         s.masked_fill_(future, float("-inf"))
 
 
-def attend_blocks(q, k, v, out, lse, positions, block: int):
+def attend_blocks(q, k, v, out, lse, positions, block: int, softcap: float = 0.0):
     """FlashAttention-2's forward loop: ``out`` (B, T_q, H, dv) and ``lse`` (B, H, T_q) written
     in place, q (B, H, T_q, d) against k, v (B, Hkv, T_k, d | dv), ``block`` rows and columns
-    at a time, in ``lse``'s dtype. A row that sees no key gets 0 and a log-sum-exp of -inf."""
+    at a time, in ``lse``'s dtype. A row that sees no key gets 0 and a log-sum-exp of -inf.
+    ``softcap`` > 0 caps each tile's scores (FlashAttention-2's ``softcap``)."""
     B, H, Tq, _ = q.shape
     Tk, dv, work = k.shape[2], v.shape[-1], lse.dtype
     g, scale = H // k.shape[1], q.shape[-1] ** -0.5
@@ -172,7 +193,7 @@ def attend_blocks(q, k, v, out, lse, positions, block: int):
                 j_end = min(j + block, Tk)
                 kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
                 vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
-                s = qi @ kj.transpose(-2, -1)                              # (B, Hkv, g*rows, cols)
+                s, _ = _cap(qi @ kj.transpose(-2, -1), softcap)            # (B, Hkv, g*rows, cols)
                 _mask_future(s, positions, i, i_end, j, j_end, g)         # a diagonal block
                 new_max = torch.maximum(row_max, s.amax(dim=-1))
                 shift = new_max.masked_fill(new_max == float("-inf"), 0)  # rows seeing no key yet
@@ -187,7 +208,7 @@ def attend_blocks(q, k, v, out, lse, positions, block: int):
 
 
 def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int,
-                           every_row_sees_a_key: bool = False):
+                           every_row_sees_a_key: bool = False, softcap: float = 0.0):
     """FlashAttention-2's backward loop: (dq, dk, dv) in ``lse``'s dtype, the probabilities
     recomputed block by block from q, k and the rows' log-sum-exp ``lse`` (B, H, T_q);
     ``delta`` (B, H, T_q) is rowsum(dO * O). All four (B, H | Hkv, T, d) as in the forward.
@@ -212,11 +233,13 @@ def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int,
                 doi = _query_block(grad_out, i, i_end, g, work)            # (B, Hkv, g*rows, dv)
                 lse_i = _query_block(lse[..., None], i, i_end, g, work)         # (.., g*rows, 1)
                 delta_i = _query_block(delta[..., None], i, i_end, g, work)      # (.., g*rows, 1)
-                s = (qi @ kj.transpose(-2, -1)) * scale                    # (B, Hkv, g*rows, cols)
+                s, t = _cap((qi @ kj.transpose(-2, -1)) * scale, softcap)  # (B, Hkv, g*rows, cols)
                 _mask_future(s, positions, i, i_end, j, j_end, g)
                 p = torch.exp(s - lse_i)                      # the forward's probabilities again
                 dv[:, :, j:j_end] += p.transpose(-2, -1) @ doi         # summed over the group
                 ds = p * (doi @ vj.transpose(-2, -1) - delta_i)          # softmax's backward
+                if t is not None:
+                    ds = ds * (1 - t * t)                            # through the cap's tanh
                 dk[:, :, j:j_end] += (ds.transpose(-2, -1) @ qi) * scale
                 dq[:, :, i:i_end] += _ungroup(ds @ kj, g) * scale
     return dq, dk, dv
@@ -232,7 +255,7 @@ class TiledAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, block: int):
+    def forward(ctx, q, k, v, causal: bool, block: int, softcap: float = 0.0):
         _check_shapes(q, k, v)
         inputs, shape = (q, k, v), (*q.shape[:-1], v.shape[-1])                # (..., T_q, dv)
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)      # (B, H, T_q, d), (B, Hkv, T_k, d or dv)
@@ -241,10 +264,10 @@ class TiledAttention(torch.autograd.Function):
         out = q.new_empty(B, Tq, H, v.shape[-1])  # (B, T_q, H, dv): wo's layout, so no copy later
         lse = q.new_empty(B, H, Tq, dtype=work)                                  # (B, H, T_q)
         positions = Positions.top_left(Tq, k.shape[2], q.device) if causal else None
-        attend_blocks(q, k, v, out, lse, positions, block)
+        attend_blocks(q, k, v, out, lse, positions, block, softcap)
         out = out.transpose(1, 2).view(shape)                # (B, H, T_q, dv) as (..., T_q, dv)
         ctx.save_for_backward(*inputs, out, lse)
-        ctx.causal, ctx.block = causal, block
+        ctx.causal, ctx.block, ctx.softcap = causal, block, softcap
         return out
 
     @staticmethod
@@ -259,21 +282,25 @@ class TiledAttention(torch.autograd.Function):
             delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)                # (B, H, T_q)
         # causal top-left: every row sees key 0; not causal: every key
         dq, dk, dv = attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, ctx.block,
-                                            every_row_sees_a_key=True)
+                                            every_row_sees_a_key=True, softcap=ctx.softcap)
         grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None)
+        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None, None)
 
 
-def tiled_attention(q, k, v, causal: bool = True, block: int = 128):
+def tiled_attention(q, k, v, causal: bool = True, block: int = 128, softcap: float = 0.0):
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)``'s result,
     ``block`` queries by ``block`` keys at a time.
 
     q: (..., H, T_q, d); k, v: (..., Hkv, T_k, d) with Hkv dividing H, or all three (T, d).
     Returns (..., H, T_q, dv).
     Causal: query i sees keys 0..i (top-left, as SDPA; FlashAttention-2's kernel: bottom-right).
+    ``softcap`` > 0: each tile's scores are capped as ``naive_attention`` caps them, and the
+    backward pass recomputes the tanh (FlashAttention-2's ``softcap``): nothing more is kept.
     """
     check_positive("block (queries and keys per tile)", block)
-    return TiledAttention.apply(q, k, v, causal, block)
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a number >= 0 (0: no soft-capping), got {softcap!r}")
+    return TiledAttention.apply(q, k, v, causal, block, float(softcap))
 
 
 # ---- measured: one core's forward + backward ------------------------------------------------

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.units import TORCH_DTYPE_NAMES, check_positive, torch_dtype
 from labkit.predict import kv_cache_bytes
+from labkit.transformer.attention import naive_attention, soft_cap
 from labkit.transformer.model import LatentAttention, Transformer, build_model, embed_tokens, rotate
 
 
@@ -137,7 +138,10 @@ def gqa_attention(attn, x, rotary, mask, cache: KVCache, layer: int):
         v = attn.heads_of(x, attn.wv, Hkv)                                        # (B, Hkv, T, d)
         cache.write(layer, k=k, v=v)
     k, v = cache.read(layer, start + T)                                           # (B, Hkv, L, d)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
+    if attn.softcap:           # SDPA cannot soft-cap: the scores written out (Gemma 2)
+        y = naive_attention(q, k, v, causal=False, softcap=attn.softcap, mask=mask)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
     return attn.wo(y.transpose(1, 2).reshape(B, T, H * d))                        # (B, T, hidden)
 
 
@@ -220,7 +224,7 @@ def step(model: Transformer, tokens, cache: Cache, absorb: bool = True):
         x = x + block.attn_post_norm(h)                          # Identity unless post norms
         x = x + block.mlp_post_norm(block.mlp(block.mlp_norm(x)))
     cache.length += T
-    return model.lm_head(model.norm(x))                                           # (B, T, vocab)
+    return soft_cap(model.lm_head(model.norm(x)), model.cfg.logit_softcap)        # (B, T, vocab)
 
 
 @dataclass

@@ -17,9 +17,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from labkit.core.config import ModelConfig
 from labkit.core.units import check_choice
-from labkit.transformer.attention import ATTENTION_IMPLS, naive_attention, tiled_attention
+from labkit.transformer.attention import (ATTENTION_IMPLS, naive_attention, soft_cap,
+                                         tiled_attention)
 from labkit.transformer.grouped_mm import grouped_linear, grouped_mm  # noqa: F401 - re-exported
 from labkit.transformer.loss import chunked_cross_entropy
+from labkit.transformer.packing import (Varlen, VarlenAttention, cu_seqlens,  # noqa: F401
+                                        document_mask)                     # re-exported
 
 
 class RMSNorm(nn.Module):
@@ -81,75 +84,6 @@ def rotate(x, cos, sin):
     return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
 
 
-def document_mask(doc_ids, dtype):
-    """(B, T) document ids -> additive (B, 1, T, T) mask: 0 where query i may see key j (same
-    document, j <= i), -inf elsewhere. Made once per forward and shared by every layer: given
-    a bool mask, SDPA would make and keep a float copy of it in each layer."""
-    T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal                 # (B, T, T)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    return mask.masked_fill(~allowed, float("-inf")).unsqueeze(1)                  # (B, 1, T, T)
-
-
-def cu_seqlens(doc_ids) -> tuple[int, ...]:
-    """(B, T) document ids -> where each document starts in the B*T tokens laid end to end, and
-    B*T: flash-attn's ``cu_seqlens``. A row's padding (id -1) is one more run, as in the mask."""
-    B, T = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)                          # (B, T)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return tuple(starts.flatten().nonzero().flatten().tolist()) + (B * T,)
-
-
-class Varlen(tuple):
-    """``cu_seqlens`` passed where a mask goes: attention runs document by document, no mask."""
-
-
-def _documents(offsets, T: int):
-    """(row, start, end) of each document in its row, from offsets into the B*T tokens."""
-    for start, end in zip(offsets[:-1], offsets[1:]):                 # never across rows
-        yield start // T, start % T, end - start // T * T
-
-
-def _causal(q, k, v):
-    """One document's causal attention: q (1, H, L, d), k and v (1, Hkv, L, d) -> (1, H, L, dv).
-    Four dimensions: with three, the CPU's SDPA falls back to the math path (an L x L matrix)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=k.shape[1] != q.shape[1])
-
-
-class VarlenAttention(torch.autograd.Function):
-    """Causal attention inside each document of packed rows with no (T, T) mask: one SDPA call
-    per document, written into one output. flash-attn's ``flash_attn_varlen_func`` (given
-    ``cu_seqlens``) and FlexAttention's document block mask do it in one kernel on a GPU.
-
-    Keeps q, k and v (the output is wo's input, kept anyway), as the varlen kernel does, but not
-    its log-sum-exp per row (B*H*T fp32): the backward runs each document's attention again.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, offsets):
-        B, H, T, _ = q.shape
-        out = q.new_empty(B, T, H, v.shape[-1])                        # (B, T, H, dv): wo's layout
-        for r, a, b in _documents(offsets, T):
-            out[r:r + 1, a:b] = _causal(*(t[r:r + 1, :, a:b] for t in (q, k, v))).transpose(1, 2)
-        ctx.save_for_backward(q, k, v)
-        ctx.offsets = offsets
-        return out.transpose(1, 2)                                     # (B, H, T, dv)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for r, a, b in _documents(ctx.offsets, q.shape[2]):
-            piece = [t[r:r + 1, :, a:b].detach().requires_grad_() for t in (q, k, v)]
-            with torch.enable_grad():
-                y = _causal(*piece)                                     # (1, H, L, dv)
-            for g, d in zip(torch.autograd.grad(y, piece, grad[r:r + 1, :, a:b]), grads):
-                d[r:r + 1, :, a:b] = g
-        return *grads, None
-
-
 # the attention core every attention layer runs: "sdpa", "naive" or "tiled"
 # (labkit.transformer.attention)
 _attention = "sdpa"
@@ -171,24 +105,30 @@ def use_attention(impl):
         _attention = previous
 
 
-def attention_core(q, k, v, mask=None):
+def attention_core(q, k, v, mask=None, softcap: float = 0.0):
     """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel (no (T, T) matrix is kept),
     or the implementation ``use_attention`` chose.
 
     q: (B, H, T, d); k, v: (B, Hkv, T, d) with Hkv dividing H (grouped-query attention).
     ``mask``: for packed rows, a dense ``document_mask`` or ``Varlen`` offsets (no mask).
+    ``softcap`` > 0 (Gemma 2) soft-caps the scores, which SDPA cannot: "sdpa" then runs the tiled
+    core, which keeps what a fused kernel that soft-caps keeps (FlashAttention-2's ``softcap``,
+    FlexAttention); "naive" keeps the tanh's (T, T) output too, as transformers' eager attention.
     """
     if mask is not None and _attention != "sdpa":
         raise ValueError(f"attention {_attention!r} runs plain causal rows; packed rows (doc_ids) "
                          f"attend through 'sdpa': leave the attention at 'sdpa' for them")
+    if softcap and (mask is not None or callable(_attention)):
+        raise ValueError(f"soft-capped attention (attn_softcap={softcap}) runs labkit's naive or "
+                         f"tiled core on plain causal rows: no packed rows (doc_ids) and no ring")
     if isinstance(mask, Varlen):
         return VarlenAttention.apply(q, k, v, mask)
     if callable(_attention):
         return _attention(q, k, v)
     if _attention == "naive":
-        return naive_attention(q, k, v)
-    if _attention == "tiled":
-        return tiled_attention(q, k, v)
+        return naive_attention(q, k, v, softcap=softcap)
+    if _attention == "tiled" or softcap:
+        return tiled_attention(q, k, v, softcap=softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
@@ -199,6 +139,7 @@ class GroupedQueryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.softcap = cfg.attn_softcap
         self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -228,7 +169,7 @@ class GroupedQueryAttention(nn.Module):
         q = self.heads_of(x, self.wq, self.heads, self.q_norm)                    # (B, H, T, d)
         k = self.heads_of(x, self.wk, self.kv_heads, self.k_norm)                 # (B, Hkv, T, d)
         v = self.heads_of(x, self.wv, self.kv_heads)                              # (B, Hkv, T, d)
-        y = attention_core(rope(q), rope(k), v, mask)                            # (B, H, T, d)
+        y = attention_core(rope(q), rope(k), v, mask, self.softcap)              # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
 
 
@@ -470,9 +411,12 @@ class Transformer(nn.Module):
                 x = self.run_blocks(x, i, i + 1, rope, mask)
             i += max(span, 1)
         if targets is not None and self.loss_chunk:    # no (B*T, vocab) logits (loss.py)
+            if self.cfg.logit_softcap:
+                raise ValueError("the chunked loss (loss_chunk) does not soft-cap the logits "
+                                 f"(logit_softcap={self.cfg.logit_softcap}): set loss_chunk=None")
             return chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight,
                                          targets.flatten(), self.loss_chunk)
-        logits = self.lm_head(self.norm(x))                                       # (B, T, vocab)
+        logits = soft_cap(self.lm_head(self.norm(x)), self.cfg.logit_softcap)      # (B, T, vocab)
         if targets is None:
             return logits
         # the loss in fp32 whatever the compute dtype: log-softmax over a large vocab needs it

@@ -34,6 +34,7 @@ from labkit.core.config import ModelConfig, preset
 from labkit.parallel.pipeline.schedules import (SCHEDULES, Op, OpSpan,  # noqa: F401
                                                 PipelineTimeline, Schedule, chunk_layers, in_flight,
                                                 make_schedule, stage_layers)
+from labkit.transformer.attention import soft_cap
 from labkit.transformer.model import embed_tokens
 
 # ---- one chunk of the model --------------------------------------------------------------------
@@ -64,7 +65,7 @@ class PipelineChunk(nn.Module):
             x = block(x, self.rope)
         if self.lm_head is None:
             return x
-        logits = self.lm_head(self.norm(x))                                  # (B, T, vocab)
+        logits = soft_cap(self.lm_head(self.norm(x)), self.cfg.logit_softcap)  # (B, T, vocab)
         return logits if targets is None else mean_loss(logits, targets)
 
 
