@@ -450,10 +450,12 @@ def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
     terms = attention_core_saved(Dtypes.of(CORE_DTYPE), H, H, d, impl)
     kept = {"attention output (wo's input)": unit}
     kept.update({t.name: t.bytes(1, T) for t in terms if not t.name.startswith("q, ")})
-    if impl == "naive":             # the softmax's backward: P, dP and dS (T, T) per head
-        probabilities = kept["attention probabilities (T x T per head)"]
+    if impl == "naive":     # the softmax's backward: fp32 P (its bf16 copy freed), dP and dS
+        pairs = H * T * T
+        at_peak = {k: b for k, b in kept.items() if not k.startswith("attention probabilities")}
         return CoreBytes(impl, kept, {
-            **kept, "gradients of the probabilities and scores (dP, dS)": 2 * probabilities,
+            **at_peak, "fp32 probabilities (their bf16 copy freed)": 4 * pairs,
+            "gradients of the probabilities and scores (dP, dS, fp32)": 8 * pairs,
             "gradient of v": unit})
     if impl == "sdpa":              # the fused backward kernel writes dq, dk, dv at once
         return CoreBytes(impl, kept, {**kept, "gradients of q, k, v": 3 * unit})
