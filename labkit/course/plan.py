@@ -69,11 +69,12 @@ class Plan:
             lines.append(f"{'#':>2} {'step s':>8} {'':<2}{cols}{'total':>11}  layout")
             for i, c in enumerate(self.fits, 1):
                 e = c.estimate
-                lines.append(f"{i:>2} {c.time.total:>8.2f}   "
+                lines.append(f"{i:>2} {c.time.dp_overlapped:>8.2f}   "
                              + "".join(f"{fmt_bytes(getattr(e, k), 1):>11}" for k in CATEGORIES)
                              + f"{fmt_bytes(e.total, 1):>11}  {c.label()}")
             best = self.fits[0].time
-            lines.append("   step time of #1: " + ", ".join(
+            lines.append("   step time of #1 (dp's communication hidden under the compute, as "
+                         "DDP and FSDP run it): " + ", ".join(
                 f"{k} {v:.2f} s" for k, v in best.as_dict().items() if v and k != "total"))
             lines.append(f"   {self.overlap}")
             if any(c.family.trainable == "qlora" for c in self.fits):
@@ -338,20 +339,22 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
 
 
 def _overlap_check(fits: list) -> str:
-    """Whether the top layout stays first when data-, pipeline- and expert-parallel traffic
-    overlaps compute (``StepTime.overlapped``), or which one overtakes it."""
+    """Whether the top layout (ranked with data-parallel traffic overlapped) stays first when
+    pipeline- and expert-parallel traffic overlaps compute too (``StepTime.overlapped``), or
+    which one overtakes it."""
     if not fits:
         return ""
     first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
                                                  -fits[i].micro_batch, fits[i].estimate.total))
-    hidden = ("with dp, pp and ep communication hidden under compute and cp's under attention "
-              "(tp's, offload's and the host step stay exposed)")
+    hidden = ("with pp and ep communication hidden under compute too (DualPipe, Megatron's "
+              "overlap options) and cp's under attention (tp's, offload's and the host step "
+              "stay exposed)")
     if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
         first = 0                     # no more than 1% faster: a tie the model cannot break
     if first == 0:
         return (f"overlap: {hidden}, #1 stays first: no layout found is over "
                 f"{OVERLAP_TIE:.0%} faster ({fits[0].time.overlapped:.2f} s a step against "
-                f"{fits[0].time.total:.2f} s with none)")
+                f"{fits[0].time.dp_overlapped:.2f} s with dp's alone)")
     return (f"overlap: {hidden}, #{first + 1} becomes first ({fits[first].time.overlapped:.2f} s "
             f"against #1's {fits[0].time.overlapped:.2f} s): the ranking depends on how much "
             f"of the communication the framework overlaps")
@@ -399,7 +402,8 @@ def _advice(c, asked, gpus, gpus_per_node, seq, batch, headroom, trainable, offl
         k = first_fit(gpus=n, offload=wanted)
         if k:
             out.append(f"{n} x {g.name}: {k.label()} ({fmt_bytes(k.estimate.total)} per GPU, "
-                       f"{k.time.total:.2f} s a step of {global_batch or n} sequences modelled)")
+                       f"{k.time.dp_overlapped:.2f} s a step of {global_batch or n} sequences "
+                       f"modelled)")
             wanted = False if k.layout.offload else None
     if "all" in trainable and "adamw-8bit" not in optimizers:
         k = first_fit(optimizer=("adamw-8bit",))

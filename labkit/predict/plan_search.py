@@ -66,6 +66,8 @@ class Family:
         if self.trainable != "all":
             return f"{what}, one GPU per replica, dp {self.dp}"
         zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
+        if self.offload and self.zero_stage < 3 and self.data_ranks == 1:
+            zero = "optimizer offload"              # nothing to shard over one data rank
         if self.zero_stage and self.cp > 1:
             zero += f" over dp x cp = {self.data_ranks}"
         return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
@@ -103,7 +105,8 @@ class Candidate:
         return {"label": self.label(), "family": self.family.label(),
                 "layout": dict(vars(self.layout)), "recipe": dict(vars(self.recipe)),
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
-                "time": self.time.as_dict(), "time_overlapped": self.time.overlapped,
+                "time": self.time.as_dict(), "time_dp_overlapped": self.time.dp_overlapped,
+                "time_overlapped": self.time.overlapped,
                 "memory": self.estimate.as_dict() if self.estimate else None}
 
 
@@ -138,7 +141,9 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                     dp = gpus // (tp * pp * cp)
                     # ZeRO over dp x cp, as Megatron's distributed optimizer shards
                     zeros = [(0, False)] + ([(z, False) for z in (1, 2, 3)] if dp * cp > 1 else [])
-                    zeros += [(z, True) for z in (1, 2, 3)] if offload else []
+                    # offload at one data rank: ZeRO-1 and -2 both offload the optimizer only
+                    zeros += [(z, True) for z in ((1, 2, 3) if dp * cp > 1 else (2, 3))
+                              ] if offload else []
                     out += [Family("all", dp, z, off, tp, pp, 1, cp) for z, off in zeros]
                     # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states
                     # over its dp / ep copies (Megatron's distributed optimizer, FSDP over
@@ -356,7 +361,8 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             leanest[k.family] = (key, why)
 
     for k in pool:          # after ``top`` fits, only those tied with the last
-        if top is not None and len(fits) >= top and k.time.total > fits[-1].time.total * (1 + TIE):
+        if top is not None and len(fits) >= top and (k.time.dp_overlapped
+                                                      > fits[-1].time.dp_overlapped * (1 + TIE)):
             break
         if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
             continue
@@ -380,8 +386,8 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
     # equal modelled times (within TIE of the fastest): the larger micro-batch, then AdamW
     # (foreach) over 8-bit or fused AdamW (the same time modelled), then the leaner layout; a tie
     # cut at ``top`` fitted, so it is not "unexplored"
-    fastest = min((k.time.total for k in fits), default=1.0) or 1.0
-    fits.sort(key=lambda k: (round(k.time.total / fastest / TIE), -k.micro_batch,
+    fastest = min((k.time.dp_overlapped for k in fits), default=1.0) or 1.0
+    fits.sort(key=lambda k: (round(k.time.dp_overlapped / fastest / TIE), -k.micro_batch,
                              k.family.optimizer != "adamw", k.estimate.total))
     fitted = {k.family for k in fits}
     fits = fits[:top]
@@ -418,7 +424,7 @@ def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable,
             continue
         pool += _candidates(c, f, counts, gpu, gpus, gpus_per_node, seq, batch, recompute)
     # fastest first; ties: the larger micro-batch
-    pool.sort(key=lambda k: (round(k.time.total, 9), -k.micro_batch))
+    pool.sort(key=lambda k: (round(k.time.dp_overlapped, 9), -k.micro_batch))
     return families, pool, rejected
 
 
@@ -445,9 +451,15 @@ def _largest(e: Estimate) -> str:
 
 def family_candidates(c: ModelConfig, gpu: GPU, gpus: int, family: Family, seq: int,
                       batch: int | None = None, gpus_per_node: int = 8,
-                      recompute=RECOMPUTE) -> list[Candidate]:
+                      recompute=RECOMPUTE, usable: int | None = None) -> list[Candidate]:
     """One family's candidates (micro-batch x recompute x schedule), fastest first, each with
-    its modelled time and no estimate: how the planner times a layout it may not rank."""
-    out = _candidates(c, family, _Counts(c), gpu, gpus, gpus_per_node, seq, batch or gpus,
-                      recompute)
-    return sorted(out, key=lambda k: k.time.total)
+    its modelled time: how the planner times a layout it may not rank. ``usable`` (bytes per
+    GPU, e.g. a plan's ``usable``): only those whose estimate fits, each with its estimate;
+    without it none is estimated, so a schedule that would not fit can come first."""
+    out = sorted(_candidates(c, family, _Counts(c), gpu, gpus, gpus_per_node, seq,
+                             batch or gpus, recompute), key=lambda k: k.time.dp_overlapped)
+    if usable is None:
+        return out
+    for k in out:
+        k.estimate = estimate(c, k.micro_batch, seq, recipe=k.recipe, layout=k.layout)
+    return [k for k in out if k.estimate.total <= usable]

@@ -62,6 +62,13 @@ class StepTime:
                 + self.pp + self.ep + self.cp + self.offload + self.host_step)
 
     @property
+    def dp_overlapped(self) -> float:
+        """Seconds as data-parallel frameworks run a step by default, what the planner ranks
+        by: data parallel's collectives (DDP's bucketed all-reduce, FSDP's and ZeRO's
+        prefetched gathers) hidden under the compute as far as it lasts, the rest exposed."""
+        return self.total - self.dp + max(0.0, self.dp - (self.compute + self.attention))
+
+    @property
     def overlapped(self) -> float:
         """Seconds with every collective frameworks overlap hidden under the compute, as far as
         it lasts: data parallel's (DDP's bucketed all-reduce, ZeRO's prefetched gathers), the
@@ -76,7 +83,7 @@ class StepTime:
                 + self.host_step + max(0.0, hidden - (work - ring)))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total}     # the parts and their sum
 
 
 def ring(n: int, nbytes: float, collective: str) -> float:
@@ -233,9 +240,11 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"foreach are several times slower (benchmarks/cpu_adam.py). Not overlapped with the "
         f"GPUs' work: the ZeRO-Offload paper's one-step delayed update, not in DeepSpeed's "
         f"default path, would hide it. The planner checks the host memory apart (host_ram)",
-        "the ranking adds compute, bubble and every collective (nothing overlaps); real "
-        "systems overlap some of it, so the line 'overlap:' re-ranks the layouts found with "
-        "dp, pp and ep communication hidden under compute and cp's under attention (tp's, "
-        "offload's and the host step stay exposed; Megatron's --tp-comm-overlap would hide "
-        "some of tp's): the two ends of what a framework does",
+        "the ranking adds compute, bubble and every collective but data parallel's, which "
+        "hides under the compute as far as it lasts, as DDP's bucketed all-reduce and FSDP's "
+        "and ZeRO's prefetched gathers run by default; the line 'overlap:' re-ranks the "
+        "layouts found with pp and ep communication hidden too (DualPipe, Megatron's overlap "
+        "options) and cp's under attention (tp's, offload's and the host step stay exposed; "
+        "Megatron's --tp-comm-overlap would hide some of tp's): what the default frameworks "
+        "do, and the most a framework hides",
     ]

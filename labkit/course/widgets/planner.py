@@ -30,7 +30,7 @@ class PlanResult:
                 f"{len(p.rejected)} families rejected")
         if not p.fits:
             return "\n".join([head, "nothing fits; what would:"] + [f"  - {a}" for a in p.advice])
-        lines = [head] + [f"#{i} {c.time.total:6.2f} s/step, {fmt_bytes(c.estimate.total):>10} per GPU: "
+        lines = [head] + [f"#{i} {c.time.dp_overlapped:6.2f} s/step, {fmt_bytes(c.estimate.total):>10} per GPU: "
                           f"{c.label()}" for i, c in enumerate(p.fits[:5], 1)]
         lines += [f"rejected: {name}: {why}" for name, why in list(p.rejected.items())[:2]]
         return "\n".join(lines)
