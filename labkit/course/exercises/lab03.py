@@ -5,7 +5,6 @@ import functools
 
 from labkit.core.config import preset
 from labkit.course.exercises.core import GiB, register
-from labkit.predict.layers import count_params
 
 
 @register(
@@ -16,7 +15,7 @@ backward pass. How much is that per layer for one sequence of 4096 tokens in bf1
     hint="The input of a block is the hidden state: tokens x hidden numbers, 2 bytes each.",
     solution="""4096 tokens x {h} hidden x 2 bytes = {bytes:,} bytes = {answer:.0f} MiB per layer;
 x {layers} layers = {total:.0f} MiB, against {none:.1f} GiB of saved activations without
-recomputation (lk.estimate(..., recompute="full")).""",
+recomputation (lk.estimate(..., precision="bf16", recompute="none").saved_activations).""",
 )
 def _full_recompute_kept():
     from labkit.predict import estimate
@@ -29,42 +28,75 @@ def _full_recompute_kept():
 
 @register(
     "03-padding-waste",
-    question="""Four documents of 100, 300, 50 and 550 tokens are padded to 600 tokens each.
-What percentage of the positions are padding?""",
+    question="""A corpus of 1000 documents, batching.document_lengths(1000, max_len=4096, median=512,
+seed=3) (from labkit.training import batching), is batched 8 documents at a time in the order
+given, each batch padded to its longest document: batching.pad_batches(docs, 8) with
+docs = batching.make_documents(lengths). What percentage of the positions are padding?""",
     unit="percent",
-    hint="Positions: 4 x 600. Real tokens: the sum of the lengths. Padding is the rest.",
-    solution="""positions 4 x 600 = 2400; real tokens {real}; padding {pad} = {answer:.1f}%
-(labkit.training.batching.pad_batches(docs, 4, pad_to=600).waste).""",
+    hint="pad_batches returns a Batching: .waste is the share of positions that are padding (a "
+         "fraction), .padding and .tokens count them.",
+    solution="""{pad:,} padding positions beside {real:,} real tokens: {answer:.1f}% of the
+positions (batching.pad_batches(docs, 8).waste). Sorting the same documents into length buckets
+first (batching.bucket_batches(docs, 8)) leaves {bucket:.1f}% padding, in the same {steps} steps:
+the waste comes from mixing short and long documents in one batch.""",
 )
 def _padding_waste():
-    from labkit.training.batching import make_documents, pad_batches
-    docs = make_documents([100, 300, 50, 550])
-    b = pad_batches(docs, 4, pad_to=600)
-    return {"answer": 100 * b.waste, "real": b.tokens, "pad": b.padding}
+    from labkit.training.batching import (bucket_batches, document_lengths, make_documents,
+                                          pad_batches)
+    docs = make_documents(document_lengths(1000, max_len=4096, median=512, seed=3))
+    b, buckets = pad_batches(docs, 8), bucket_batches(docs, 8)
+    return {"answer": 100 * b.waste, "real": b.tokens, "pad": b.padding,
+            "bucket": 100 * buckets.waste, "steps": b.steps}
+
+
+H100 = "h100-80gb"
+ACCUMULATE = dict(seq=4096, precision="bf16-master", device="cuda")
 
 
 @register(
-    "03-accumulation-optimizer",
-    question="""The course model `small` trains in fp32 with AdamW and 8 gradient-accumulation
-steps. How much memory does the optimizer state take?""",
-    unit="MiB",
-    hint="AdamW keeps two fp32 moments per parameter (plus one step counter per tensor); the "
-         "number of accumulation steps does not enter. lk.count_params('small').",
-    solution="""{n:,} parameters x 8 bytes + {tensors} step counters x 4 bytes = {bytes:,} bytes
-= {answer:.2f} MiB, for 1 accumulation step or 8 (lk.estimate("small", precision="fp32").optimizer).""",
+    "03-accumulation-fits-h100",
+    question="""LLaMA-2-7B trains with bf16 weights and fp32 master weights (precision
+"bf16-master"), AdamW, ZeRO-3 over 8 GPUs, no recomputation, CUDA defaults. Each GPU must
+see 16 sequences of 4096 tokens per optimizer step, as m micro-batches of 16 / m sequences
+(m = 1, 2, 4, 8 or 16 gradient-accumulation steps). What is the smallest m whose estimated peak
+fits an 80 GB H100 (labkit.core.gpus.usable_memory(gpu("h100-80gb")): 90% of its memory)?""",
+    unit="accumulation steps", rtol=0,
+    hint="lk.estimate('llama-2-7b', batch=16 // m, seq=4096, precision='bf16-master', "
+         "layout=lk.Layout(dp=8, zero_stage=3, micro_batches=m)).total for each m; compare "
+         ".optimizer across m too.",
+    solution="""m = {answer}: micro-batches of {micro} sequences peak at {fits} GiB, under the
+H100's {usable} GiB usable; m = {prev} peaks at {over} GiB. The optimizer state is {opt} GiB
+per GPU whatever m (.optimizer equal for all five: {same}): it belongs to the parameters, and
+one optimizer step follows all the micro-batches. What accumulation changes is the
+activations, which follow the micro-batch; in exchange the gradients formed by the earlier
+micro-batches stay alive through the later ones (one step of {micro} sequences without
+accumulation: {alone} GiB).""",
 )
-def _accumulation_optimizer():
+def _accumulation_fits_h100():
+    from labkit.core.gpus import gpu, usable_memory
+    from labkit.core.recipe import Layout
     from labkit.predict import estimate
-    n = count_params("small").total
-    total = estimate("small", precision="fp32").optimizer
-    return {"answer": total / 2**20, "n": n, "tensors": (total - 8 * n) // 4, "bytes": total}
+    ests = {m: estimate("llama-2-7b", batch=16 // m, **ACCUMULATE,
+                        layout=Layout(dp=8, zero_stage=3, micro_batches=m))
+            for m in (1, 2, 4, 8, 16)}
+    usable = usable_memory(gpu(H100))
+    m = min(m for m, e in ests.items() if e.total <= usable)
+    prev = max(k for k in ests if k < m)
+    alone = estimate("llama-2-7b", batch=16 // m, **ACCUMULATE,
+                     layout=Layout(dp=8, zero_stage=3)).total
+    return {"answer": m, "micro": 16 // m, "prev": prev, "fits": f"{ests[m].total / GiB:.1f}",
+            "over": f"{ests[prev].total / GiB:.1f}", "usable": f"{usable / GiB:.1f}",
+            "opt": f"{ests[m].optimizer / GiB:.2f}",
+            "same": len({e.optimizer for e in ests.values()}) == 1,
+            "alone": f"{alone / GiB:.1f}"}
 
 
 @register(
     "03-peak-leaves-optimizer-with-selective",
     question="""LLaMA-2-7B trains one sequence per step in bf16-mixed with AdamW on one GPU, CUDA
-defaults. Without recomputation the optimizer step stops being the peak at a few thousand
-tokens (exercise 01-peak-moves-to-backward). With selective recomputation
+defaults (a 141 GB H200: this step needs more than an 80 GB H100 holds). Without
+recomputation the optimizer step stops being the peak at a few thousand tokens (exercise
+01-peak-moves-to-backward). With selective recomputation
 (recompute="selective"), from which sequence length on is the peak no longer the optimizer
 step? Explore lk.estimate(...).peak_phase and .moments.""",
     unit="tokens", rtol=0.02,
@@ -74,7 +106,12 @@ step? Explore lk.estimate(...).peak_phase and .moments.""",
 ({optimizer} GiB), {ratio:.1f}x the {none:,} tokens without recomputation. Selective
 recomputation drops the layers' norms and elementwise outputs, so the backward pass no longer
 takes over first: the forward pass at the loss does, where the (tokens x 32000) fp32 logits
-and their log-softmax sit beside everything the layers keep.""",
+and their log-softmax sit beside everything the layers keep. The step peaks at {at} GiB:
+an H200 ({h200} GiB usable, labkit.core.gpus.usable_memory), not an 80 GB H100 ({h100} GiB).
+The answer is where two lines cross, so it is only as exact as the estimate's modelling details
+(foreach's temporaries, the copies of the logits): the loss moment grows by {slope:.1f} MiB per
+token, the optimizer step not at all, so an error of 1 GiB in either moves the answer by about
+{shift:,} tokens.""",
 )
 def _peak_leaves_optimizer_with_selective():
     from labkit.predict import estimate
@@ -84,7 +121,14 @@ def _peak_leaves_optimizer_with_selective():
     est = estimate("llama-2-7b", batch=1, seq=seq, precision="bf16-mixed", device="cuda",
                    recompute="selective")
     moment = est.details["peak moment"]
+    later = estimate("llama-2-7b", batch=1, seq=seq + 1024, precision="bf16-mixed",
+                     device="cuda", recompute="selective").moments[moment]
+    slope = (later - est.moments[moment]) / 1024                      # bytes per token
+    from labkit.core.gpus import gpu, usable_memory
     return {"answer": seq, "none": none, "ratio": seq / none, "moment": moment,
+            "slope": slope / 2**20, "shift": int(round(GiB / slope, -1)),
+            "h200": f"{usable_memory(gpu('h200-141gb')) / GiB:.1f}",
+            "h100": f"{usable_memory(gpu('h100-80gb')) / GiB:.1f}",
             "at": f"{est.moments[moment] / GiB:.3f}",
             "optimizer": f"{est.moments['optimizer step'] / GiB:.3f}"}
 
