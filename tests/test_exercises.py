@@ -38,18 +38,18 @@ def test_labkits_own_answer_is_right_and_the_solution_quotes_it(id):
 
 def test_answers_equal_the_published_figures():
     assert ex.get("01-adamw-bytes").answer() == 2 + 2 + 12       # ZeRO: K = 12
-    n = 6_738_415_616                                            # LLaMA-2-7B, published
-    assert ex.get("01-llama-7b-fp32-adamw").answer() == pytest.approx(16 * n / GiB)
+    n = 7_241_732_096                         # Mistral-7B: Megatron's 18 bytes with fp32 grads
+    assert ex.get("01-mistral-7b-megatron-states").answer() == pytest.approx(18 * n / GiB)
     assert ex.get("01-llama-7b-kv-cache").answer() == pytest.approx(2.0)
-    assert ex.get("01-deepseek-v2-lite-params").answer() == pytest.approx(15.7, rel=0.01)
-    pc = lk.count_params("deepseek-v2-lite")
-    assert ex.get("01-deepseek-v2-lite-idle-experts").answer() * 1e9 == pytest.approx(
-        pc.total - pc.active)
+    assert ex.get("01-gqa-kv-cache-batch8").answer() == pytest.approx(4.0)
+    assert ex.get("01-small-params-by-hand").answer() == lk.count_params("small").total
+    c = lk.preset("deepseek-moe-16b")      # each idle expert's three matrices at 16 B/param
+    assert ex.get("01-moe-idle-expert-states").answer() * GiB == (
+        16 * 3 * c.hidden * c.moe_ffn * (c.routed_experts - c.top_k))
 
 
 def test_the_published_rounded_figure_is_accepted():
-    assert ex.check("01-deepseek-v2-lite-params", 15.7)        # DeepSeek-AI's "15.7B"
-    assert ex.check("01-llama-7b-fp32-adamw", 100.4)
+    assert ex.check("01-mistral-7b-megatron-states", 121.4)
 
 
 def test_a_wrong_answer_shows_the_hint_but_not_the_answer():
@@ -62,8 +62,8 @@ def test_a_wrong_answer_shows_the_hint_but_not_the_answer():
 
 
 def test_gb_instead_of_gib_is_pointed_out():
-    n = lk.count_params("llama-2-7b").total
-    result = ex.check("01-llama-7b-fp32-adamw", 16 * n / 1e9)   # 107.8 "GB"
+    n = lk.count_params("mistral-7b").total
+    result = ex.check("01-mistral-7b-megatron-states", 18 * n / 1e9)   # 130.4 "GB"
     assert not result.correct and "GB" in result.message
 
 
