@@ -152,7 +152,6 @@ def test_the_lab_06_answers_agree_with_the_closed_forms_and_the_estimate():
 
 
 def test_the_lab_07_answers_agree_with_the_closed_forms_and_the_caches():
-    from labkit.transformer.generate import cache_bytes_per_token
     c7, T = lk.preset("llama-2-7b"), 4096
     # naive attention keeps H T^2 probabilities per layer: fp32 softmax (4) + bf16 copy (2)
     assert ex.get("07-naive-attention-gib").answer() * GiB == c7.heads * T * T * 6
@@ -161,14 +160,16 @@ def test_the_lab_07_answers_agree_with_the_closed_forms_and_the_caches():
              for a in ("naive", "sdpa")}
     # the estimates differ by every layer's probabilities, less SDPA's fp32 log-sum-exp
     assert saved["naive"] - saved["sdpa"] == c7.layers * (c7.heads * T * T * 6 - 4 * c7.heads * T)
-    # LLaMA-2-70B: 2 x 80 layers x 8 kv heads x 128 x 2 bytes per token; MHA keeps 64 heads
-    kv = ex.get("07-kv-cache-70b").compute()
-    assert kv["answer"] * GiB == 8 * 4096 * 2 * 80 * 8 * 128 * 2
-    assert kv["mha"] == 8 * kv["answer"] and not ex.check("07-kv-cache-70b", kv["mha"])
-    # DeepSeek-V2: (d_c 512 + d_h^R 64) x 60 layers x 2 bytes, what a prefilled cache holds
-    mla = ex.get("07-mla-bytes-per-token").compute()
-    assert mla["answer"] == (512 + 64) * 60 * 2 == cache_bytes_per_token("deepseek-v2").measured
-    assert mla["mha"] == 2 * 128 * 128 * 60 * 2 and mla["ratio"] == 2 * 128 * 128 / 576
+    # the tiled core in tiles of 256: 4 (H, N, d) tensors, 2 (H, N) rows, 5 (H, b, b) tiles, fp32
+    tiled = ex.get("07-tiled-peak-block").compute()
+    H, N, d, b = 8, 1024, 64, 256
+    assert tiled["answer"] * 2**20 == 4 * H * N * d * 4 + 2 * H * N * 4 + 5 * H * b * b * 4
+    assert tiled["answer"] == tiled["predicted"] and tiled["side"] == "above"
+    assert not ex.check("07-tiled-peak-block", tiled["b128"])         # 128-row tiles are not it
+    # the paged server of section 5: none sent back from a 25% watermark (steps of 5%)
+    w = ex.get("07-watermark-no-preemption").compute()
+    assert w["answer"] == 25 and w["running"] < w["eager"] and w["eager_preempted"] > 0
+    assert not ex.check("07-watermark-no-preemption", 20)
     # LLaMA-2-13B in fp16: 2 x 40 layers x 40 heads x 128 x 2 bytes per token; 15 empty slots
     paged = ex.get("07-paged-waste").compute()
     per_token = 2 * 40 * 40 * 128 * 2

@@ -5,9 +5,11 @@ import torch
 
 import labkit as lk
 
+from labkit.training.track import MemoryTracker
+from labkit.transformer.attention import core_peak_bytes
 from labkit.transformer.local_attention import (attention_memory, block_density,
-                                                flex_attention_memory, local_global_mask,
-                                                window_kv_cache)
+                                                core_allocator_peak, flex_attention_memory,
+                                                local_global_mask, window_kv_cache)
 
 
 def test_local_global_mask_on_a_small_sequence():
@@ -26,11 +28,31 @@ def test_local_global_mask_on_a_small_sequence():
         local_global_mask(4, 2, -1)
 
 
+def test_the_mask_builder_makes_no_int64_matrix():
+    T = 1024
+    with MemoryTracker(timeline=False) as mt:
+        mask = local_global_mask(T, window=128, n_global=4)
+    assert mask.dtype == torch.bool
+    assert mt.peak <= 2 * T * T + 2 * 8 * T      # the mask and one bool temporary, two aranges
+
+
 def test_a_dense_mask_saves_no_attention_memory(one_thread):
-    m = attention_memory(T=512, window=64, n_global=4, heads=2, head_dim=16)
-    assert m.mask_bytes == 512 * 512
+    T = 512
+    m = attention_memory(T=T, window=64, n_global=4, heads=2, head_dim=16)
+    assert m.mask_bytes == T * T                              # the model's bool mask, apart
     assert 0.2 < m.density < 0.3                             # ~75% of the scores are skipped...
-    assert m.local_global > m.full + m.mask_bytes            # ...and memory goes up, not down
+    assert m.local_global > m.full                           # ...and memory goes up, not down
+    # SDPA (CPU) adds an fp32 additive copy of the mask, 4 T^2, kept through its backward kernel
+    assert m.added_by_the_mask == m.additive_mask_bytes == 4 * T * T
+    unit, rows = 2 * T * 16 * 4, 2 * T * 4                   # one (H, T, d) tensor, one (H, T) row
+    assert m.local_global == m.additive_mask_bytes + 4 * unit + rows   # + out, dq, dk, dv, lse
+
+
+def test_the_allocator_sees_sdpas_scratch_the_tracker_does_not(one_thread):
+    n = 512
+    tiled, sdpa = core_allocator_peak("tiled", n), core_allocator_peak("sdpa", n)
+    assert abs(tiled - core_peak_bytes("tiled", n)) < 1024   # tensors only: the same count
+    assert sdpa > core_peak_bytes("sdpa", n)                  # + the fused kernel's scratch
 
 
 def test_a_sliding_window_caps_mistrals_kv_cache():

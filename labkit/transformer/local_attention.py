@@ -2,10 +2,16 @@
 "sparse (local + global) attention cuts memory 30%"): a dense boolean mask given to SDPA,
 FlexAttention's block mask, and the inference KV cache that a sliding window caps at ``window``
 tokens (Mistral 7B's rolling buffer, Jiang et al., 2023).
+
+``allocator_peak`` and ``core_allocator_peak`` read the CPU allocator (torch.profiler) where the
+``MemoryTracker`` cannot look: inside a fused or compiled kernel (its per-thread scratch).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,8 +33,13 @@ def local_global_mask(T: int, window: int, n_global: int) -> torch.Tensor:
     check_positive("window", window)
     if not isinstance(n_global, int) or n_global < 0:
         raise ValueError(f"n_global must be an integer >= 0, got {n_global!r}")
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    return (j <= i) & ((i - j < window) | (j < n_global))
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]          # (T, 1), (1, T)
+    # compare small aranges, never subtract them: ``i - j`` would be a (T, T) int64 tensor,
+    # 8 bytes per pair, where the mask itself is 1
+    keep = j > i - window                          # i - j < window: one of the last `window`
+    keep |= j < n_global                           # or a global token
+    keep &= j <= i                                 # and causal
+    return keep                                    # (T, T) bool
 
 
 def block_density(mask: torch.Tensor, block: int = 128) -> float:
@@ -42,45 +53,58 @@ def block_density(mask: torch.Tensor, block: int = 128) -> float:
 
 @dataclass
 class AttentionMemory:
-    """Peak bytes of one attention forward + backward (SDPA's fused CPU kernel), q, k, v
-    excluded; ``density``: kept fraction of the causal scores, ``block_density`` per tile."""
+    """Peak bytes of one attention forward + backward (SDPA's fused CPU kernel) beyond q, k, v.
+    The bool mask is built before the measurement, as a model builds it once per step for all
+    its layers, and counted apart (``mask_bytes``); ``density``: kept fraction of the causal
+    scores, ``block_density`` per (128 x 128) tile."""
 
     T: int
     window: int
     n_global: int
-    full: int                  # causal, no mask tensor (is_causal=True)
+    full: int                  # causal, no mask tensor (is_causal=True): fwd + bwd peak
     local_global: int          # the same kernel given the dense (T, T) bool mask
-    mask_bytes: int            # the bool mask itself, counted in local_global
+    mask_bytes: int            # the bool mask itself (T^2 bytes), not in local_global
     density: float
     block_density: float
-    local_global_forward: int = 0   # the masked step's peak by the end of its forward pass
+    full_forward: int          # the causal step's peak by the end of its forward pass
+    local_global_forward: int  # the masked step's peak by the end of its forward pass
+    additive_mask_bytes: int   # T^2 numbers in q's dtype: the additive copy SDPA makes of a bool mask
+
+    @property
+    def added_by_the_mask(self) -> int:
+        """What the masked forward holds beyond the causal one: SDPA's additive copy of the mask."""
+        return self.local_global_forward - self.full_forward
 
 
 def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
                      head_dim: int = 64, dtype=torch.float32) -> AttentionMemory:
     """Measure fwd+bwd peaks of full causal attention and of local + global attention
-    through a dense mask, with the MemoryTracker (q, k, v made before it starts)."""
+    through a dense mask, with the MemoryTracker (q, k, v and the bool mask made before)."""
     dtype = torch_dtype(dtype)
     q, k, v = (torch.randn(1, heads, T, head_dim, dtype=dtype, requires_grad=True)
                for _ in range(3))
     grad = torch.randn(1, heads, T, head_dim, dtype=dtype)
-
-    def peaks(make_mask) -> tuple[int, int]:
-        """(fwd+bwd peak, peak by the end of the forward pass)."""
-        with MemoryTracker() as mt:
-            mask = make_mask()
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-            forward = mt.peak
-            out.backward(grad)
-            del out, mask
-        q.grad = k.grad = v.grad = None
-        return mt.peak, forward
-
     mask = local_global_mask(T, window, n_global)
+
+    def peaks(mask) -> tuple[int, int]:
+        """(fwd+bwd peak, peak by the end of the forward pass), beyond what existed before."""
+        with MemoryTracker(timeline=False) as mt:
+            if mask is not None:
+                mt.tag(mask, "other")        # the model's mask: counted apart, not here
+            before = mt.current
+            mt.reset_peak()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            forward = mt.peak - before
+            out.backward(grad)
+            del out
+        q.grad = k.grad = v.grad = None
+        return mt.peak - before, forward
+
+    (full, full_forward), (masked, masked_forward) = peaks(None), peaks(mask)
     causal_pairs = T * (T + 1) // 2
-    masked, masked_forward = peaks(lambda: local_global_mask(T, window, n_global))
-    return AttentionMemory(T, window, n_global, peaks(lambda: None)[0], masked, mask.nbytes,
-                           mask.sum().item() / causal_pairs, block_density(mask), masked_forward)
+    return AttentionMemory(T, window, n_global, full, masked, mask.nbytes,
+                           mask.sum().item() / causal_pairs, block_density(mask), full_forward,
+                           masked_forward, T * T * q.element_size())
 
 
 @dataclass
@@ -96,11 +120,28 @@ class FlexMemory:
     error: str = ""
 
 
-def _allocator_peak(fn) -> int:
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Send file descriptor 2 to /dev/null: kineto, the profiler's C++ side, prints a line on
+    every start and stop (``USDT: ... profiler_start``) whatever its log level."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def allocator_peak(fn) -> int:
     """Peak bytes the CPU allocator hands out while ``fn`` runs (torch.profiler's memory
-    events): compiled kernels allocate where no dispatch mode, and so no tracker, sees them."""
+    events), beyond what was live before: it sees what no dispatch mode, and so no tracker,
+    sees - the scratch a fused kernel allocates inside (SDPA's CPU kernel: more with more
+    threads) and what a compiled kernel allocates."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
@@ -108,6 +149,17 @@ def _allocator_peak(fn) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def core_allocator_peak(impl: str, seq: int, heads: int = 8, head_dim: int = 64,
+                        block: int = 128) -> int:
+    """``labkit.transformer.attention.core_peak_bytes`` read from the CPU allocator instead of
+    the tracker: one forward + backward of ``impl`` (fp32, CPU), its inputs made before. Equal
+    to the tracker's count where the core allocates only tensors (naive, tiled); above it by
+    the in-kernel scratch for SDPA, which grows with the number of threads."""
+    from labkit.transformer.attention import core, core_inputs
+    q, k, v, grad = core_inputs(seq, heads, head_dim)
+    return allocator_peak(lambda: core(impl, block)(q, k, v).backward(grad))
 
 
 def flex_attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
@@ -121,7 +173,7 @@ def flex_attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8
         return (kv_idx <= q_idx) & (near | (kv_idx < n_global))
 
     q, k, v = (torch.randn(1, heads, T, head_dim) for _ in range(3))
-    full = _allocator_peak(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    full = allocator_peak(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     try:
         block_mask = create_block_mask(keep, None, None, T, T, device="cpu")
         # static shapes: a dynamic-shape recompile (a second T) falls back to a kernel that
@@ -130,7 +182,7 @@ def flex_attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8
         start = time.perf_counter()
         compiled(q, k, v, block_mask=block_mask)
         compile_s = time.perf_counter() - start
-        forward = _allocator_peak(lambda: compiled(q, k, v, block_mask=block_mask))
+        forward = allocator_peak(lambda: compiled(q, k, v, block_mask=block_mask))
     except Exception as error:               # an unsupported build: report it, do not fail
         return FlexMemory(False, False, 0.0, None, full, f"{type(error).__name__}: {error}")
     try:                                     # ask eager flex, so no compiled call fails

@@ -54,56 +54,71 @@ def _naive_attention_gib():
 
 
 @register(
-    "07-kv-cache-70b",
-    question="""LLaMA-2-70B caches a key and a value per layer, token and key/value head;
-grouped-query attention (GQA) gives it 8 key/value heads for its 64 query heads. How many GiB
-does its bf16 KV cache take for a batch of 8 sequences of 4096 tokens?""",
-    unit="GiB",
-    hint="Per token: 2 (K and V) x layers x kv_heads x head_dim numbers of 2 bytes; then x batch "
-         "x tokens. Check with lk.kv_cache_bytes('llama-2-70b', batch=8, seq=4096).",
-    solution="""per token: 2 x {layers} layers x {kv} kv heads x {d} dims x 2 bytes = {per:,} bytes;
-x 8 x 4096 tokens = {bytes:,} bytes = {answer:.1f} GiB (lk.kv_cache_bytes). With multi-head
-attention, one key/value head per query head (dataclasses.replace(cfg, kv_heads={heads})), the
-same batch would cache {mha:.1f} GiB, {groups}x as much: GQA saves {saved:.1f} GiB
-({saved_share:.1%}) of cache, beside the model's {weights:.1f} GiB of bf16 weights.""",
+    "07-tiled-peak-block",
+    question="""Section 3's tracker counts labkit's tiled core, at its peak, as four (H, N, d) fp32
+tensors, two (H, N) fp32 rows (the log-sum-exp and D) and five (H, b, b) fp32 tiles (S, P, dS
+and two temporaries) for tiles of b rows. With 8 heads of 64, predict the peak that one forward
++ backward adds to its inputs at N = 1024 in tiles of b = 256, then run
+labkit.transformer.attention.core_peak_bytes("tiled", 1024, block=256) to check it.""",
+    unit="MiB", rtol=1e-3,
+    hint="4 x H x N x d x 4 B + 2 x H x N x 4 B + 5 x H x b x b x 4 B, with H = 8, d = 64, "
+         "N = 1024, b = 256; 1 MiB = 2^20 bytes.",
+    solution="""4 x 8 x 1024 x 64 x 4 B = {tensors:.2f} MiB, + 2 x 8 x 1024 x 4 B = {rows:.4f} MiB,
++ 5 x 8 x 256 x 256 x 4 B = {tiles:.2f} MiB = {predicted:.4f} MiB predicted;
+attention.core_peak_bytes("tiled", 1024, block=256) measures {answer:.4f} MiB. The tiles grow as
+b^2 and not with N: in 128-row tiles the same core peaks at {b128:.2f} MiB, and SDPA's fused kernel
+at {sdpa:.2f} MiB (the tracker's count, N = 1024), so tiles of 256 put the tiled core {side} it.
+A GPU kernel keeps its tiles in on-chip memory (SRAM), not in GPU memory: the tile term is the
+cost of labkit's PyTorch loop, which makes each tile a tensor.""",
 )
-def _kv_cache_70b():
-    from dataclasses import replace
-    c, batch, seq = preset("llama-2-70b"), 8, 4096
-    gqa = kv_cache_bytes(c, batch, seq, "bf16")
-    mha = kv_cache_bytes(replace(c, kv_heads=c.heads), batch, seq, "bf16")
-    return {"answer": gqa / GiB, "bytes": gqa, "per": gqa // (batch * seq),
-            "layers": c.layers, "kv": c.kv_heads, "d": c.head_dim, "heads": c.heads,
-            "mha": mha / GiB, "groups": c.heads // c.kv_heads, "saved": (mha - gqa) / GiB,
-            "saved_share": 1 - gqa / mha, "weights": 2 * count_params(c).total / GiB}
+def _tiled_peak_block():
+    from labkit.transformer.attention import core_peak_bytes
+    H, N, d, b, MiB = 8, 1024, 64, 256, 2**20
+    tensors, rows, tiles = 4 * H * N * d * 4, 2 * H * N * 4, 5 * H * b * b * 4
+    measured = core_peak_bytes("tiled", N, heads=H, head_dim=d, block=b)
+    sdpa = core_peak_bytes("sdpa", N, heads=H, head_dim=d)
+    return {"answer": measured / MiB, "tensors": tensors / MiB, "rows": rows / MiB,
+            "tiles": tiles / MiB, "predicted": (tensors + rows + tiles) / MiB,
+            "b128": core_peak_bytes("tiled", N, heads=H, head_dim=d, block=128) / MiB,
+            "sdpa": sdpa / MiB, "side": "above" if measured > sdpa else "below"}
+
+
+WATERMARKS = (5, 10, 15, 20, 25, 30, 35, 40)       # percent of the blocks kept free
 
 
 @register(
-    "07-mla-bytes-per-token",
-    question="""DeepSeek-V2's multi-head latent attention (MLA) caches, per token and layer, one
-compressed latent of kv_lora_rank numbers and one RoPE key of qk_rope_dim numbers shared by
-all heads. How many bytes does one token's cache take, over all of its layers, in bf16?""",
-    unit="bytes per token", rtol=0,
-    hint="(kv_lora_rank + qk_rope_dim) x layers x 2 bytes, from lk.preset('deepseek-v2'); "
-         "check with lk.kv_cache_bytes('deepseek-v2', seq=1).",
-    solution="""({r} + {rope}) x {layers} layers x 2 bytes = {answer:,} bytes per token
-(lk.kv_cache_bytes("deepseek-v2", seq=1)). Multi-head attention with the same {heads} heads of
-d_h = {d} caches 2 x {heads} x {d} = {mha_per_layer:,} numbers per layer: {mha:,} bytes per token,
-{ratio:.1f}x as much; MLA saves {saved:.1%}
-(labkit.transformer.generate.mla_reduction("deepseek-v2")). In
-the paper's units MLA caches {in_head_dims} d_h per layer, as much as GQA with {groups:g}
-groups. One sequence of {seq} tokens: {mla_seq:.2f} GiB with MLA, {mha_seq:.1f} GiB with MHA.""",
+    "07-watermark-no-preemption",
+    question="""Section 5's paged server (LLaMA-2-13B in fp16, 12 GiB of cache, the 500 requests of
+paged.request_stream(500, seed=0)) admits a request only while a watermark of its blocks stays
+free. Run paged.simulate("paged", 12 * 2**30, stream, watermark=w) for watermarks in steps of
+5%: what is the smallest at which no request is sent back to the queue?""",
+    unit="percent", rtol=0,
+    hint="Loop over w = 0.05, 0.10, 0.15, ... and read .preempted of each simulation; the first "
+         "that is 0 is the answer (about a second each).",
+    solution="""Requests sent back, and requests at once on average, by watermark:
+{table}.
+The first with none sent back: {answer}%. The price is concurrency: {running:.1f} requests at
+once on average against {eager:.1f} at vLLM V0's 1% watermark ({eager_preempted} sent back there,
+{eager_recomputed:,} tokens prefilled again). The answer belongs to this stream and budget: a
+server tunes its watermark against its own.""",
 )
-def _mla_bytes_per_token():
-    from labkit.transformer.generate import mla_reduction
-    c, r = preset("deepseek-v2"), mla_reduction("deepseek-v2")
-    per_token = kv_cache_bytes(c, seq=1, dtype="bf16")
-    mha = per_token * r.mha_per_layer // r.mla_per_layer     # same layers, same format
-    return {"answer": per_token, "r": r.latent, "rope": r.rope_key, "layers": r.layers,
-            "heads": r.heads, "d": r.head_dim, "mha_per_layer": r.mha_per_layer, "mha": mha,
-            "ratio": r.ratio, "saved": r.saved, "in_head_dims": str(r.in_head_dims),
-            "groups": float(r.gqa_groups), "seq": c.max_seq,
-            "mla_seq": c.max_seq * per_token / GiB, "mha_seq": c.max_seq * mha / GiB}
+def _watermark_no_preemption():
+    from labkit.transformer.paged import request_stream, simulate
+    stream, budget = request_stream(500, seed=0), 12 * GiB
+    runs = {}
+    for w in WATERMARKS:                    # in order, up to the first with none sent back
+        runs[w] = simulate("paged", budget, stream, watermark=w / 100)
+        if runs[w].preempted == 0:
+            break
+    else:
+        raise RuntimeError(f"requests are sent back at every watermark up to {w}%")
+    answer = w
+    eager = simulate("paged", budget, stream, watermark=0.01)
+    table = "; ".join(f"{w}%: {s.preempted} sent back, {s.mean_running:.1f} at once"
+                      for w, s in runs.items())
+    return {"answer": answer, "table": table, "running": runs[answer].mean_running,
+            "eager": eager.mean_running, "eager_preempted": eager.preempted,
+            "eager_recomputed": eager.recomputed}
 
 
 @register(
