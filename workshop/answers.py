@@ -13,19 +13,21 @@ import labkit as lk
 # %% 01-adamw-bytes
 answer = lk.model_state_bytes(1, "bf16-master", "adamw")   # bf16 weight 2 + bf16 grad 2 + fp32 master, m, v 12
 
-# %% 01-llama-7b-fp32-adamw
-n = lk.count_params("llama-2-7b").total
-answer = n * (4 + 4 + 8) / 2**30                           # fp32 weight + gradient + two moments, GiB
+# %% 01-mistral-7b-megatron-states
+n = lk.count_params("mistral-7b").total
+answer = n * (2 + 4 + 4 + 4 + 4) / 2**30     # bf16 weight, fp32 main_grad, fp32 master, m, v: 18 B, GiB
 
-# %% 01-deepseek-v2-lite-params
-answer = lk.count_params("deepseek-v2-lite").total / 1e9
-
-# %% 01-deepseek-v2-lite-idle-experts
-c = lk.preset("deepseek-v2-lite")
+# %% 01-moe-idle-expert-states
+c = lk.preset("deepseek-moe-16b")
 expert = 3 * c.hidden * c.moe_ffn                          # one SwiGLU expert: gate, up, down
-answer = c.moe_layers * (c.routed_experts - c.top_k) * expert / 1e9
-pc = lk.count_params(c)
-print(f"total - active = {(pc.total - pc.active) / 1e9:.3f} billion")
+answer = 16 * (c.routed_experts - c.top_k) * expert / 2**30   # 16 B each (bf16-master AdamW), GiB
+
+# %% 01-small-params-by-hand
+c = lk.preset("small")
+attention = 2 * c.hidden * c.heads * c.head_dim + 2 * c.hidden * c.kv_heads * c.head_dim
+layer = attention + 3 * c.hidden * c.ffn + 2 * c.hidden      # q, o, k, v; SwiGLU; two norms
+answer = c.layers * layer + 2 * c.vocab_size * c.hidden + c.hidden   # embedding, head, final norm
+print(f"lk.count_params: {lk.count_params(c).total:,}")
 
 # %% 01-llama-7b-kv-cache
 c = lk.preset("llama-2-7b")
@@ -33,10 +35,10 @@ per_token = 2 * c.layers * c.kv_heads * c.head_dim * 2     # K and V, every laye
 answer = per_token * 4096 / 2**30
 print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, seq=4096, dtype='bf16') / 2**30:.3f} GiB")
 
-# %% 01-mla-kv-ratio
-c = lk.preset("deepseek-v2-lite")
-mla = c.layers * (c.kv_lora_rank + c.qk_rope_dim) * 2      # latent + shared RoPE key, bf16
-answer = lk.kv_cache_bytes("llama-2-7b", seq=1) / mla
+# %% 01-gqa-kv-cache-batch8
+c = lk.preset("mistral-7b")
+answer = 2 * c.kv_heads * c.head_dim * 2 * c.layers * 4096 * 8 / 2**30   # K and V, bf16, 8 x 4096
+print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, batch=8, seq=4096, dtype='bf16') / 2**30:.2f} GiB")
 
 # %% 01-zero3-fewest-gpus
 n = lk.count_params("llama-2-7b").total
@@ -93,16 +95,20 @@ answer = 4096 * c.hidden * 2 / 2**20                       # one layer's input: 
 
 # %% 03-padding-waste
 from labkit.training import batching
-padded = batching.pad_batches(batching.make_documents([100, 300, 50, 550]), 4, pad_to=600)
-print(f"{padded.tokens} real tokens, {padded.padding} padding positions of 4 x 600")
+docs = batching.make_documents(batching.document_lengths(1000, max_len=4096, median=512, seed=3))
+padded = batching.pad_batches(docs, 8)
+print(f"{padded.tokens:,} real tokens, {padded.padding:,} padding positions")
 answer = 100 * padded.waste
 
-# %% 03-accumulation-optimizer
-from labkit.training import batching
-a = batching.measure_accumulation(lk.preset("small"), micro_batch=1, steps=8, seq=64)   # measured
-print(f"8 accumulation steps: optimizer state {a.optimizer:,} B; estimated for one step "
-      f"{lk.estimate('small', precision='fp32').optimizer:,} B")
-answer = a.optimizer / 2**20
+# %% 03-accumulation-fits-h100
+from labkit.core.gpus import gpu, usable_memory
+usable = usable_memory(gpu("h100-80gb"))
+for answer in (1, 2, 4, 8, 16):                            # accumulation steps
+    e = lk.estimate("llama-2-7b", batch=16 // answer, seq=4096, precision="bf16-master",
+                    layout=lk.Layout(dp=8, zero_stage=3, micro_batches=answer))
+    print(f"m = {answer:2d}: {e.total / 2**30:6.1f} GiB (optimizer {e.optimizer / 2**30:.2f} GiB)")
+    if e.total <= usable:
+        break
 
 # %% 03-peak-leaves-optimizer-with-selective
 def past_optimizer(seq):
@@ -203,15 +209,20 @@ answer = e.total / 2**30
 c = lk.preset("llama-2-7b")
 answer = 1 * c.heads * 4096 * 4096 * (4 + 2) / 2**30       # B x H x T x T pairs, fp32 + bf16 copy
 
-# %% 07-kv-cache-70b
-c = lk.preset("llama-2-70b")
-answer = 2 * c.layers * c.kv_heads * c.head_dim * 2 * 8 * 4096 / 2**30   # K and V, bf16, 8 x 4096
-print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, batch=8, seq=4096, dtype='bf16') / 2**30:.1f} GiB")
+# %% 07-tiled-peak-block
+from labkit.transformer import attention
+H, N, d, b = 8, 1024, 64, 256
+answer = (4 * H * N * d * 4 + 2 * H * N * 4 + 5 * H * b * b * 4) / 2**20   # 4 (H,N,d) + 2 rows + 5 tiles, fp32
+print(f"measured: {attention.core_peak_bytes('tiled', N, block=b) / 2**20:.4f} MiB")
 
-# %% 07-mla-bytes-per-token
-c = lk.preset("deepseek-v2")
-answer = (c.kv_lora_rank + c.qk_rope_dim) * c.layers * 2
-print(f"lk.kv_cache_bytes('deepseek-v2', seq=1): {lk.kv_cache_bytes(c, seq=1):,} B")
+# %% 07-watermark-no-preemption
+from labkit.transformer import paged
+stream = paged.request_stream(500, seed=0)
+for answer in range(5, 45, 5):                              # percent, in steps of 5
+    s = paged.simulate("paged", 12 * 2**30, stream, watermark=answer / 100)
+    print(f"{answer}%: {s.preempted} sent back, {s.mean_running:.1f} requests at once")
+    if s.preempted == 0:
+        break
 
 # %% 07-paged-waste
 per_token = lk.kv_cache_bytes("llama-2-13b", seq=1, dtype="fp16")   # one token, every layer
@@ -243,3 +254,10 @@ answer = pinned.pinned_host_bytes(600 * 2**20) / 2**20     # rounded up to a pow
 from labkit.course.plan import plan
 answer = next(gpus for gpus in (1, 2, 4, 8, 16)
               if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
+
+# %% 09-v2-lite-qlora-nf4-experts
+from labkit.quantisation.quant import nf4_bits_per_param
+e = lk.estimate("deepseek-v2-lite", 1, 4096, recipe=lk.Recipe("bf16", trainable="lora", weight_format="nf4",
+                                                               recompute="full"))
+experts = lk.count_params("deepseek-v2-lite").by_component["routed experts"]
+answer = (e.total - 2 * experts + experts * nf4_bits_per_param() / 8) / 2**30   # bf16 experts out, NF4 in

@@ -185,6 +185,15 @@ def attention_forward_flops(c, seq: int) -> float:
     return seq * seq * c.layers * c.heads * (qk + v)
 
 
+RANKING = ("the ranking adds compute, bubble and every collective but data parallel's, which "
+           "hides under the compute as far as it lasts, as DDP's bucketed all-reduce and FSDP's "
+           "and ZeRO's prefetched gathers run by default; the line 'overlap:' re-ranks the "
+           "layouts found with pp and ep communication hidden too (DualPipe, Megatron's overlap "
+           "options) and cp's under attention (tp's, offload's and the host step stay exposed; "
+           "Megatron's --tp-comm-overlap would hide some of tp's): what the default frameworks "
+           "do, and the most a framework hides")
+
+
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
     """What ``step_time`` assumes, in words, with the numbers it used."""
     return [
@@ -240,11 +249,5 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         f"foreach are several times slower (benchmarks/cpu_adam.py). Not overlapped with the "
         f"GPUs' work: the ZeRO-Offload paper's one-step delayed update, not in DeepSpeed's "
         f"default path, would hide it. The planner checks the host memory apart (host_ram)",
-        "the ranking adds compute, bubble and every collective but data parallel's, which "
-        "hides under the compute as far as it lasts, as DDP's bucketed all-reduce and FSDP's "
-        "and ZeRO's prefetched gathers run by default; the line 'overlap:' re-ranks the "
-        "layouts found with pp and ep communication hidden too (DualPipe, Megatron's overlap "
-        "options) and cp's under attention (tp's, offload's and the host step stay exposed; "
-        "Megatron's --tp-comm-overlap would hide some of tp's): what the default frameworks "
-        "do, and the most a framework hides",
+        RANKING,
     ]
