@@ -1,0 +1,45 @@
+"""labkit's estimate against Hugging Face models' own training steps (benchmarks/hf_models.py),
+one point a family: batch 4 x 4096, bf16 weights with fp32 master weights (the planner's
+recipe), foreach AdamW, on fake tensors, where the activations set the peak (not the optimizer). Full-size configs from the public config.json files; no download.
+"""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+_path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_models.py"
+_spec = importlib.util.spec_from_file_location("hf_models", _path)
+hf = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf)
+
+# measured (transformers 5.25, torch 2.13): dense 0.977-1.001; Phi-3-mini's and Gemma 3's 0.977:
+# transformers builds a (B, 1, T, T) sliding-window mask that SDPA copies in every layer, even
+# where the window covers every token. Mistral at 4 x 4095, below its window: from seq =
+# sliding_window it does the same and repeats k and v (0.948 at 4 x 4096, the benchmark's notes);
+# labkit's model, attending to every token through SDPA's causal kernel, keeps neither.
+DENSE = [(name, 4095 if name == "mistral-7b" else 4096) for name in hf.DENSE]
+# MoE in pure bf16 (with master weights their optimizer step holds the peak), each with the
+# tensors that differ named in the benchmark's notes: Mixtral 1.019; Qwen3-MoE 1.071, labkit keeps each token's gate-weighted expert outputs (top_k x hidden), which
+# transformers sums without keeping
+MOE = {"mixtral-8x7b": (0.95, 1.05), "qwen3-30b-a3b": (1.05, 1.09)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, seq", DENSE)
+def test_dense_models_within_5_percent_of_the_hugging_face_step(name, seq):
+    with hf.grouped_mm_only_for_bf16():
+        row, ratio = hf.compare(name, "bf16-master", "foreach", 4, seq)
+    print(row)
+    assert ratio == pytest.approx(1, abs=0.05), row
+    assert row.split("|")[-1].split()[0] != "optimizer", row           # the activations' peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE)
+def test_moe_models_differ_from_the_hugging_face_step_by_their_named_tensors(name):
+    with hf.grouped_mm_only_for_bf16():
+        row, ratio = hf.compare(name, "bf16", "foreach", 4, 4096)     # bf16-master: optimizer
+    low, high = MOE[name]
+    assert low <= ratio <= high, row
+    assert row.split("|")[-1].split()[0] != "optimizer", row
