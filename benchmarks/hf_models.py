@@ -36,6 +36,9 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
   the scores), so the estimate uses labkit's naive core, which keeps what eager attention
   keeps: the fp32 softmax and its bf16 copy, the tanh of the soft-capped scores (8 bytes per
   pair and head in 16-bit, 12 in fp32) and of the logits: 1.000-1.001x on --quick.
+- Phi-3 (phi-3-mini; transformers 5.25): its attention splits the fused qkv projection and keeps
+  a concatenation and a clone around RoPE (24,576 bytes per token and layer in bf16), which
+  labkit's separate q, k, v projections do not: 0.977x its peak at 4 x 4096 in bf16-master.
 - MoE (Mixtral, Qwen3-MoE; transformers 5.25): labkit's MoE keeps each token's gate-weighted
   expert outputs (top_k x h in the compute dtype), which transformers sums without keeping:
   65,536 B/token/layer at Qwen3-30B-A3B's top-8 in fp32, 16% of its layer, so 1.07x its peak
