@@ -129,8 +129,10 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
     for what in trainable:
         if what != "all":        # replicas (one GPU's step each), or the frozen base (QLoRA's
             out.append(Family(what, gpus, 0, False, 1, 1, 1))       # NF4) sharded by FSDP2
-            if gpus > 1:
-                out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]]
+            # (or on one GPU kept in host memory: FSDP2's CPUOffloadPolicy, DeepSpeed's
+            # offload_param)
+            out += [Family(what, gpus, 3, off, 1, 1, 1) for off in (False, True)[:1 + offload]
+                    if gpus > 1 or off]
             out += _split_adapters(c, gpus, gpus_per_node) if what == "lora" else []
             continue
         for tp in _powers_of_two(min(gpus, 2 * gpus_per_node)):
@@ -297,9 +299,11 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
         # (its dense ones) but the fewest experts
         n, experts, *_, nf4 = max(stages, key=lambda s: s[0])
         layers, moe = max(s[2] for s in stages), max(s[3] for s in stages)
-        frozen = 0
+        frozen, frozen_bytes = 0, 2
         if lora:         # adapters only: their all-reduce is negligible; ZeRO-3 gathers the base
             n, experts, frozen = 0, 0, n
+            if qlora and frozen:     # NF4 where quantised, the rest (routed experts too) bf16
+                frozen_bytes = (nf4 * nf4_bits_per_param() / 8 + (frozen - nf4) * 2) / frozen
         for micro in _powers_of_two(per_rank_batch):
             m = per_rank_batch // micro
             if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
@@ -316,7 +320,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               v=v, recompute=r, lora=lora, rank_params=n - experts,
                               rank_expert_params=experts, stage_layers=layers,
                               stage_moe_layers=moe, frozen_params=frozen,
-                              frozen_bytes=nf4_bits_per_param() / 8 if qlora else 2,
+                              frozen_bytes=frozen_bytes,
                               nf4_params=nf4 if qlora else 0)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out

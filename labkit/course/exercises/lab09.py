@@ -32,33 +32,28 @@ def _fewest_a100s_7b():
 
 
 @register(
-    "09-v2-lite-qlora-nf4-experts",
-    question="""labkit's QLoRA keeps DeepSeek-V2-Lite's routed experts in bf16. Estimate the
-QLoRA step on one GPU at batch 1 x 4096 tokens with full recomputation, then swap the routed
-experts' bf16 bytes for NF4's (block 64, double-quantised scales): about how many GiB per GPU?
-Does it fit an RTX 4090's 21.59 GiB usable?""",
-    unit="GiB", rtol=0.02,
-    hint="lk.estimate(..., recipe=lk.Recipe('bf16', trainable='lora', weight_format='nf4', "
-         "recompute='full')); the experts' count is lk.count_params(...).by_component['routed "
-         "experts']; NF4's bits per parameter: labkit.quantisation.quant.nf4_bits_per_param().",
-    solution="""labkit's QLoRA step: {bf16:.2f} GiB, of which the routed experts' {experts:,}
-parameters hold {experts_bf16:.2f} GiB in bf16. In NF4 they take {bits} bits each,
-{experts_nf4:.2f} GiB, so the step needs about {answer:.2f} GiB: {verdict} the {usable:.2f} GiB an
-RTX 4090 may use (usable_memory(GPUS["rtx-4090-24gb"]); section 2 did this at 2048 tokens).""",
+    "09-least-host-memory-one-4090",
+    question="""On one RTX 4090, DeepSeek-V2-Lite at 2048 tokens fits only with part of the
+step in host memory. With full fine-tuning, LoRA and QLoRA all allowed, what is the least host
+memory per node, in GiB and a power of 2 (16, 32, 64, ...), with which the planner finds a
+layout that fits?""",
+    unit="GiB", rtol=0,
+    hint="plan('deepseek-v2-lite', 'rtx-4090-24gb', 1, seq=2048, trainable=('all', 'lora', "
+         "'qlora'), host_ram=n * 2**30) for n = 16, 32, 64, ...; a plan's .fits is empty when "
+         "nothing fits. The planner keeps 80% of the host memory for pinned states.",
+    solution="""with {answer} GiB of host memory the planner's first layout is "{best}":
+{gpu:.2f} GiB per GPU and {host:.2f} GiB of pinned host memory, within 80% of {answer} GiB
+({usable:.1f} GiB). With {less} GiB that layout is rejected: {why}.""",
 )
-def _v2_lite_qlora_nf4_experts():
-    from labkit.core.gpus import GPUS, usable_memory
-    from labkit.core.recipe import Recipe
-    from labkit.predict import estimate
-    from labkit.quantisation.quant import nf4_bits_per_param
-    GiB_ = 2**30
-    e = estimate("deepseek-v2-lite", 1, 4096, recipe=Recipe("bf16", trainable="lora",
-                                                             weight_format="nf4",
-                                                             recompute="full"))
-    experts = count_params("deepseek-v2-lite").by_component["routed experts"]
-    nf4 = round(experts * nf4_bits_per_param() / 8)
-    answer = (e.total - 2 * experts + nf4) / GiB_
-    usable = usable_memory(GPUS["rtx-4090-24gb"]) / GiB_
-    return {"answer": answer, "usable": usable, "bf16": e.total / GiB_, "experts": experts,
-            "experts_bf16": 2 * experts / GiB_, "bits": nf4_bits_per_param(),
-            "experts_nf4": nf4 / GiB_, "verdict": "under" if answer < usable else "over"}
+def _least_host_memory_one_4090():
+    from labkit.course.plan import plan
+    GiB_, n, before = 2**30, 16, None
+    while not (p := plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048,
+                         trainable=("all", "lora", "qlora"), host_ram=n * GiB_, top=1,
+                         advice=False)).fits:
+        n, before = 2 * n, p
+    best = p.fits[0]
+    why = before.rejected[best.family.label()] if before else "(it fits from 16 GiB)"
+    return {"answer": n, "best": best.label(), "gpu": best.estimate.total / GiB_,
+            "host": best.estimate.details.get("host memory", 0) / GiB_, "usable": 0.8 * n,
+            "less": n // 2, "why": why}
