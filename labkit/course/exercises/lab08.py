@@ -94,3 +94,27 @@ def _pinned_staging_buffer():
     MiB = 2**20
     pinned = pinned_host_bytes(600 * MiB) // MiB
     return {"answer": pinned, "extra": pinned - 600}
+
+
+@register(
+    "08-eval-leak-per-batch",
+    question="""An evaluation loop over `small` sums its losses as tensors (total = total +
+model(x, y)) without torch.no_grad(), at batch 4 x 128 tokens in fp32. How many MiB does each
+evaluation batch leave alive?""",
+    unit="MiB", rtol=0.01,
+    hint="Each batch keeps what its forward pass saved for a backward pass that never comes: "
+         "lk.estimate('small', 4, 128, precision='fp32').saved_activations, or measure it with "
+         "labkit.training.leaks.run_leak('eval loss as a tensor', cfg='small', batch=4, seq=128).",
+    solution="""Every batch keeps its whole autograd graph, with what the forward saved for backward:
+{answer:.2f} MiB measured (labkit.training.leaks.run_leak), {estimate:.2f} MiB by
+lk.estimate(...).saved_activations. Over a 1,000-batch evaluation that is {thousand:.1f} GiB.
+Under torch.no_grad() (and with total += loss.item()) nothing stays.""",
+)
+def _eval_leak_per_batch():
+    from labkit.predict import estimate
+    from labkit.training.leaks import run_leak
+    MiB = 2**20
+    run = run_leak("eval loss as a tensor", cfg="small", batch=4, seq=128, steps=2)
+    saved = estimate("small", 4, 128, precision="fp32").saved_activations
+    return {"answer": run.per_step / MiB, "estimate": saved / MiB,
+            "thousand": 1000 * run.per_step / 2**30}
