@@ -4,30 +4,42 @@ from __future__ import annotations
 from labkit.core.config import preset
 from labkit.core.recipe import state_bytes
 from labkit.course.exercises.core import GiB, register
-from labkit.predict import kv_cache_bytes
 from labkit.predict.layers import count_params
 from labkit.predict.papers import model_state_bytes
 
 
 @register(
-    "01-adamw-bytes",
-    question="""Build the states yourself. For one layer of 1,000 weights, make in PyTorch
-every copy that ZeRO's mixed-precision Adam keeps: a bf16 weight, a bf16 gradient, an fp32
-master weight and two fp32 moments (torch.zeros(1000, dtype=...)). Add up their .nbytes and
-divide by 1,000: how many bytes of model states is that per parameter?""",
-    unit="bytes per parameter", rtol=0,
-    hint="torch.zeros(1000, dtype=torch.bfloat16).nbytes is 2,000 bytes; an fp32 tensor of 1,000 "
-         "numbers takes twice that. Five tensors in all.",
-    solution="""weight {w} + gradient {g} + master weight, first and second moment {o}
-= {answer} bytes per parameter (ZeRO's 2 + 2 + K with K = 12).
-In code: sum(torch.zeros(1000, dtype=d).nbytes
-            for d in (torch.bfloat16,) * 2 + (torch.float32,) * 3) / 1000
-== lk.model_state_bytes(1, "bf16-master", "adamw") == {answer}""",
+    "01-foreach-over-for-loop",
+    question="""Predict, then measure. The course model `small` trains in fp32 with AdamW at batch
+1 x 64 tokens, where the optimizer step sets the peak. PyTorch's for-loop AdamW makes two fp32
+temporaries the size of the largest weight at a time; `foreach` makes one fp32 temporary the size
+of every weight at once (sqrt(v)). How many bytes higher is the foreach step's peak than the
+for-loop's? Predict from lk.count_params("small").total and the largest weight (vocab_size x
+hidden in lk.preset("small")), then measure both:
+lk.measure_step("small", seq=64, precision="fp32", optimizer_impl=impl, fake=False, device="cpu").total""",
+    unit="bytes", rtol=1e-4,
+    hint="foreach: 4 bytes x every parameter; for-loop: 2 x 4 bytes x the largest weight. The "
+         "weights, gradients, moments and buffers are the same in both steps: subtract.",
+    solution="""foreach's sqrt(v): 4 x {n:,} parameters = {foreach:,} bytes; the for-loop's two
+temporaries: 2 x 4 x {largest:,} (vocab x hidden) = {forloop:,} bytes; predicted difference
+{predicted:,} bytes.
+Measured: {foreach_peak:,} - {forloop_peak:,} = {answer:,} bytes, {residual:,} bytes under the
+prediction: while the for-loop works on the LM head it still holds the denominator of the
+parameter before it (the final norm's {hidden} fp32 numbers), which the foreach step never keeps.""",
 )
-def _adamw_bytes():
-    b = state_bytes("bf16-master", "adamw")
-    return {"answer": model_state_bytes(1, "bf16-master", "adamw"), "w": b.weights,
-            "g": b.grads, "o": b.optimizer}
+def _foreach_over_for_loop():
+    from labkit.training.measure import measure_step
+    c = preset("small")
+    n, largest = count_params(c).total, c.vocab_size * c.hidden
+    peaks = {impl: measure_step("small", seq=64, precision="fp32", optimizer_impl=impl,
+                                fake=True, device="cpu") for impl in ("foreach", "for-loop")}
+    assert all(m.peak_phase == "optimizer" for m in peaks.values())
+    answer = peaks["foreach"].total - peaks["for-loop"].total
+    predicted = 4 * n - 2 * 4 * largest
+    return {"answer": answer, "n": n, "largest": largest, "foreach": 4 * n,
+            "forloop": 2 * 4 * largest, "predicted": predicted,
+            "foreach_peak": peaks["foreach"].total, "forloop_peak": peaks["for-loop"].total,
+            "residual": predicted - answer, "hidden": c.hidden}
 
 
 @register(
@@ -51,6 +63,66 @@ def _mistral_megatron_states():
     per = w + g + o
     return {"answer": n * per / GiB, "n": n, "w": w, "g": g, "o": o, "per": per,
             "extra": per - model_state_bytes(1, "bf16-master", "adamw"), "bytes": n * per}
+
+
+def _zero_grad_placement_peaks(seq: int, impl: str = "fused") -> tuple:
+    """Peaks of one real fp32 step of `small` on CPU: zero_grad right after step() (train_step),
+    then zero_grad just before backward() (the common loop), with their phases."""
+    import torch
+    from labkit.training.measure import init_optimizer_state
+    from labkit.training.step import make_optimizer, train_step
+    from labkit.training.track import MemoryTracker
+    from labkit.transformer.model import build_model
+    torch.manual_seed(0)
+    model = build_model(preset("small"))
+    opt = make_optimizer(model.parameters(), "adamw", impl)
+    init_optimizer_state(model, opt)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, seq + 1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    with MemoryTracker(model, opt) as usual:
+        train_step(model, opt, x, y, tracker=usual)
+    model(x, y).backward()                 # a step of the common loop leaves its gradients
+    opt.step()
+    with MemoryTracker(model, opt) as late:
+        with late.phase("forward"):
+            loss = model(x, y)
+        with late.phase("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with late.phase("optimizer"):
+            opt.step()
+    return usual.peak, usual.peak_phase, late.peak, late.peak_phase
+
+
+@register(
+    "01-zero-grad-placement",
+    question="""Measure it. The course model `small` trains in fp32 with fused AdamW
+(optimizer_impl "fused") at batch 1 x 256 tokens. Run one step with train_step (zero_grad
+right after step()) and one with common_loop_step from section 2 (zero_grad just before
+backward()), each under lk.MemoryTracker(model, opt), as section 2 does. How many bytes higher
+is the common loop's peak?""",
+    unit="bytes", rtol=0.001,
+    hint="Copy section 2's cell with seq=256 and impl=\"fused\"; the answer is late.peak - "
+         "usual.peak. To predict it: lk.estimate(...).moments[\"forward: loss\"] plus 4 bytes of "
+         "fp32 gradient per parameter, against the estimate's peak.",
+    solution="""zero_grad right after step(): peak {usual:,} bytes, during {usual_phase}.
+zero_grad just before backward(): peak {late:,} bytes, during {late_phase}: last step's
+gradients ({grads:,} bytes, 4 per parameter) sit under the whole forward pass.
+Difference: {answer:,} bytes. Predicted from lk.estimate: the end of the forward pass
+({forward:,} bytes) + the gradients = {predicted:,} bytes, against its peak of {estimated:,}
+bytes with the gradients freed: {predicted_gap:,} bytes apart. (Each measured peak holds 4 bytes
+more than its estimate: the loss's total_weight.)""",
+)
+def _zero_grad_placement():
+    from labkit.predict import estimate
+    usual, usual_phase, late, late_phase = _zero_grad_placement_peaks(256, "fused")
+    n = count_params("small").total
+    grads = state_bytes("fp32").grads * n
+    e = estimate("small", seq=256, precision="fp32", optimizer_impl="fused", device="cpu")
+    predicted = max(e.total, e.moments["forward: loss"] + grads)
+    return {"answer": late - usual, "usual": usual, "usual_phase": usual_phase, "late": late,
+            "late_phase": late_phase, "grads": grads, "forward": e.moments["forward: loss"],
+            "predicted": predicted, "estimated": e.total, "predicted_gap": predicted - e.total}
 
 
 @register(
@@ -109,42 +181,40 @@ def _small_params_by_hand():
 
 
 @register(
-    "01-llama-7b-kv-cache",
-    question="""At inference, LLaMA-2-7B caches a key and a value per layer, head and token.
-How large is that KV cache for one sequence of 4096 tokens in bf16?""",
-    unit="GiB",
-    hint="Per token and layer: 2 (K and V) x kv_heads x head_dim numbers of 2 bytes; "
-         "then x layers x tokens. Check with lk.kv_cache_bytes.",
-    solution="""per token: 2 x {layers} layers x {kv} heads x {d} dims x 2 bytes = {per:,} bytes.
-x 4096 tokens = {bytes:,} bytes = {answer:.2f} GiB (lk.kv_cache_bytes("llama-2-7b", seq=4096)).""",
+    "01-first-step-peak",
+    question="""Predict, then measure. The course model `small` trains in fp32 with the for-loop
+AdamW at batch 1 x 256 tokens. Its first step has no AdamW state until step() makes it; every
+later step carries the moments (8 bytes per parameter) through its forward and backward passes.
+How many bytes higher is a later step's peak than the first step's? Predict from
+lk.estimate("small", seq=256, precision="fp32", optimizer_impl="for-loop", device="cpu").moments,
+then measure: lk.measure_step("small", seq=256, precision="fp32", optimizer_impl="for-loop",
+fake=False, device="cpu", warmup=False) is the first step, the same without warmup=False a later one.""",
+    unit="bytes", rtol=0.001,
+    hint="A first step's forward and backward moments are the estimate's minus the moments' 8 "
+         "bytes per parameter; its optimizer step is the same. Each peak is the largest moment.",
+    solution="""Predicted: a later step peaks at "{later_moment}" ({later_pred:,} bytes); the first
+step's forward and backward moments lack the {moments:,} bytes of m and v, so its largest is
+"{first_moment}" ({first_pred:,} bytes): {predicted:,} bytes apart.
+Measured: first step {first:,} bytes during {first_phase}, a later step {later:,} bytes during
+{later_phase}: {answer:,} bytes. A run that survives its first step at this length can still run
+out of memory in its second.""",
 )
-def _llama_kv():
-    c = preset("llama-2-7b")
-    total = kv_cache_bytes(c, batch=1, seq=4096, dtype="bf16")
-    return {"answer": total / GiB, "bytes": total, "per": total // 4096, "layers": c.layers,
-            "kv": c.kv_heads, "d": c.head_dim}
-
-
-@register(
-    "01-gqa-kv-cache-batch8",
-    question="""Mistral-7B uses grouped-query attention: its 32 query heads share 8 key/value
-heads. At inference with a batch of 8 sequences of 4096 tokens each, how large is its KV cache
-in bf16?""",
-    unit="GiB",
-    hint="Per token and layer: 2 (K and V) x kv_heads x head_dim numbers of 2 bytes; then "
-         "x layers x tokens x sequences. Check with lk.kv_cache_bytes(\"mistral-7b\", batch=8, "
-         "seq=4096).",
-    solution="""per token: 2 x {layers} layers x {kv} K/V heads x {d} dims x 2 bytes
-= {per:,} bytes, 1/{ratio} of what {heads} K/V heads would cache.
-x 8 sequences x 4096 tokens = {bytes:,} bytes = {answer:.2f} GiB
-(lk.kv_cache_bytes("mistral-7b", batch=8, seq=4096)).""",
-)
-def _gqa_kv_batch8():
-    c = preset("mistral-7b")
-    total = kv_cache_bytes(c, batch=8, seq=4096, dtype="bf16")
-    return {"answer": total / GiB, "bytes": total, "per": total // (8 * 4096),
-            "layers": c.layers, "kv": c.kv_heads, "d": c.head_dim, "heads": c.heads,
-            "ratio": c.heads // c.kv_heads}
+def _first_step_peak():
+    from labkit.predict import estimate
+    from labkit.training.measure import measure_step
+    kw = dict(seq=256, precision="fp32", optimizer_impl="for-loop", device="cpu")
+    e = estimate("small", **kw)
+    moments = 8 * count_params("small").total                        # AdamW's fp32 m and v
+    first_moments = {k: v if k == "optimizer step" else v - moments for k, v in e.moments.items()}
+    first_moment = max(first_moments, key=first_moments.get)
+    later_moment = max(e.moments, key=e.moments.get)
+    first, later = (measure_step("small", fake=True, warmup=w, **kw) for w in (False, True))
+    return {"answer": later.total - first.total, "moments": moments,
+            "first_moment": first_moment, "first_pred": first_moments[first_moment],
+            "later_moment": later_moment, "later_pred": e.moments[later_moment],
+            "predicted": e.moments[later_moment] - first_moments[first_moment],
+            "first": first.total, "first_phase": first.peak_phase,
+            "later": later.total, "later_phase": later.peak_phase}
 
 
 @register(
@@ -212,9 +282,10 @@ def _sgd_momentum_small():
 @register(
     "01-peak-moves-to-backward",
     question="""LLaMA-2-7B, bf16-mixed, batch 1, plain torch.optim.AdamW on CUDA (its default
-there: foreach): at short sequences the optimizer step sets the peak. From which sequence
-length, in steps of 512 tokens, does the start of the backward pass take over? Sweep
-lk.estimate(..., seq=s, device="cuda").peak_phase.""",
+there: foreach), gradients freed right after step() (as lk.estimate assumes, and labkit's
+train_step and Hugging Face's Trainer do): at short sequences the optimizer step sets the peak.
+From which sequence length, in steps of 512 tokens, does the start of the backward pass take
+over? Sweep lk.estimate(..., seq=s, device="cuda").peak_phase.""",
     unit="tokens", rtol=0,
     hint="Loop s over 512, 1024, 1536, ... and stop at the first estimate whose peak_phase is "
          "'backward'; .moments shows both candidates.",
@@ -223,7 +294,10 @@ lk.estimate(..., seq=s, device="cuda").peak_phase.""",
 {bwd:.2f} GiB. The optimizer step is the same at every length (states + foreach
 temporaries); the backward moment grows with batch x sequence, so at batch 2 the crossover
 comes at about half the length. With a fused AdamW (optimizer_impl="fused") the optimizer step is
-{fused_opt:.2f} GiB and the peak is in the {fused_phase} pass already at 512 tokens.""",
+{fused_opt:.2f} GiB and the peak is in the {fused_phase} pass already at 512 tokens.
+All of this with the gradients freed right after step(). A loop that calls zero_grad() just
+before backward() keeps them ({grads:.2f} GiB) under the next forward pass, whose end then
+overtakes the foreach optimizer step already at {late:,} tokens.""",
 )
 def _peak_moves_to_backward():
     from labkit.predict import estimate
@@ -236,8 +310,12 @@ def _peak_moves_to_backward():
     before, after = at(seq - 512).moments, at(seq).moments
     fused = estimate("llama-2-7b", seq=512, precision="bf16-mixed", optimizer_impl="fused",
                      device="cuda")
+    grads = state_bytes("bf16-mixed").grads * count_params("llama-2-7b").total   # fp32 .grad
+    late = next(s for s in range(512, seq + 1, 512)      # zero_grad before backward: end of
+                if at(s).moments["forward: loss"] + grads > at(s).moments["optimizer step"])
     return {"answer": seq, "before": seq - 512,
             "opt_before": before["optimizer step"] / GiB,
             "bwd_before": before["backward: start"] / GiB,
             "opt": after["optimizer step"] / GiB, "bwd": after["backward: start"] / GiB,
-            "fused_opt": fused.moments["optimizer step"] / GiB, "fused_phase": fused.peak_phase}
+            "fused_opt": fused.moments["optimizer step"] / GiB, "fused_phase": fused.peak_phase,
+            "grads": grads / GiB, "late": late}
