@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import labkit as lk
 from labkit.predict.layers import layer_saved
 from labkit.transformer.attention import (ATTENTION_IMPLS, SRAM_PER_SM, TiledAttention,
-                                          fitted_block, hbm_accesses, naive_attention,
-                                          tiled_attention)
+                                          fitted_block, hbm_accesses, hbm_ratio_all_l2_hits,
+                                          hbm_ratio_tiles, naive_attention, tiled_attention)
 from labkit.transformer.model import build_model, use_attention
 
 SHAPES = [(4, 4, 64, 32),     # heads, kv heads, T, block: multi-head, T a multiple of the block
@@ -256,6 +256,17 @@ def test_fa2s_loop_order_moves_less_than_fa1s_and_the_gain_survives_d_192():
         2 * 4096 * 192 + 32 * 2 * 4096 * 192 + 4096
     with pytest.raises(ValueError, match="fa2, fa1"):
         hbm_accesses(4096, 64, a100, "tiled", loop_order="fa3")
+
+
+def test_128_row_tiles_and_all_l2_hits_bracket_the_ratio_and_both_fall_with_d():
+    n, dims = 4096, (64, 128, 192)
+    tiles = [hbm_ratio_tiles(n, d) for d in dims]
+    l2 = [hbm_ratio_all_l2_hits(n, d) for d in dims]
+    assert [round(r, 1) for r in tiles] == [3.9, 2.0, 1.4]               # about 2B / d, B = 128
+    assert [round(r, 1) for r in l2] == [64.7, 32.9, 22.3]               # about 1 + N / d
+    assert tiles == sorted(tiles, reverse=True) and l2 == sorted(l2, reverse=True)
+    for d, r in zip(dims, l2):    # every K, V re-read an L2 hit: Q, K, V read, O and lse written once
+        assert r == (4 * n * d + 4 * n * n) / (4 * n * d + n)
 
 
 def test_hbm_accesses_grow_with_the_sequence():

@@ -9,7 +9,8 @@ from labkit.training.track import MemoryTracker
 from labkit.transformer.attention import core_peak_bytes
 from labkit.transformer.local_attention import (attention_memory, block_density,
                                                 core_allocator_peak, flex_attention_memory,
-                                                local_global_mask, window_kv_cache)
+                                                local_global_mask, smallest_batch_saving,
+                                                window_kv_cache)
 
 
 def test_local_global_mask_on_a_small_sequence():
@@ -62,6 +63,16 @@ def test_a_sliding_window_caps_mistrals_kv_cache():
     assert w.weights == lk.count_params(lk.preset("mistral-7b")).total * 2
     assert 0 < w.total_saving < w.cache_saving
     assert window_kv_cache("mistral-7b", seq=2048, window=4096).cache_saving == 0
+
+
+def test_a_windows_30_percent_needs_a_batch_that_grows_as_the_context_shrinks():
+    first = {seq: smallest_batch_saving("mistral-7b", seq, 4096, 0.30) for seq in
+             (4096, 8192, 16384, 32768)}
+    assert first == {4096: None, 8192: 21, 16384: 5, 32768: 2}   # 4096: the window is the context
+    for seq, b in first.items():
+        if b is not None:
+            assert window_kv_cache("mistral-7b", seq, 4096, batch=b).total_saving >= 0.30
+            assert window_kv_cache("mistral-7b", seq, 4096, batch=b - 1).total_saving < 0.30
 
 
 @pytest.mark.slow

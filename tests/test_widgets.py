@@ -6,7 +6,8 @@ import labkit as lk
 from labkit.course import widgets
 from labkit.predict.layers import layer_saved
 from labkit.training.track import MemoryTracker
-from labkit.transformer.attention import SRAM_PER_SM, core, core_peak_bytes, hbm_accesses
+from labkit.transformer.attention import (SRAM_PER_SM, core, core_peak_bytes, hbm_accesses,
+                                          hbm_ratio_all_l2_hits, hbm_ratio_tiles)
 from labkit.transformer.generate import attention_kind, mla_reduction
 
 
@@ -551,6 +552,10 @@ def test_attention_report_numbers_are_labkits():
         sram = SRAM_PER_SM[gpu].per_sm
         assert ratio == hbm_accesses(4096, 128, sram, "naive") / hbm_accesses(4096, 128, sram,
                                                                                 "tiled")
+    assert r.hbm_tiles == hbm_ratio_tiles(4096, 128) == hbm_accesses(4096, 128, 1, "naive") / \
+        hbm_accesses(4096, 128, 1, "tiled", block=128)              # 128-row tiles, any GPU
+    assert r.hbm_l2 == hbm_ratio_all_l2_hits(4096, 128)             # every re-read an L2 hit
+    assert "2.0x in 128-row tiles" in r.summary() and "L2: 32.9x" in r.summary()
     assert "GQA: 8 kv heads for 32 query heads" in r.summary()
     mla = widgets.attention_report("sdpa", seq=512, heads=128, head_dim=192, model="deepseek-v2",
                                    context=4096)

@@ -478,3 +478,19 @@ def hbm_ratio(seq: int, head_dim: int, gpu: str) -> float:
     sram = SRAM_PER_SM[gpu].per_sm
     return (hbm_accesses(seq, head_dim, sram, "naive")
             / hbm_accesses(seq, head_dim, sram, "tiled"))
+
+
+def hbm_ratio_tiles(seq: int, head_dim: int, block: int = TILE) -> float:
+    """Standard attention's HBM reads and writes over FlashAttention-2's for one head's forward
+    pass in tiles of ``block`` query rows (``hbm_accesses``, no L2 cache): real kernels use 64 to
+    128 rows whatever the GPU, so this ratio is the same on every GPU; it tends to 2B / d."""
+    return (hbm_accesses(seq, head_dim, 1, "naive")
+            / hbm_accesses(seq, head_dim, 1, "tiled", block=block))
+
+
+def hbm_ratio_all_l2_hits(seq: int, head_dim: int) -> float:
+    """The same ratio if every re-read of K and V hits the L2 cache, none HBM: the tiled pass then
+    reads Q, K, V and writes O and its log-sum-exp once (4Nd + N, ``hbm_accesses`` in one block
+    of all N rows) against standard attention's 4Nd + 4N^2, a ratio that tends to 1 + N / d."""
+    return (hbm_accesses(seq, head_dim, 1, "naive")
+            / hbm_accesses(seq, head_dim, 1, "tiled", block=seq))

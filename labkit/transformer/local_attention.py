@@ -225,3 +225,23 @@ def window_kv_cache(cfg: ModelConfig | str = "mistral-7b", seq: int = 32768,
     weights = int(count_params(c).total * dtype_bytes(dtype))
     return WindowCache(seq, window, weights, kv_cache_bytes(c, batch, seq, dtype, windows=False),
                        kv_cache_bytes(c, batch, kept, dtype, windows=False))
+
+
+def smallest_batch_saving(cfg: ModelConfig | str = "mistral-7b", seq: int = 32768,
+                          window: int = 4096, share: float = 0.30, max_batch: int = 1024,
+                          dtype: str = "bf16") -> int | None:
+    """The smallest batch from which a sliding window saves at least ``share`` of the weights +
+    KV cache (``window_kv_cache(...).total_saving``; it grows with the batch), or None if no batch
+    up to ``max_batch`` does (a context within the window saves nothing)."""
+    check_positive("max_batch", max_batch)
+
+    def saving(batch: int) -> float:
+        return window_kv_cache(cfg, seq, window, batch=batch, dtype=dtype).total_saving
+
+    if saving(max_batch) < share:
+        return None
+    low, high = 1, max_batch                  # saving(high) >= share; find the first such batch
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if saving(mid) >= share else (mid + 1, high)
+    return low

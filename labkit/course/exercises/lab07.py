@@ -4,51 +4,46 @@ from __future__ import annotations
 from labkit.core.config import preset
 from labkit.course.exercises.core import GiB, register
 from labkit.predict import kv_cache_bytes
-from labkit.predict.layers import count_params
-from labkit.predict.papers import model_state_bytes
 
 
 @register(
-    "07-naive-attention-gib",
-    question="""Naive attention writes softmax(q k^T / sqrt(d)) out for every head, a (B, H, T, T)
-matrix, and autograd keeps it for the backward pass. Under bf16-mixed (autocast) it keeps the
-softmax's fp32 output and the bf16 copy the next matmul makes of it: 4 + 2 = 6 bytes per
-(query, key) pair and head. How many GiB of probabilities does one layer of LLaMA-2-7B keep at
-batch 1 x 4096 tokens?""",
-    unit="GiB",
-    hint="B x H x T x T pairs of 6 bytes, with H = lk.preset('llama-2-7b').heads; "
-         "labkit.predict.layers.layer_saved(cfg, 'bf16-mixed', attention='naive') lists the term "
-         "(.bytes(batch, seq)). 1 GiB = 2^30 bytes.",
-    solution="""{heads} heads x 4096 x 4096 pairs x {per_pair:g} bytes = {bytes:,} bytes
-= {answer:.2f} GiB per layer (labkit.predict.layers.layer_saved(..., attention="naive")); x {layers}
-layers = {all:.0f} GiB, beside the {states:.1f} GiB of its model states (AdamW). SDPA's fused
-kernel (and labkit's tiled core) keeps instead q, k, v, the output and one fp32 log-sum-exp per
-row and head: {sdpa_core:.0f} MiB per layer, against naive's {naive_core:,.0f} MiB (its
-probabilities, q, the repeated k and v, wo's input).
-lk.estimate("llama-2-7b", 1, 4096, precision="bf16-mixed", attention=...): saved activations
-{saved_naive:.1f} GiB naive, {saved_sdpa:.1f} GiB with SDPA; the step's peak {peak_naive:.1f} GiB
-naive (in the {phase_naive} phase), {peak_sdpa:.1f} GiB with SDPA (in the {phase_sdpa} phase).""",
+    "07-naive-minus-sdpa-gqa",
+    question="""Section 1's naive core keeps, in every layer, the (B, H, T, T) probabilities and k
+and v repeated from the model's kv heads to all H query heads; SDPA keeps k and v as they are
+and one fp32 log-sum-exp per row and head instead. Mistral 7B uses grouped-query attention.
+Predict how many GiB more activations a training step of mistral-7b keeps with naive attention
+than with SDPA, at batch 1 x 4096 tokens under bf16-mixed (autocast), all layers; then check
+with lk.estimate("mistral-7b", 1, 4096, precision="bf16-mixed", attention=a).saved_activations
+for a = "naive" and "sdpa".""",
+    unit="GiB", rtol=0.004,
+    hint="Per layer, three terms: the probabilities (bytes per pair and head under autocast: "
+         "section 1), the extra heads of k and v (in the autocast dtype), less the log-sum-exp. "
+         "lk.preset('mistral-7b') has layers, heads, kv_heads and head_dim. 1 GiB = 2^30 bytes.",
+    solution="""Per layer: probabilities {heads} heads x 4096^2 pairs x 6 B (the fp32 softmax and
+its bf16 copy) = {probs:,} B; k and v repeated from {kv_heads} to {heads} heads, bf16: 2 x {extra}
+extra heads x 4096 x {d} x 2 B = {repeat:,} B; less SDPA's log-sum-exp {heads} x 4096 x 4 B =
+{lse:,} B.
+x {layers} layers = {predicted:,} B = {answer:.2f} GiB; lk.estimate's saved activations differ by
+{measured:,} B ({saved_naive:.2f} - {saved_sdpa:.2f} GiB). The repeated k and v are {share:.1%} of
+it: forgetting them gives {without:.2f} GiB. The step's peak moves from the {phase_sdpa} phase
+({peak_sdpa:.1f} GiB with SDPA) to the {phase_naive} phase ({peak_naive:.1f} GiB naive).""",
 )
-def _naive_attention_gib():
-    from labkit.predict.layers import layer_saved
+def _naive_minus_sdpa_gqa():
     from labkit.predict import estimate
-    c, batch, seq = preset("llama-2-7b"), 1, 4096
-
-    def core(attention):     # the attention core's terms: q/k/v/output, probabilities or lse
-        return [t for t in layer_saved(c, "bf16-mixed", attention=attention)
-                if t.name.startswith(("q, ", "attention "))]
-
-    probs = next(t for t in core("naive") if t.per_pair)
+    c, batch, seq = preset("mistral-7b"), 1, 4096
+    H, Hkv, d, L = c.heads, c.kv_heads, c.head_dim, c.layers
+    probs = batch * H * seq * seq * (4 + 2)                # fp32 softmax + its bf16 copy
+    repeat = 2 * batch * (H - Hkv) * seq * d * 2           # k and v, the extra heads, bf16
+    lse = batch * H * seq * 4                              # SDPA's fp32 log-sum-exp
     naive, sdpa = (estimate(c, batch, seq, precision="bf16-mixed", attention=a)
                    for a in ("naive", "sdpa"))
-    per_layer = probs.bytes(batch, seq)
-    return {"answer": per_layer / GiB, "heads": c.heads, "per_pair": probs.per_pair / c.heads,
-            "bytes": per_layer, "layers": c.layers, "all": c.layers * per_layer / GiB,
-            "states": model_state_bytes(count_params(c).total, "bf16-mixed", "adamw") / GiB,
-            "sdpa_core": sum(t.bytes(batch, seq) for t in core("sdpa")) / 2**20,
-            "naive_core": sum(t.bytes(batch, seq) for t in core("naive")) / 2**20,
-            "saved_naive": naive.saved_activations / GiB,
-            "saved_sdpa": sdpa.saved_activations / GiB,
+    measured = naive.saved_activations - sdpa.saved_activations
+    predicted = L * (probs + repeat - lse)
+    return {"answer": measured / GiB, "heads": H, "kv_heads": Hkv, "extra": H - Hkv, "d": d,
+            "layers": L, "probs": probs, "repeat": repeat, "lse": lse, "predicted": predicted,
+            "measured": measured, "saved_naive": naive.saved_activations / GiB,
+            "saved_sdpa": sdpa.saved_activations / GiB, "share": L * repeat / measured,
+            "without": L * (probs - lse) / GiB,
             "peak_naive": naive.total / GiB, "phase_naive": naive.peak_phase,
             "peak_sdpa": sdpa.total / GiB, "phase_sdpa": sdpa.peak_phase}
 
@@ -129,10 +124,9 @@ many MiB can one request waste at most? (A server that reserves a contiguous sla
 tokens per request wastes far more: the solution compares a request that stops at 300
 tokens.) Give two decimals.""",
     unit="MiB", rtol=1e-3,
-    hint="The worst last block holds one token and 15 empty slots; one token takes "
-         "lk.kv_cache_bytes('llama-2-13b', seq=1, dtype='fp16') bytes over all layers. "
-         "1 MiB = 2^20 bytes. labkit.transformer.paged.make_cache('paged', ...) measures it: "
-         ".fragmentation_bytes.",
+    hint="How empty can a request's last block be, at worst? lk.kv_cache_bytes gives the "
+         "cache's bytes for any number of tokens; labkit.transformer.paged.make_cache('paged', "
+         "...) measures it (.fragmentation_bytes). 1 MiB = 2^20 bytes.",
     solution="""one token of LLaMA-2-13B: 2 x {layers} layers x {kv} heads x {d} dims x 2 bytes =
 {per:,} bytes; at most {block} - 1 = {slack} empty slots: {waste:,} bytes = {answer:.2f} MiB
 (a PagedKVCache one token into its last block: fragmentation_bytes = {measured:,}). The

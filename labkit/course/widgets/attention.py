@@ -10,8 +10,9 @@ from labkit.core.units import check_choice, check_positive, dtype_bytes, fmt_byt
 from labkit.course.plot import new_figure, unit_for
 from labkit.course.widgets.base import PanelResult, _render, model_config
 from labkit.predict import kv_cache_bytes
-from labkit.transformer.attention import (ATTENTION_IMPLS, CORE_DTYPE, SRAM_PER_SM, CoreBytes, KiB,
-                                          attention_core_bytes, hbm_ratio)
+from labkit.transformer.attention import (ATTENTION_IMPLS, CORE_DTYPE, SRAM_PER_SM, TILE, CoreBytes,
+                                          KiB, attention_core_bytes, hbm_ratio,
+                                          hbm_ratio_all_l2_hits, hbm_ratio_tiles)
 from labkit.transformer.generate import attention_kind, mla_reduction
 
 
@@ -41,7 +42,9 @@ class AttentionResult(PanelResult):
     seq: int = 0
     heads: int = 0
     head_dim: int = 0
-    hbm: dict | None = None              # GPU -> standard / FlashAttention HBM accesses
+    hbm: dict | None = None              # GPU -> the same ratio in labkit's fitted blocks
+    hbm_tiles: float = 0.0               # standard / FlashAttention HBM accesses, 128-row tiles
+    hbm_l2: float = 0.0                  # the same if every re-read of K and V hits L2
     batch: int = 1
     context: int = 0
     kind: str = ""                       # MHA, GQA, MQA or MLA (generate.attention_kind)
@@ -53,7 +56,7 @@ class AttentionResult(PanelResult):
             return f"⚠ {self.error}"
         c, core = self.config, self.core
         by_impl = ", ".join(f"{impl} {fmt_bytes(r.peak)}" for impl, r in self.by_impl.items())
-        hbm = ", ".join(f"{ratio:.1f}x on {gpu} ({SRAM_PER_SM[gpu].per_sm // KiB} KiB per SM)"
+        hbm = ", ".join(f"{ratio:.1f}x {gpu} ({SRAM_PER_SM[gpu].per_sm // KiB} KiB per SM)"
                         for gpu, ratio in self.hbm.items())
         plural = "s" if c.kv_heads > 1 else ""
         heads = (f"{c.kv_heads} kv head{plural} for {c.heads} query heads"
@@ -66,8 +69,10 @@ class AttentionResult(PanelResult):
             f"forward + backward peak beyond q, k, v: {fmt_bytes(core.peak)} "
             f"({_named(core.at_peak)})",
             f"peak by implementation at this shape: {by_impl}",
-            f"HBM reads and writes of one head's forward, standard attention / FlashAttention: "
-            f"{hbm}",
+            f"HBM reads and writes of one head's forward, standard attention / FlashAttention "
+            f"(a count, no L2): {self.hbm_tiles:.1f}x in {TILE}-row tiles (as real kernels); "
+            f"labkit's model of blocks fitted to the on-chip memory {hbm}; if every re-read of K "
+            f"and V hit L2: {self.hbm_l2:.1f}x",
             f"KV cache of {c.name} ({self.kind}: {heads}), batch {self.batch}, context "
             f"{self.context:,}, {CORE_DTYPE}: {fmt_bytes(self.cache)}; with MHA "
             f"{fmt_bytes(self.mha_cache)} ({self.mha_cache / self.cache:.1f}x)"])
@@ -94,7 +99,9 @@ def attention_report(impl: str, *, seq: int, heads: int, head_dim: int, model: s
         return AttentionResult(error=str(error))
     return AttentionResult(
         cfg, core=by_impl[impl], by_impl=by_impl, seq=seq, heads=heads, head_dim=head_dim,
-        hbm={gpu: hbm_ratio(seq, head_dim, gpu) for gpu in HBM_GPUS}, batch=batch,
+        hbm={gpu: hbm_ratio(seq, head_dim, gpu) for gpu in HBM_GPUS},
+        hbm_tiles=hbm_ratio_tiles(seq, head_dim), hbm_l2=hbm_ratio_all_l2_hits(seq, head_dim),
+        batch=batch,
         context=context, kind=attention_kind(cfg), cache=cache,
         mha_cache=mha_cache_bytes(cfg, batch, context))
 
