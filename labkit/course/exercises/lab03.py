@@ -180,21 +180,32 @@ def _cheapest_fit():
     return _every_k_fit()
 
 
+VARLEN_T = 8192                     # the packed row of 03-varlen-saving
+
+
 @register(
     "03-varlen-saving",
-    question="""Predict, then measure. One packed row of 512 tokens (several documents) runs
-through the course model `tiny` in fp32: once isolating the documents with the dense additive
-mask, once with variable-length attention (varlen=True). How much less activation memory does
-the varlen run keep at the end of the forward pass? (labkit's CPU varlen stand-in keeps no
-log-sum-exp, which flash-attn's varlen kernel keeps: which part of the saving would a GPU see?)""",
-    unit="KiB",
-    hint="The dense mask is one fp32 (B, 1, T, T) tensor shared by every layer; labkit's CPU "
-         "varlen attention also keeps no log-sum-exp (B, heads, T) fp32 per layer: its backward "
-         "runs each document's attention again (flash-attn's varlen kernel keeps it).",
-    solution="""Measured {answer:,.0f} KiB (batching.packed_step_memory): the fp32 mask, 4 x 512 x
-512 = {mask:,} bytes, plus {layers} layers x the log-sum-exp of {heads} heads x 512 tokens x 4
-bytes = {lse:,} bytes (sum equal to the measurement: {equal}). The step's peak falls by {peak:,}
-bytes. On a GPU, flash-attn's varlen kernel keeps its log-sum-exp: there varlen saves the mask.""",
+    question=f"""Predict, then measure. One packed row of T = {VARLEN_T} tokens (several
+documents) runs through the course model `tiny` (lk.preset("tiny", max_seq={VARLEN_T})) under
+bf16 autocast: once isolating the documents with the dense additive mask, once with
+variable-length attention (varlen=True). How much less activation memory does the varlen run
+keep at the end of the forward pass? Section 6 measured `small` in fp32 at 2048 tokens: which
+of its terms change with T, and which with autocast?""",
+    unit="MiB",
+    hint="The dense mask is one (1, 1, T, T) tensor in the dtype attention computes in (bf16 "
+         "under autocast); labkit's CPU varlen attention also keeps no log-sum-exp, (1, heads, T) "
+         "fp32 per layer. To measure, pack batching.make_documents(batching.document_lengths(30, "
+         "max_len=1024, median=400, seed=0)) into rows of T (batching.pack_batches), take the "
+         "first row, and run batching.packed_step_memory(model, row, a) for a = 'mask' and "
+         "'varlen', each inside its own `with torch.autocast('cpu', torch.bfloat16):` (a second "
+         "call in the same block finds autocast's weight casts already made, and the tracker "
+         "counts them as activations). .kept is the bytes alive after the forward pass.",
+    solution="""Measured {answer:.2f} MiB (batching.packed_step_memory): the bf16 mask, 2 x {T} x
+{T} = {mask:,} bytes (the mask takes autocast's dtype: half the fp32 one), plus {layers} layers x
+the fp32 log-sum-exp of {heads} heads x {T} tokens x 4 bytes = {lse:,} bytes (sum equal to the
+measurement: {equal}). The mask grows with T^2, the log-sum-exp with T: the mask alone is
+{ratio:.1f} times everything else the varlen run keeps ({varlen} MiB). On a GPU flash-attn's
+varlen kernel keeps its log-sum-exp: there varlen saves the mask, {mask_mib:.0f} MiB.""",
 )
 @functools.cache
 def _varlen_saving():
@@ -202,14 +213,19 @@ def _varlen_saving():
     from labkit.training.batching import (document_lengths, make_documents, pack_batches,
                                           packed_step_memory)
     from labkit.transformer.model import build_model
-    cfg = preset("tiny")
+    T = VARLEN_T
+    cfg = preset("tiny", max_seq=T)
     torch.manual_seed(0)
     model = build_model(cfg)
-    docs = make_documents(document_lengths(6, max_len=120, median=80, seed=0))
-    batch = pack_batches(docs, 512).batches[0]
-    mem = {a: packed_step_memory(model, batch, a) for a in ("mask", "varlen")}
+    docs = make_documents(document_lengths(30, max_len=1024, median=400, seed=0))
+    row = pack_batches(docs, T).batches[0]
+    mem = {}
+    for a in ("mask", "varlen"):            # one autocast block each: its weight cache is fresh
+        with torch.autocast("cpu", torch.bfloat16):
+            mem[a] = packed_step_memory(model, row, a)
     saved = mem["mask"].kept - mem["varlen"].kept
-    mask, lse = 4 * 512 * 512, cfg.layers * cfg.heads * 512 * 4
-    return {"answer": saved / 1024, "peak": mem["mask"].peak - mem["varlen"].peak,
-            "mask": mask, "layers": cfg.layers, "heads": cfg.heads, "lse": lse,
-            "equal": saved == mask + lse}
+    mask, lse = 2 * T * T, cfg.layers * cfg.heads * T * 4
+    return {"answer": saved / 2**20, "T": T, "mask": mask, "layers": cfg.layers,
+            "heads": cfg.heads, "lse": lse, "equal": saved == mask + lse,
+            "ratio": mask / mem["varlen"].kept, "varlen": f"{mem['varlen'].kept / 2**20:.1f}",
+            "mask_mib": mask / 2**20}
