@@ -10,12 +10,40 @@ notebook's one import cell. A new exercise needs a cell here (the build names th
 """
 import labkit as lk
 
-# %% 01-adamw-bytes
-answer = lk.model_state_bytes(1, "bf16-master", "adamw")   # bf16 weight 2 + bf16 grad 2 + fp32 master, m, v 12
+# %% 01-foreach-over-for-loop
+c = lk.preset("small")
+n, largest = lk.count_params(c).total, c.vocab_size * c.hidden     # the embedding and the LM head
+predicted = 4 * n - 2 * 4 * largest      # foreach: sqrt(v) of every weight; for-loop: two of the largest
+peaks = {impl: lk.measure_step("small", seq=64, precision="fp32", optimizer_impl=impl, fake=False,
+                               device="cpu").total for impl in ("foreach", "for-loop")}
+answer = peaks["foreach"] - peaks["for-loop"]
+print(f"predicted {predicted:,} B, measured {answer:,} B")
 
 # %% 01-mistral-7b-megatron-states
 n = lk.count_params("mistral-7b").total
 answer = n * (2 + 4 + 4 + 4 + 4) / 2**30     # bf16 weight, fp32 main_grad, fp32 master, m, v: 18 B, GiB
+
+# %% 01-zero-grad-placement
+from labkit.training.measure import init_optimizer_state
+from labkit.training.train import make_optimizer, train_step
+import torch
+model = lk.build_model(lk.preset("small"))
+opt = make_optimizer(model.parameters(), "adamw", "fused")
+init_optimizer_state(model, opt)
+ids = torch.randint(0, model.cfg.vocab_size, (1, 256 + 1))
+x, y = ids[:, :-1], ids[:, 1:]
+with lk.MemoryTracker(model, opt) as usual:
+    train_step(model, opt, x, y, tracker=usual)                # zero_grad right after step()
+model(x, y).backward(); opt.step()                            # the common loop leaves its gradients
+with lk.MemoryTracker(model, opt) as late:                    # loss; zero_grad; backward; step
+    with late.phase("forward"):
+        loss = model(x, y)
+    with late.phase("backward"):
+        opt.zero_grad(); loss.backward()
+    with late.phase("optimizer"):
+        opt.step()
+answer = late.peak - usual.peak
+print(f"{usual.peak:,} B during {usual.peak_phase} -> {late.peak:,} B during {late.peak_phase}")
 
 # %% 01-moe-idle-expert-states
 c = lk.preset("deepseek-moe-16b")
@@ -29,16 +57,14 @@ layer = attention + 3 * c.hidden * c.ffn + 2 * c.hidden      # q, o, k, v; SwiGL
 answer = c.layers * layer + 2 * c.vocab_size * c.hidden + c.hidden   # embedding, head, final norm
 print(f"lk.count_params: {lk.count_params(c).total:,}")
 
-# %% 01-llama-7b-kv-cache
-c = lk.preset("llama-2-7b")
-per_token = 2 * c.layers * c.kv_heads * c.head_dim * 2     # K and V, every layer, bf16
-answer = per_token * 4096 / 2**30
-print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, seq=4096, dtype='bf16') / 2**30:.3f} GiB")
-
-# %% 01-gqa-kv-cache-batch8
-c = lk.preset("mistral-7b")
-answer = 2 * c.kv_heads * c.head_dim * 2 * c.layers * 4096 * 8 / 2**30   # K and V, bf16, 8 x 4096
-print(f"lk.kv_cache_bytes: {lk.kv_cache_bytes(c, batch=8, seq=4096, dtype='bf16') / 2**30:.2f} GiB")
+# %% 01-first-step-peak
+kw = dict(seq=256, precision="fp32", optimizer_impl="for-loop", device="cpu")
+e = lk.estimate("small", **kw)
+moments = 8 * lk.count_params("small").total                  # AdamW's fp32 m and v
+first = max(v if k == "optimizer step" else v - moments for k, v in e.moments.items())
+print(f"predicted: first step {first:,} B, later steps {e.total:,} B")
+answer = (lk.measure_step("small", fake=False, **kw).total
+          - lk.measure_step("small", fake=False, warmup=False, **kw).total)
 
 # %% 01-zero3-fewest-gpus
 n = lk.count_params("llama-2-7b").total
@@ -131,10 +157,21 @@ while peak(answer + 1) <= 24 * 2**30:                      # a larger k keeps mo
     answer += 1
 
 # %% 03-varlen-saving
-c = lk.preset("tiny")
-mask = 4 * 512 * 512                                       # the fp32 (1, 1, T, T) additive mask
-lse = c.layers * c.heads * 512 * 4                         # a log-sum-exp per layer, head and token
-answer = (mask + lse) / 1024                               # predicted; the solution quotes the measurement
+import torch
+from labkit.training import batching
+c, T = lk.preset("tiny", max_seq=8192), 8192
+mask = 2 * T * T                                           # the (1, 1, T, T) mask in bf16
+lse = c.layers * c.heads * T * 4                           # fp32 log-sum-exp: layers x heads x T
+print(f"predicted: {(mask + lse) / 2**20:.2f} MiB")
+torch.manual_seed(0)
+model = lk.build_model(c)
+row = batching.pack_batches(batching.make_documents(batching.document_lengths(
+    30, max_len=1024, median=400, seed=0)), T).batches[0]
+kept = {}
+for a in ("mask", "varlen"):                               # one autocast block each
+    with torch.autocast("cpu", torch.bfloat16):
+        kept[a] = batching.packed_step_memory(model, row, a).kept
+answer = (kept["mask"] - kept["varlen"]) / 2**20           # measured
 
 # %% 04-zero2-bytes-per-parameter
 n = 8 * 10**6                                              # any count that 8 divides
@@ -205,9 +242,15 @@ e = lk.estimate("llama-2-7b", 1, 2048,
 print(e.explain())
 answer = e.total / 2**30
 
-# %% 07-naive-attention-gib
-c = lk.preset("llama-2-7b")
-answer = 1 * c.heads * 4096 * 4096 * (4 + 2) / 2**30       # B x H x T x T pairs, fp32 + bf16 copy
+# %% 07-naive-minus-sdpa-gqa
+c, T = lk.preset("mistral-7b"), 4096
+probs = c.heads * T * T * (4 + 2)                           # H x T x T pairs, fp32 + bf16 copy
+repeat = 2 * (c.heads - c.kv_heads) * T * c.head_dim * 2    # k and v, the extra heads, bf16
+lse = c.heads * T * 4                                       # SDPA's fp32 log-sum-exp
+answer = c.layers * (probs + repeat - lse) / 2**30
+saved = {a: lk.estimate(c, 1, T, precision="bf16-mixed", attention=a).saved_activations
+         for a in ("naive", "sdpa")}
+print(f"lk.estimate: {(saved['naive'] - saved['sdpa']) / 2**30:.2f} GiB")
 
 # %% 07-tiled-peak-block
 from labkit.transformer import attention
@@ -250,14 +293,20 @@ answer = a.stats().reserved_bytes / 2**20
 from labkit.host import pinned
 answer = pinned.pinned_host_bytes(600 * 2**20) / 2**20     # rounded up to a power of two
 
+# %% 08-eval-leak-per-batch
+from labkit.training.leaks import run_leak
+run = run_leak("eval loss as a tensor", cfg="small", batch=4, seq=128, steps=2)
+answer = run.per_step / 2**20                          # MiB each evaluation batch leaves alive
+print(f"lk.estimate's saved activations: {lk.estimate('small', 4, 128, precision='fp32').saved_activations / 2**20:.2f} MiB")
+
 # %% 09-fewest-a100s-7b
 from labkit.course.plan import plan
 answer = next(gpus for gpus in (1, 2, 4, 8, 16)
               if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
 
-# %% 09-v2-lite-qlora-nf4-experts
-from labkit.quantisation.quant import nf4_bits_per_param
-e = lk.estimate("deepseek-v2-lite", 1, 4096, recipe=lk.Recipe("bf16", trainable="lora", weight_format="nf4",
-                                                               recompute="full"))
-experts = lk.count_params("deepseek-v2-lite").by_component["routed experts"]
-answer = (e.total - 2 * experts + experts * nf4_bits_per_param() / 8) / 2**30   # bf16 experts out, NF4 in
+# %% 09-least-host-memory-one-4090
+from labkit.course.plan import plan
+answer = 16
+while not plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, trainable=("all", "lora", "qlora"),
+               host_ram=answer * 2**30, top=1, advice=False).fits:
+    answer *= 2                                        # GiB of host memory per node
