@@ -11,7 +11,7 @@ Writes, from the README's "## The labs" table, the committed notebooks and labki
   for each exercise its question, ``print(solution(id))`` (the worked solution, with labkit's
   numbers) and the answer computed with labkit (``workshop/answers.py``) passed to
   ``check(id, answer)``. Committed without outputs; ``tests/test_workshop.py`` runs them (slow).
-- ``workshop/handouts/NN_name.md``, one page per lab from its executed notebook: title and
+- ``workshop/handouts/NN_name.md``, a short handout per lab from its executed notebook: title and
   time, what you will learn, the outline, its first and last figure (``img/NN_1.png``,
   ``img/NN_2.png``), the exercises, the summary and further reading.
 - ``workshop/README.md``, the instructor guide: ``workshop/guide_template.md`` (the prose:

@@ -109,14 +109,27 @@ def test_the_guides_links_resolve():
         assert (build_workshop.GUIDE.parent / link).exists(), f"workshop/README.md: {link}"
 
 
-def notebook_text(path: Path) -> str:
-    """Everything a lab shows: its cells' sources and their text outputs."""
+def notebook_text(path: Path, outputs_only: bool = False) -> str:
+    """Everything a lab shows: its cells' sources and their text outputs (or the outputs only)."""
     parts = []
     for cell in nbformat.read(path, as_version=4).cells:
-        parts.append(cell.source)
+        if not outputs_only:
+            parts.append(cell.source)
         for output in cell.get("outputs", []):
             parts.append(output.get("text", "") + output.get("data", {}).get("text/plain", ""))
     return "\n".join(parts)
+
+
+# a number as written: 4,096, 125.52 (a trailing comma or full stop is not part of it)
+NUMBER = re.compile(r"(?<![\d.])\d+(?:,\d{3})*(?:\.\d+)?(?![\d])")
+# the unit right after a measured figure: "125.52 GiB", "73.0%", "3.9x", "0.54 s"
+UNIT = r"\s?(GiB|MiB|KiB|TiB|GB|MB|ms|s|x|%|bits|bytes|tokens)(?![A-Za-z])"
+
+
+def measured_figures(text: str) -> set[tuple[str, str]]:
+    """(decimal number, the unit after it or "") for every decimal figure in ``text``."""
+    return {(m.group(1), m.group(2) or "")
+            for m in re.finditer(rf"((?<![\d.])\d+(?:,\d{{3}})*\.\d+)(?![\d])(?:{UNIT})?", text)}
 
 
 def lab_sections(template: str) -> dict[str, str]:
@@ -125,14 +138,22 @@ def lab_sections(template: str) -> dict[str, str]:
 
 
 def test_the_guide_quotes_only_numbers_and_sections_its_labs_have():
+    """Each number a lab's section quotes is a whole number the lab shows (not a piece of a
+    longer one: 12 is not found in 125.52); each decimal figure, a computed result, is one its
+    stored outputs print, with the same unit after it when the guide gives one."""
     sections = lab_sections(build_workshop.TEMPLATE.read_text(encoding="utf-8"))
     assert sorted(sections) == [p.stem[:2] for p in LAB_NOTEBOOKS]
     for number, section in sections.items():
         path = next(p for p in LAB_NOTEBOOKS if p.stem.startswith(number))
         shown = notebook_text(path)
-        quoted = set(re.findall(r"\d[\d,]*(?:\.\d+)?", section))
-        missing = sorted(n for n in quoted if n not in shown)
+        missing = sorted(set(NUMBER.findall(section)) - set(NUMBER.findall(shown)))
         assert not missing, f"lab {number}'s section quotes {missing}, which {path.name} never shows"
+        printed = measured_figures(notebook_text(path, outputs_only=True))
+        printed_numbers = {n for n, _ in printed}
+        unprinted = sorted(f"{n} {unit}".strip() for n, unit in measured_figures(section)
+                           if (n, unit) not in printed and not (unit == "" and n in printed_numbers))
+        assert not unprinted, (f"lab {number}'s section quotes {unprinted}, which no output of "
+                               f"{path.name} prints (with that unit)")
         headings = {h.strip() for h in re.findall(r"^## (.+)$", shown, re.M)}
         for n, heading in re.findall(r'^\d\. \*(?:§(\d+) )?"([^"]+)"\*', section, re.M):
             assert (f"{n}. {heading}" if n else heading) in headings, f"lab {number}: {heading}"
