@@ -67,7 +67,8 @@ def _mistral_megatron_states():
 
 def _zero_grad_placement_peaks(seq: int, impl: str = "fused") -> tuple:
     """Peaks of one real fp32 step of `small` on CPU: zero_grad right after step() (train_step),
-    then zero_grad just before backward() (the common loop), with their phases."""
+    then zero_grad between forward and backward (Lightning's automatic optimization), with
+    their phases."""
     import torch
     from labkit.training.measure import init_optimizer_state
     from labkit.training.step import make_optimizer, train_step
@@ -81,7 +82,7 @@ def _zero_grad_placement_peaks(seq: int, impl: str = "fused") -> tuple:
     x, y = ids[:, :-1], ids[:, 1:]
     with MemoryTracker(model, opt) as usual:
         train_step(model, opt, x, y, tracker=usual)
-    model(x, y).backward()                 # a step of the common loop leaves its gradients
+    model(x, y).backward()                 # a step of that loop leaves its gradients
     opt.step()
     with MemoryTracker(model, opt) as late:
         with late.phase("forward"):
@@ -98,9 +99,9 @@ def _zero_grad_placement_peaks(seq: int, impl: str = "fused") -> tuple:
     "01-zero-grad-placement",
     question="""Measure it. The course model `small` trains in fp32 with fused AdamW
 (optimizer_impl "fused") at batch 1 x 256 tokens. Run one step with train_step (zero_grad
-right after step()) and one with common_loop_step from section 2 (zero_grad just before
-backward()), each under lk.MemoryTracker(model, opt), as section 2 does. How many bytes higher
-is the common loop's peak?""",
+right after step()) and one with late_zero_grad_step from section 2 (zero_grad between forward
+and backward), each under lk.MemoryTracker(model, opt), as section 2 does. How many bytes higher
+is the late zero_grad's peak?""",
     unit="bytes", rtol=0.001,
     hint="Copy section 2's cell with seq=256 and impl=\"fused\"; the answer is late.peak - "
          "usual.peak. To predict it: lk.estimate(...).moments[\"forward: loss\"] plus 4 bytes of "
@@ -283,7 +284,8 @@ def _sgd_momentum_small():
     "01-peak-moves-to-backward",
     question="""LLaMA-2-7B, bf16-mixed, batch 1, plain torch.optim.AdamW on CUDA (its default
 there: foreach), gradients freed right after step() (as lk.estimate assumes, and labkit's
-train_step and Hugging Face's Trainer do): at short sequences the optimizer step sets the peak.
+train_step and Hugging Face's Trainer do), labkit's default attention core (SDPA, which keeps
+no (T, T) scores): at short sequences the optimizer step sets the peak.
 From which sequence length, in steps of 512 tokens, does the start of the backward pass take
 over? Sweep lk.estimate(..., seq=s, device="cuda").peak_phase.""",
     unit="tokens", rtol=0,
@@ -295,8 +297,8 @@ over? Sweep lk.estimate(..., seq=s, device="cuda").peak_phase.""",
 temporaries); the backward moment grows with batch x sequence, so at batch 2 the crossover
 comes at about half the length. With a fused AdamW (optimizer_impl="fused") the optimizer step is
 {fused_opt:.2f} GiB and the peak is in the {fused_phase} pass already at 512 tokens.
-All of this with the gradients freed right after step(). A loop that calls zero_grad() just
-before backward() keeps them ({grads:.2f} GiB) under the next forward pass, whose end then
+All of this with the gradients freed right after step(). A loop that calls zero_grad() between
+forward and backward keeps them ({grads:.2f} GiB) under the next forward pass, whose end then
 overtakes the foreach optimizer step already at {late:,} tokens.""",
 )
 def _peak_moves_to_backward():
