@@ -56,17 +56,24 @@ def test_qlora_of_a_70b_fits_one_48_gb_budget_as_in_the_qlora_paper():
 def test_pruning_keeps_every_recompute_policy_that_fits():
     """The search prunes a larger micro-batch or a weaker policy once one fails; selective can
     keep more than none (LoRA's copies beside the checkpointed core's inputs), so only full
-    recomputation's failure rules out the others: the fits equal a check of every policy."""
+    recomputation's failure rules out the others: the fits are every policy that fits, but
+    those a faster, smaller policy of the same layout beats (selective here: slower than none
+    and larger)."""
     p = plan("llama-2-7b", "rtx-4090-24gb", 1, seq=1024, trainable=("lora", "qlora"), top=None)
     found = {(k.family.trainable, k.recipe.recompute) for k in p.fits}
-    every = set()
+    every = {}
     for what, fmt in (("lora", None), ("qlora", "nf4")):
         for policy in ("none", "selective", "full"):
             e = lk.estimate("llama-2-7b", 1, 1024, device="cuda", recipe=lk.Recipe(
                 "bf16", trainable="lora", weight_format=fmt, recompute=policy))
             if e.total <= p.usable:
-                every.add((what, policy))
-    assert found == every and ("lora", "none") in every
+                every[what, policy] = e.total
+    assert found <= set(every) and ("lora", "none") in found
+    cheaper = {"none": (), "selective": ("none",), "full": ("none", "selective")}
+    for what, policy in set(every) - found:       # dropped: a cheaper policy keeps no more
+        assert any(every.get((what, q), float("inf")) <= every[what, policy]
+                   for q in cheaper[policy]), (what, policy)
+    assert ("lora", "selective") in set(every) - found
 
 
 def test_offload_needs_the_nodes_host_memory_for_its_pinned_states():
@@ -98,7 +105,7 @@ def test_advice_gives_the_fewest_gpus_with_offload_and_without():
     p = plan("deepseek-v2-lite", "a100-80gb", 1, seq=4096, top=1)
     assert not p.fits
     offloaded, on_gpus = p.advice[:2]
-    assert offloaded.startswith("2 x a100-80gb: full, ZeRO-2-Offload, dp 2, tp 1")
+    assert offloaded.startswith("2 x a100-80gb: full, optimizer offload, dp 1, tp 2")
     assert on_gpus.startswith("4 x a100-80gb: full, ZeRO-3, dp 2, tp 2, pp 1, fused AdamW")
     two = plan("deepseek-v2-lite", "a100-80gb", 2, seq=4096, top=1)
     assert two.fits[0].layout.offload and two.advice[0].startswith("4 x a100-80gb")
@@ -206,7 +213,7 @@ def test_cli_prints_a_ranked_table_and_the_rejections(capsys):
     assert main(["plan", "--model", "deepseek-v2-lite", "--gpu", "a100-80gb", "--gpus", "8",
                  "--seq", "4096", "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert " 1 " in out and "rejected families (6), by reason:" in out and "assumptions:" in out
+    assert " 1 " in out and "rejected families (" in out and "assumptions:" in out
     assert ("  - 6 families, the nearest full, ZeRO-0, dp 8, tp 1, pp 1, ep 4: model states "
             "alone need 73.17 GiB per GPU > 72.00 GiB usable") in out
 

@@ -339,22 +339,22 @@ def verify_candidates(c, candidates, seq: int, progress: bool = False) -> list[d
 
 
 def _overlap_check(fits: list) -> str:
-    """Whether the top layout (ranked with data-parallel traffic overlapped) stays first when
-    pipeline- and expert-parallel traffic overlaps compute too (``StepTime.overlapped``), or
-    which one overtakes it."""
+    """Whether the top layout (ranked with data-parallel traffic hidden as frameworks do by
+    default) stays first when all of dp's, pp's and ep's traffic overlaps compute
+    (``StepTime.overlapped``), or which one overtakes it."""
     if not fits:
         return ""
     first = min(range(len(fits)), key=lambda i: (round(fits[i].time.overlapped, 3),
                                                  -fits[i].micro_batch, fits[i].estimate.total))
-    hidden = ("with pp and ep communication hidden under compute too (DualPipe, Megatron's "
-              "overlap options) and cp's under attention (tp's, offload's and the host step "
-              "stay exposed)")
+    hidden = ("with all of dp's, pp's and ep's communication hidden under compute (DualPipe, "
+              "Megatron's overlap options) and cp's under attention (tp's, offload's and the "
+              "host step stay exposed)")
     if fits[first].time.overlapped >= (1 - OVERLAP_TIE) * fits[0].time.overlapped:
         first = 0                     # no more than 1% faster: a tie the model cannot break
     if first == 0:
         return (f"overlap: {hidden}, #1 stays first: no layout found is over "
                 f"{OVERLAP_TIE:.0%} faster ({fits[0].time.overlapped:.2f} s a step against "
-                f"{fits[0].time.dp_overlapped:.2f} s with dp's alone)")
+                f"{fits[0].time.dp_overlapped:.2f} s as ranked)")
     return (f"overlap: {hidden}, #{first + 1} becomes first ({fits[first].time.overlapped:.2f} s "
             f"against #1's {fits[0].time.overlapped:.2f} s): the ranking depends on how much "
             f"of the communication the framework overlaps")

@@ -21,7 +21,7 @@ from labkit.predict.steptime import StepTime, attention_forward_flops, step_time
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 # (schedule, chunks per stage) the search tries; not GPipe: 1F1B's bubble with more memory
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
-TIE = 1e-3           # modelled step times this close (relative) are a tie the model cannot break
+TIE = 0.02           # modelled step times this close (relative) are a tie the model cannot break
 FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
 # context parallelism is searched while each rank keeps this many tokens or more: a practical
 # floor (Llama 3 trained at 128k tokens with cp 16: 8k per rank). Across nodes a grouped-KV
@@ -364,9 +364,10 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         if k.family not in leanest or key < leanest[k.family][0]:
             leanest[k.family] = (key, why)
 
-    for k in pool:          # after ``top`` fits, only those tied with the last
-        if top is not None and len(fits) >= top and (k.time.dp_overlapped
-                                                      > fits[-1].time.dp_overlapped * (1 + TIE)):
+    for k in pool:          # after ``top`` fits (none beaten in time and memory), only ties
+        if (top is not None and len(fits) >= top
+                and k.time.dp_overlapped > fits[-1].time.dp_overlapped * (1 + TIE)
+                and len(_undominated(fits)) >= top):
             break
         if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
             continue
@@ -387,9 +388,10 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             fits.append(k)
         else:
             fail(k, k.estimate.total, why)
-    # equal modelled times (within TIE of the fastest): the larger micro-batch, then AdamW
+    # equal modelled times (within TIE, 2%, of each other): the larger micro-batch, then AdamW
     # (foreach) over 8-bit or fused AdamW (the same time modelled), then the leaner layout; a tie
     # cut at ``top`` fitted, so it is not "unexplored"
+    fits = _undominated(fits)
     fastest = min((k.time.dp_overlapped for k in fits), default=1.0) or 1.0
     fits.sort(key=lambda k: (round(k.time.dp_overlapped / fastest / TIE), -k.micro_batch,
                              k.family.optimizer != "adamw", k.estimate.total))
@@ -408,6 +410,20 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         else:
             unexplored.append(f.label())
     return fits, rejected, unexplored, n_estimates
+
+
+def _undominated(fits: list[Candidate]) -> list[Candidate]:
+    """The fits that no other of their family beats on both step time and memory: a slower and
+    larger recompute policy, micro-batch or schedule of the same layout is no choice."""
+    by_family = {}
+    for k in fits:
+        by_family.setdefault(k.family, []).append(k)
+
+    def beaten(k, rivals):
+        t, b = k.time.dp_overlapped, k.estimate.total
+        return any(j.time.dp_overlapped <= t and j.estimate.total <= b
+                   and (j.time.dp_overlapped, j.estimate.total) != (t, b) for j in rivals)
+    return [k for k in fits if not beaten(k, by_family[k.family])]
 
 
 def _pool(c, counts: _Counts, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable,

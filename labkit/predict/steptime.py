@@ -55,6 +55,7 @@ class StepTime:
     dequant: float = 0.0
     cp: float = 0.0
     attention: float = 0.0      # attention's s^2 FLOPs (``compute`` is the matmuls' 6 N D)
+    dp_window: float = -1.0     # the compute data parallel's traffic can hide under (-1: all)
 
     @property
     def total(self) -> float:
@@ -64,9 +65,11 @@ class StepTime:
     @property
     def dp_overlapped(self) -> float:
         """Seconds as data-parallel frameworks run a step by default, what the planner ranks
-        by: data parallel's collectives (DDP's bucketed all-reduce, FSDP's and ZeRO's
-        prefetched gathers) hidden under the compute as far as it lasts, the rest exposed."""
-        return self.total - self.dp + max(0.0, self.dp - (self.compute + self.attention))
+        by: data parallel's collectives hidden under ``dp_window`` (ZeRO-2/3: every backward's
+        reduce-scatter and FSDP's prefetched gathers, the whole compute; DDP and ZeRO-1: the
+        last micro-batch's backward), the rest exposed."""
+        window = self.compute + self.attention if self.dp_window < 0 else self.dp_window
+        return self.total - self.dp + max(0.0, self.dp - window)
 
     @property
     def overlapped(self) -> float:
@@ -83,7 +86,8 @@ class StepTime:
                 + self.host_step + max(0.0, hidden - (work - ring)))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}     # the parts and their sum
+        parts = {k: v for k, v in asdict(self).items() if k != "dp_window"}
+        return {**parts, "total": self.total}            # the parts and their sum
 
 
 def ring(n: int, nbytes: float, collective: str) -> float:
@@ -165,17 +169,29 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         # splits the heads, so each rank passes its heads' K/V
         cp_bw = intra if tp * cp <= gpus_per_node else inter
         cp_time = stage_layers * m * ((forwards + 1) * (cp - 1) + cp) * kv / cp_bw
-    offload_time = host_time = 0.0
-    if offload:           # gradient shards down, updated weight shards up (stage 3: per gather,
-        shard = (rank_params + rank_expert_params) / (dp * cp)    # a frozen base's shards too)
-        up = 2 * m if zero_stage == 3 else 1
-        frozen = frozen_params / (dp * cp) if zero_stage == 3 else 0
-        offload_time = ((shard * (OFFLOAD_GRAD_BYTES + up * STREAM_BYTES)
-                         + frozen * up * frozen_bytes) / (gpu.pcie_gbps * 1e9))
-        # the host's AdamW over the shard, bound by this rank's share of the node's DRAM
-        host_time = HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
+    offload_time, host_time = (_offload_times(gpu, (rank_params + rank_expert_params) / (dp * cp),
+                                              frozen_params / (dp * cp), frozen_bytes,
+                                              zero_stage, m) if offload else (0.0, 0.0))
+    # where dp's traffic hides: ZeRO-2/3 reduce-scatter in every backward (ZeRO-3's gathers are
+    # prefetched), so under all the compute; DDP and ZeRO-1 reduce once, in the last
+    # micro-batch's backward (DDP's no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage
+    # 1 overlaps nothing)
+    window = -1.0 if zero_stage >= 2 else (compute + attention) * passes / (2 + passes) / m
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
-                    dequant, cp_time, attention)
+                    dequant, cp_time, attention, window)
+
+
+def _offload_times(gpu, shard: float, frozen: float, frozen_bytes: float, zero_stage: int,
+                   m: int) -> tuple[float, float]:
+    """ZeRO-Offload's (PCIe seconds, host step seconds) for this rank's ``shard`` of trained
+    parameters and ``frozen`` ones: gradient shards down, updated weight shards up (stage 3:
+    per gather, a frozen base's shards too), then the host's AdamW over the shard, bound by
+    this rank's share of the node's DRAM."""
+    up = 2 * m if zero_stage == 3 else 1
+    frozen = frozen if zero_stage == 3 else 0
+    pcie = ((shard * (OFFLOAD_GRAD_BYTES + up * STREAM_BYTES) + frozen * up * frozen_bytes)
+            / (gpu.pcie_gbps * 1e9))
+    return pcie, HOST_STEP_BYTES * shard / (gpu.host_gbps * 1e9 * HOST_EFFICIENCY)
 
 
 def attention_forward_flops(c, seq: int) -> float:
@@ -186,12 +202,14 @@ def attention_forward_flops(c, seq: int) -> float:
 
 
 RANKING = ("the ranking adds compute, bubble and every collective but data parallel's, which "
-           "hides under the compute as far as it lasts, as DDP's bucketed all-reduce and FSDP's "
-           "and ZeRO's prefetched gathers run by default; the line 'overlap:' re-ranks the "
-           "layouts found with pp and ep communication hidden too (DualPipe, Megatron's overlap "
-           "options) and cp's under attention (tp's, offload's and the host step stay exposed; "
-           "Megatron's --tp-comm-overlap would hide some of tp's): what the default frameworks "
-           "do, and the most a framework hides")
+           "hides as the frameworks run it by default: ZeRO-2 and -3 reduce-scatter in every "
+           "backward and FSDP prefetches its gathers (hidden under all the compute), DDP and "
+           "ZeRO-1 reduce in the last micro-batch's backward (DDP's no_sync, Megatron's "
+           "--overlap-grad-reduce; DeepSpeed's stage 1 overlaps nothing); the line 'overlap:' "
+           "re-ranks the layouts found with all of dp's, pp's and ep's communication hidden "
+           "under the compute (DualPipe, Megatron's overlap options) and cp's under attention "
+           "(tp's, offload's and the host step stay exposed; Megatron's --tp-comm-overlap would "
+           "hide some of tp's): what the default frameworks do, and the most a framework hides")
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
