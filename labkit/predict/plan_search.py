@@ -365,9 +365,7 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             leanest[k.family] = (key, why)
 
     for k in pool:          # after ``top`` fits (none beaten in time and memory), only ties
-        if (top is not None and len(fits) >= top
-                and k.time.dp_overlapped > fits[-1].time.dp_overlapped * (1 + TIE)
-                and len(_undominated(fits)) >= top):
+        if _enough(fits, top, k):
             break
         if any(_keeps_no_less(k, bad) for bad in failed.get(k.family, ())):
             continue
@@ -410,6 +408,14 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         else:
             unexplored.append(f.label())
     return fits, rejected, unexplored, n_estimates
+
+
+def _enough(fits: list[Candidate], top: int | None, k: Candidate) -> bool:
+    """Whether the search can stop before ``k``: ``top`` fits that no other of their family
+    beats, and ``k`` no tie of the last (the pool runs fastest first)."""
+    return (top is not None and len(fits) >= top
+            and k.time.dp_overlapped > fits[-1].time.dp_overlapped * (1 + TIE)
+            and len(_undominated(fits)) >= top)
 
 
 def _undominated(fits: list[Candidate]) -> list[Candidate]:
