@@ -6,14 +6,14 @@ from labkit.course.exercises.core import register
 
 @register(
     "08-shm-image-loader",
-    question="""A DataLoader with 8 workers and prefetch_factor=2 yields batches of 64 images,
-3 x 224 x 224 in fp32. How many MiB of /dev/shm do its batches take at most, by the lab's
+    question="""A DataLoader with 6 workers and prefetch_factor=4 yields batches of 32 images,
+3 x 512 x 512 in fp32. How many MiB of /dev/shm do its batches take at most, by the lab's
 formula (an upper bound: batches in flight plus two the loop may hold, each in whole 4 KiB
 pages)? Give one decimal; the solution says whether Docker's default /dev/shm holds them.""",
     unit="MiB", rtol=1e-3,
     hint="In flight: num_workers x prefetch_factor; the loop holds up to two more. "
-         "labkit.host.shm.shm_needed(batch_bytes, num_workers, prefetch_factor).",
-    solution="""one batch is 64 x 3 x 224 x 224 x 4 B = {batch:,} B ({pages:,} pages of 4 KiB);
+         "labkit.host.shm computes the bound from one batch's bytes.",
+    solution="""one batch is 32 x 3 x 512 x 512 x 4 B = {batch:,} B ({pages:,} pages of 4 KiB);
 {workers} workers x prefetch {prefetch} = {in_flight} in flight, plus 2 held by the loop: {alive}
 batches, {needed:,} B = {answer:.1f} MiB (labkit.host.shm.shm_needed): it does not fit Docker's
 default 64 MiB ({times:.1f}x). A safe flag for one rank: ``{flag}``
@@ -22,7 +22,7 @@ when they talk over NCCL.""",
 )
 def _shm_image_loader():
     from labkit.host.shm import batches_alive, batch_shm_bytes, docker_shm_flag, shm_needed
-    batch, workers, prefetch = 64 * 3 * 224 * 224 * 4, 8, 2
+    batch, workers, prefetch = 32 * 3 * 512 * 512 * 4, 6, 4
     needed = shm_needed(batch, workers, prefetch)
     MiB = 2**20
     return {"answer": needed / MiB, "batch": batch, "pages": batch_shm_bytes(batch) // 4096,
@@ -78,43 +78,52 @@ def _reserved_three_tensors():
 
 @register(
     "08-pinned-staging-buffer",
-    question="""You allocate a 600 MiB staging buffer with torch.empty(..., pin_memory=True) on a
-CUDA machine. How many MiB of page-locked host memory does PyTorch's pinned-memory cache take
-for it?""",
+    question="""On a CUDA machine you pin two staging buffers with torch.empty(..., pin_memory=True):
+300 MiB for activations and 520 MiB for optimizer states. How many MiB of page-locked host memory
+does PyTorch's pinned-memory cache take for the two?""",
     unit="MiB", rtol=0,
-    hint="By default the pinned (host) caching allocator rounds each request up to a power of "
-         "two (labkit.host.pinned.pinned_host_bytes).",
-    solution="""600 MiB rounds up to the next power of two, {answer:g} MiB
-(CachingHostAllocator: c10::llvm::PowerOf2Ceil), {extra:g} MiB more than asked. Freed, the
-block stays cached for the next request that fits until torch.accelerator.empty_host_cache()
-(torch.cuda.host_memory_stats() counts the rounded bytes).""",
+    hint="By default the pinned (host) caching allocator rounds each request up on its own "
+         "(labkit.host.pinned models the rule).",
+    solution="""Each request rounds up to the next power of two: 300 MiB -> {first:g} MiB, 520 MiB ->
+{second:g} MiB, {answer:g} MiB in all (CachingHostAllocator: c10::llvm::PowerOf2Ceil), {extra:g} MiB
+more than asked. Freed, a block stays cached for the next request that fits until
+torch.accelerator.empty_host_cache() (torch.cuda.host_memory_stats() counts the rounded bytes).""",
 )
 def _pinned_staging_buffer():
     from labkit.host.pinned import pinned_host_bytes
     MiB = 2**20
-    pinned = pinned_host_bytes(600 * MiB) // MiB
-    return {"answer": pinned, "extra": pinned - 600}
+    first, second = (pinned_host_bytes(n * MiB) // MiB for n in (300, 520))
+    return {"answer": first + second, "first": first, "second": second,
+            "extra": first + second - 820}
 
 
 @register(
     "08-eval-leak-per-batch",
-    question="""An evaluation loop over `small` sums its losses as tensors (total = total +
-model(x, y)) without torch.no_grad(), at batch 4 x 128 tokens in fp32. How many MiB does each
-evaluation batch leave alive?""",
+    question="""An evaluation loop over `small` at batch 8 x 128 tokens enters
+torch.autocast("cpu", dtype=torch.bfloat16) for each batch and sums its losses as tensors
+(total = total + model(x, y)), without torch.no_grad(). How many MiB does each evaluation batch
+leave alive? Predict it, then write the loop and run two batches under lk.MemoryTracker.""",
     unit="MiB", rtol=0.01,
-    hint="Each batch keeps what its forward pass saved for a backward pass that never comes: "
-         "lk.estimate('small', 4, 128, precision='fp32').saved_activations, or measure it with "
-         "labkit.training.leaks.run_leak('eval loss as a tensor', cfg='small', batch=4, seq=128).",
-    solution="""Every batch keeps its whole autograd graph, with what the forward saved for backward:
-{answer:.2f} MiB measured (labkit.training.leaks.run_leak), {estimate:.2f} MiB by
-lk.estimate(...).saved_activations. Over a 1,000-batch evaluation that is {thousand:.1f} GiB.
-Under torch.no_grad() (and with total += loss.item()) nothing stays.""",
+    hint="A batch keeps what its forward saved for a backward that never comes. Autocast's cast "
+         "cache is dropped when its block exits, but the graph keeps the bf16 weight copies it "
+         "saved: 2 bytes for every weight a matmul used (the linear layers and the LM head, not "
+         "the embedding nor the norms). The estimate has both terms in bf16-mixed.",
+    solution="""Every batch keeps its graph with what the forward saved, and its own bf16 copy of
+every matmul weight: {answer:.2f} MiB measured (labkit.training.leaks.run_leak), of which
+{copies:.2f} MiB are the copies (2 B x {weights:,} weights); the formula
+(labkit.training.leaks.kept_per_step: lk.estimate's saved activations and weight cache)
+gives {expected:.2f} MiB. With autocast entered once around the loop the copies are made once:
+{around:.2f} MiB a batch. Over a 1,000-batch evaluation that is {thousand:.1f} GiB. Under
+torch.no_grad() (and with total += loss.item()) nothing stays.""",
 )
 def _eval_leak_per_batch():
-    from labkit.predict import estimate
-    from labkit.training.leaks import run_leak
-    MiB = 2**20
-    run = run_leak("eval loss as a tensor", cfg="small", batch=4, seq=128, steps=2)
-    saved = estimate("small", 4, 128, precision="fp32").saved_activations
-    return {"answer": run.per_step / MiB, "estimate": saved / MiB,
-            "thousand": 1000 * run.per_step / 2**30}
+    from labkit.predict import count_params
+    from labkit.training.leaks import kept_per_step, run_leak
+    MiB, B, T = 2**20, 8, 128
+    per_batch, around = (run_leak(leak, cfg="small", batch=B, seq=T, steps=2).per_step
+                         for leak in ("eval, autocast per batch", "eval, autocast around loop"))
+    pc = count_params("small")
+    weights = pc.total - pc.by_component["embedding"] - pc.by_component["norms"]
+    return {"answer": per_batch / MiB, "copies": (per_batch - around) / MiB, "weights": weights,
+            "expected": kept_per_step("eval, autocast per batch", "small", B, T) / MiB,
+            "around": around / MiB, "thousand": 1000 * per_batch / 2**30}
