@@ -7,10 +7,10 @@ import labkit as lk
 
 from labkit.training.track import MemoryTracker
 from labkit.transformer.attention import core_peak_bytes
-from labkit.transformer.local_attention import (attention_memory, block_density,
-                                                core_allocator_peak, flex_attention_memory,
-                                                local_global_mask, smallest_batch_saving,
-                                                window_kv_cache)
+from labkit.transformer.local_attention import (attention_memory, banded_naive_saving,
+                                                block_density, core_allocator_peak,
+                                                flex_attention_memory, local_global_mask,
+                                                smallest_batch_saving, window_kv_cache)
 
 
 def test_local_global_mask_on_a_small_sequence():
@@ -54,6 +54,38 @@ def test_the_allocator_sees_sdpas_scratch_the_tracker_does_not(one_thread):
     tiled, sdpa = core_allocator_peak("tiled", n), core_allocator_peak("sdpa", n)
     assert abs(tiled - core_peak_bytes("tiled", n)) < 1024   # tensors only: the same count
     assert sdpa > core_peak_bytes("sdpa", n)                  # + the fused kernel's scratch
+
+
+def test_a_banded_kernel_is_measured_against_the_whole_matrix_naive_attention_keeps():
+    T, window, n_global = 4096, 512, 4
+    b = banded_naive_saving("llama-2-7b", T, window, n_global)
+    # window pairs per row (fewer in the first rows) + the global tokens left of each window
+    band = sum(min(i + 1, window) + min(n_global, max(0, i + 1 - window)) for i in range(T))
+    assert b.band_pairs == band == 1_980_666
+    assert b.of_matrix == band / T**2 and b.of_causal == 2 * b.of_matrix * T / (T + 1)
+    assert round(b.matrix_saving, 3) == 0.882 and round(b.of_causal, 2) == 0.24
+    c = lk.preset("llama-2-7b")
+    naive, sdpa = (lk.estimate(c, 1, T, precision="bf16-mixed", attention=a).saved_activations
+                   for a in ("naive", "sdpa"))
+    assert b.probabilities == naive - sdpa + c.layers * c.heads * T * 4   # + SDPA's log-sum-exp
+    assert b.saved == naive and round(b.saved_saving, 2) == 0.68
+
+
+def test_sdpas_math_backend_computes_bf16_attention_in_fp32(one_thread):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    H, n, d = 8, 256, 64
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()    # the default
+    with sdpa_kernel(SDPBackend.MATH):
+        default = core_peak_bytes("sdpa", n, dtype=torch.bfloat16)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+        try:
+            reduced = core_peak_bytes("sdpa", n, dtype=torch.bfloat16)
+        finally:
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+    # three (H, N, N) matrices at the backward's peak (P kept, dP, dS) in fp32 by default, and
+    # 14 B per (H, N, d) number: fp32 q and k kept, fp32 dv, the bf16 output
+    assert default == 3 * H * n * n * 4 + 14 * H * n * d
+    assert reduced == 3 * H * n * n * 2 + 8 * H * n * d      # all in bf16 once allowed
 
 
 def test_a_sliding_window_caps_mistrals_kv_cache():

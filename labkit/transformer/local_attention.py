@@ -1,7 +1,8 @@
-"""Sliding-window + global-token attention: what it saves, checked three ways (lab 07, claim 19
+"""Sliding-window + global-token attention: what it saves, checked four ways (lab 07, claim 19
 "sparse (local + global) attention cuts memory 30%"): a dense boolean mask given to SDPA,
-FlexAttention's block mask, and the inference KV cache that a sliding window caps at ``window``
-tokens (Mistral 7B's rolling buffer, Jiang et al., 2023).
+FlexAttention's block mask, a banded kernel against naive attention's (T, T) matrices, and the
+inference KV cache that a sliding window caps at ``window`` tokens (Mistral 7B's rolling buffer,
+Jiang et al., 2023).
 
 ``allocator_peak`` and ``core_allocator_peak`` read the CPU allocator (torch.profiler) where the
 ``MemoryTracker`` cannot look: inside a fused or compiled kernel (its per-thread scratch).
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from labkit.core.config import ModelConfig, preset
 from labkit.core.units import check_positive, dtype_bytes, torch_dtype
-from labkit.predict import kv_cache_bytes
+from labkit.predict import estimate, kv_cache_bytes
 from labkit.predict.layers import count_params
 from labkit.training.track import MemoryTracker
 
@@ -105,6 +106,57 @@ def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
     return AttentionMemory(T, window, n_global, full, masked, mask.nbytes,
                            mask.sum().item() / causal_pairs, block_density(mask), full_forward,
                            masked_forward, T * T * q.element_size())
+
+
+@dataclass(frozen=True)
+class BandedSaving:
+    """What a banded kernel would keep of naive attention's probabilities in one training step.
+    Naive attention keeps the whole (T, T) matrix per head, upper triangle and masked pairs
+    included; a banded kernel would keep the mask's pairs alone."""
+
+    T: int
+    window: int
+    n_global: int
+    band_pairs: int            # (query, key) pairs the local + global mask keeps
+    probabilities: int         # bytes naive attention keeps for its (T, T) matrices, every layer
+    saved: int                 # the step's saved activations with naive attention (lk.estimate)
+
+    @property
+    def of_matrix(self) -> float:
+        """The band's share of the T^2 pairs naive attention keeps."""
+        return self.band_pairs / self.T ** 2
+
+    @property
+    def of_causal(self) -> float:
+        """The band's share of the causal pairs (what a causal kernel computes)."""
+        return self.band_pairs / (self.T * (self.T + 1) // 2)
+
+    @property
+    def matrix_saving(self) -> float:
+        """How much smaller the (T x T) term gets: the pairs outside the band."""
+        return 1 - self.of_matrix
+
+    @property
+    def probability_share(self) -> float:
+        """The probabilities' share of the saved activations."""
+        return self.probabilities / self.saved
+
+    @property
+    def saved_saving(self) -> float:
+        """How much smaller the saved activations get."""
+        return self.matrix_saving * self.probability_share
+
+
+def banded_naive_saving(cfg: ModelConfig | str = "llama-2-7b", T: int = 4096, window: int = 512,
+                        n_global: int = 4, batch: int = 1) -> BandedSaving:
+    """Naive attention under bf16-mixed keeps 6 bytes per (query, key) pair and head in every
+    layer (the fp32 softmax and its bf16 copy: ``lk.estimate(..., attention="naive")``'s term)
+    for all T^2 pairs; a banded kernel would keep the local + global mask's pairs only."""
+    c = preset(cfg) if isinstance(cfg, str) else cfg
+    band = int(local_global_mask(T, window, n_global).sum())
+    probabilities = batch * c.layers * c.heads * T * T * (4 + 2)
+    saved = estimate(c, batch, T, precision="bf16-mixed", attention="naive").saved_activations
+    return BandedSaving(T, window, n_global, band, probabilities, saved)
 
 
 @dataclass

@@ -9,8 +9,10 @@ from labkit.predict import kv_cache_bytes
 @register(
     "07-naive-minus-sdpa-gqa",
     question="""Section 1's naive core keeps, in every layer, the (B, H, T, T) probabilities and k
-and v repeated from the model's kv heads to all H query heads; SDPA keeps k and v as they are
-and one fp32 log-sum-exp per row and head instead. Mistral 7B uses grouped-query attention.
+and v repeated from the model's kv heads to all H query heads; labkit's SDPA call
+(enable_gqa=True) keeps k and v at the kv heads and one fp32 log-sum-exp per row and head
+instead (transformers' SDPA path repeats k and v too whenever it is given an attention mask).
+Mistral 7B uses grouped-query attention.
 Predict how many GiB more activations a training step of mistral-7b keeps with naive attention
 than with SDPA, at batch 1 x 4096 tokens under bf16-mixed (autocast), all layers; then check
 with lk.estimate("mistral-7b", 1, 4096, precision="bf16-mixed", attention=a).saved_activations
@@ -48,34 +50,48 @@ def _naive_minus_sdpa_gqa():
             "peak_sdpa": sdpa.total / GiB, "phase_sdpa": sdpa.peak_phase}
 
 
+TILE_SIZES = (64, 128, 256, 512)       # rows per tile (real GPU kernels use 64-128)
+
+
 @register(
     "07-tiled-peak-block",
-    question="""Section 3's tracker counts labkit's tiled core, at its peak, as four (H, N, d) fp32
-tensors, two (H, N) fp32 rows (the log-sum-exp and D) and five (H, b, b) fp32 tiles (S, P, dS
-and two temporaries) for tiles of b rows. With 8 heads of 64, predict the peak that one forward
-+ backward adds to its inputs at N = 1024 in tiles of b = 256, then run
-labkit.transformer.attention.core_peak_bytes("tiled", 1024, block=256) to check it.""",
-    unit="MiB", rtol=1e-3,
-    hint="4 x H x N x d x 4 B + 2 x H x N x 4 B + 5 x H x b x b x 4 B, with H = 8, d = 64, "
-         "N = 1024, b = 256; 1 MiB = 2^20 bytes.",
-    solution="""4 x 8 x 1024 x 64 x 4 B = {tensors:.2f} MiB, + 2 x 8 x 1024 x 4 B = {rows:.4f} MiB,
-+ 5 x 8 x 256 x 256 x 4 B = {tiles:.2f} MiB = {predicted:.4f} MiB predicted;
-attention.core_peak_bytes("tiled", 1024, block=256) measures {answer:.4f} MiB. The tiles grow as
-b^2 and not with N: in 128-row tiles the same core peaks at {b128:.2f} MiB, and SDPA's fused kernel
-at {sdpa:.2f} MiB (the tracker's count, N = 1024), so tiles of 256 put the tiled core {side} it.
-A GPU kernel keeps its tiles in on-chip memory (SRAM), not in GPU memory: the tile term is the
-cost of labkit's PyTorch loop, which makes each tile a tensor.""",
+    question="""Section 3's tracker counts, at the peak of one forward + backward beyond the inputs,
+SDPA's fused CPU kernel as five (H, N, d) fp32 tensors and labkit's tiled core as four, plus two
+(H, N) fp32 rows (the log-sum-exp and D) and five (H, b, b) fp32 tiles (S, P, dS and two
+temporaries) for tiles of b rows. With 8 heads of 64 at N = 2048, what is the smallest tile size
+b among 64, 128, 256 and 512 at which the tiled core peaks higher than SDPA? Reason it out, then
+check with labkit.transformer.attention.core_peak_bytes("tiled", 2048, block=b) against
+core_peak_bytes("sdpa", 2048).""",
+    unit="rows per tile", rtol=0,
+    hint="Only the tiles grow with b. The tiled core peaks higher once its five (H, b, b) tiles "
+         "outweigh what SDPA holds beyond the tiled core's four (H, N, d) tensors and two (H, N) "
+         "rows. Solve for b, then take the next size in the list.",
+    solution="""SDPA holds one (H, N, d) fp32 tensor more than the tiled core: 8 x 2048 x 64 x 4 B =
+{unit:.2f} MiB, less the tiled core's two rows, 2 x 8 x 2048 x 4 B = {rows:.3f} MiB: {gap:.3f} MiB.
+The tiles, 5 x 8 x b^2 x 4 B, pass it from b^2 > {b2:,.0f}, b > {b_min:.0f}: the first size in the
+list is {answer}. Measured (core_peak_bytes, N = 2048): {table}; SDPA {sdpa:.2f} MiB. The tiles
+do not grow with N: at N = 4096 the crossing moves to b > {b_min_4096:.0f}, since SDPA's extra
+tensor doubles. A GPU kernel keeps its tiles in on-chip memory (SRAM), not in GPU memory: the
+tile term is the cost of labkit's PyTorch loop, which makes each tile a tensor.""",
 )
 def _tiled_peak_block():
     from labkit.transformer.attention import core_peak_bytes
-    H, N, d, b, MiB = 8, 1024, 64, 256, 2**20
-    tensors, rows, tiles = 4 * H * N * d * 4, 2 * H * N * 4, 5 * H * b * b * 4
-    measured = core_peak_bytes("tiled", N, heads=H, head_dim=d, block=b)
+    H, N, d, MiB = 8, 2048, 64, 2**20
     sdpa = core_peak_bytes("sdpa", N, heads=H, head_dim=d)
-    return {"answer": measured / MiB, "tensors": tensors / MiB, "rows": rows / MiB,
-            "tiles": tiles / MiB, "predicted": (tensors + rows + tiles) / MiB,
-            "b128": core_peak_bytes("tiled", N, heads=H, head_dim=d, block=128) / MiB,
-            "sdpa": sdpa / MiB, "side": "above" if measured > sdpa else "below"}
+    measured = {}
+    for b in TILE_SIZES:                    # in order, up to the first that peaks above SDPA
+        measured[b] = core_peak_bytes("tiled", N, heads=H, head_dim=d, block=b)
+        if measured[b] > sdpa:
+            break
+    else:
+        raise RuntimeError(f"the tiled core stays below SDPA up to tiles of {b}")
+    gap = H * N * d * 4 - 2 * H * N * 4                  # SDPA's fifth tensor less the two rows
+    gap_4096 = H * 4096 * d * 4 - 2 * H * 4096 * 4
+    table = ", ".join(f"b = {b}: {m / MiB:.2f} MiB" for b, m in measured.items())
+    return {"answer": b, "unit": H * N * d * 4 / MiB, "rows": 2 * H * N * 4 / MiB,
+            "gap": gap / MiB, "b2": gap / (5 * H * 4), "b_min": (gap / (5 * H * 4)) ** 0.5,
+            "b_min_4096": (gap_4096 / (5 * H * 4)) ** 0.5, "table": table,
+            "sdpa": sdpa / MiB, "measured": measured}
 
 
 WATERMARKS = (5, 10, 15, 20, 25, 30, 35, 40)       # percent of the blocks kept free
