@@ -9,21 +9,39 @@ from labkit.course.exercises.core import GiB, register
 
 @register(
     "03-full-recompute-kept",
-    question="""With full recomputation, each layer of LLaMA-2-7B keeps only its input for the
-backward pass. How much is that per layer for one sequence of 4096 tokens in bf16?""",
+    question="""LLaMA-2-7B trains in bf16-mixed (fp32 weights, bf16 autocast) with full
+recomputation: each layer keeps only its input for the backward pass. How much is that per layer
+for one sequence of 4096 tokens? Predict it, then check it with lk.estimate: the saved activations
+of the same model with one layer more, less the model's own.""",
     unit="MiB",
-    hint="The input of a block is the hidden state: tokens x hidden numbers, 2 bytes each.",
-    solution="""4096 tokens x {h} hidden x 2 bytes = {bytes:,} bytes = {answer:.0f} MiB per layer;
-x {layers} layers = {total:.0f} MiB, against {none:.1f} GiB of saved activations without
-recomputation (lk.estimate(..., precision="bf16", recompute="none").saved_activations).""",
+    hint="The input of a block is the residual stream: tokens x hidden numbers. Which dtype is it "
+         "under autocast? The matmuls run in bf16, but the residual x = x + block(x) adds a bf16 "
+         "output to an fp32 tensor. To check: lk.estimate(cfg.replace(layers=33), batch=1, seq=4096, "
+         "precision='bf16-mixed', recompute='full').saved_activations minus the same for cfg, with "
+         "cfg = lk.preset('llama-2-7b').",
+    solution="""4096 tokens x {h} hidden x 4 bytes = {bytes:,} bytes = {answer:.0f} MiB per layer.
+Under bf16-mixed the residual stream stays fp32: the embedding's weights are fp32, and adding a
+block's bf16 output to an fp32 tensor gives fp32. Hence twice the {bf16:.0f} MiB of pure bf16.
+lk.estimate keeps {measured:.0f} MiB more with one layer more (equal: {equal}). x {layers} layers =
+{total:.2f} GiB of the {full:.2f} GiB saved under full recomputation; the rest ({rest:.2f} GiB) is
+kept outside the checkpointed blocks: the final norm, the LM head's input and the loss's fp32
+log-softmax. Without recomputation: {none:.2f} GiB.""",
 )
 def _full_recompute_kept():
     from labkit.predict import estimate
     c = preset("llama-2-7b")
-    per_layer = 4096 * c.hidden * 2
-    none = estimate(c, seq=4096, precision="bf16").saved_activations
+    per_layer = 4096 * c.hidden * 4                       # the fp32 residual stream
+
+    def saved(cfg, recompute="full"):
+        return estimate(cfg, batch=1, seq=4096, precision="bf16-mixed",
+                        recompute=recompute).saved_activations
+
+    full, one_more = saved(c), saved(c.replace(layers=c.layers + 1))
     return {"answer": per_layer / 2**20, "h": c.hidden, "bytes": per_layer, "layers": c.layers,
-            "total": c.layers * per_layer / 2**20, "none": none / GiB}
+            "bf16": per_layer / 2 / 2**20, "measured": (one_more - full) / 2**20,
+            "equal": one_more - full == per_layer, "total": c.layers * per_layer / GiB,
+            "full": full / GiB, "rest": (full - c.layers * per_layer) / GiB,
+            "none": saved(c, "none") / GiB}
 
 
 @register(
