@@ -32,28 +32,36 @@ def _fewest_a100s_7b():
 
 
 @register(
-    "09-least-host-memory-one-4090",
-    question="""On one RTX 4090, DeepSeek-V2-Lite at 2048 tokens fits only with part of the
-step in host memory. With full fine-tuning, LoRA and QLoRA all allowed, what is the least host
-memory per node, in GiB and a power of 2 (16, 32, 64, ...), with which the planner finds a
-layout that fits?""",
-    unit="GiB", rtol=0,
-    hint="plan('deepseek-v2-lite', 'rtx-4090-24gb', 1, seq=2048, trainable=('all', 'lora', "
-         "'qlora'), host_ram=n * 2**30) for n = 16, 32, 64, ...; a plan's .fits is empty when "
-         "nothing fits. The planner keeps 80% of the host memory for pinned states.",
-    solution="""with {answer} GiB of host memory the planner's first layout is "{best}":
-{gpu:.2f} GiB per GPU and {host:.2f} GiB of pinned host memory, within 80% of {answer} GiB
-({usable:.1f} GiB). With {less} GiB that layout is rejected: {why}.""",
+    "09-no-p2p-link",
+    question="""The RTX 4090 has no peer-to-peer transfers: two of them talk through host
+memory, far below the 32 GB/s the planner assumes. Plan DeepSeek-V2-Lite at 2048 tokens on two
+RTX 4090s (full fine-tuning, LoRA and QLoRA allowed) with their link at 8 GB/s per direction:
+what is the modelled step time of the first layout, in seconds?""",
+    unit="s", rtol=0.01,
+    hint="dataclasses.replace(labkit.core.gpus.GPUS['rtx-4090-24gb'], intra_node_gbps=8) is a "
+         "GPU of your own; pass it to plan(...) and read .fits[0].time.dp_overlapped.",
+    solution="""at 8 GB/s the first layout is still "{best}", {answer:.2f} s a step (at 32 GB/s
+{fast:.2f} s), but only {lead:.0%} ahead of "{second}" ({second_time:.2f} s); FSDP's layouts,
+which gather the frozen base every pass, go from {fsdp_fast:.2f} s to {fsdp:.2f} s.""",
 )
-def _least_host_memory_one_4090():
+def _no_p2p_link():
+    import dataclasses
+
+    from labkit.core.gpus import GPUS
     from labkit.course.plan import plan
-    GiB_, n, before = 2**30, 16, None
-    while not (p := plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048,
-                         trainable=("all", "lora", "qlora"), host_ram=n * GiB_, top=1,
-                         advice=False)).fits:
-        n, before = 2 * n, p
-    best = p.fits[0]
-    why = before.rejected[best.family.label()] if before else "(it fits from 16 GiB)"
-    return {"answer": n, "best": best.label(), "gpu": best.estimate.total / GiB_,
-            "host": best.estimate.details.get("host memory", 0) / GiB_, "usable": 0.8 * n,
-            "less": n // 2, "why": why}
+
+    def firsts(gbps):
+        gpu = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=gbps)
+        p = plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
+                 top=None, advice=False)
+        out = {}
+        for k in p.fits:                           # each family's fastest, fastest first
+            out.setdefault(k.family.label(), k)
+        return list(out.values())
+    slow, fast = firsts(8), firsts(32)
+    fsdp = lambda ks: next(k for k in ks if "sharded" in k.label()).time.dp_overlapped
+    return {"answer": slow[0].time.dp_overlapped, "best": slow[0].label(),
+            "fast": fast[0].time.dp_overlapped, "second": slow[1].label(),
+            "second_time": slow[1].time.dp_overlapped,
+            "lead": slow[1].time.dp_overlapped / slow[0].time.dp_overlapped - 1,
+            "fsdp_fast": fsdp(fast), "fsdp": fsdp(slow)}
