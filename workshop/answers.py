@@ -34,7 +34,7 @@ ids = torch.randint(0, model.cfg.vocab_size, (1, 256 + 1))
 x, y = ids[:, :-1], ids[:, 1:]
 with lk.MemoryTracker(model, opt) as usual:
     train_step(model, opt, x, y, tracker=usual)                # zero_grad right after step()
-model(x, y).backward(); opt.step()                            # the common loop leaves its gradients
+model(x, y).backward(); opt.step()                            # a late-zero_grad step leaves its gradients
 with lk.MemoryTracker(model, opt) as late:                    # loss; zero_grad; backward; step
     with late.phase("forward"):
         loss = model(x, y)
@@ -117,7 +117,11 @@ answer = 100 * (1 - half.peak / fp32.peak)
 
 # %% 03-full-recompute-kept
 c = lk.preset("llama-2-7b")
-answer = 4096 * c.hidden * 2 / 2**20                       # one layer's input: tokens x hidden, bf16
+answer = 4096 * c.hidden * 4 / 2**20                 # one layer's input: the fp32 residual stream
+saved = {n: lk.estimate(c.replace(layers=n), batch=1, seq=4096, precision="bf16-mixed",
+                        recompute="full").saved_activations for n in (c.layers, c.layers + 1)}
+print(f"predicted {answer:.0f} MiB; lk.estimate, one layer more: "
+      f"{(saved[c.layers + 1] - saved[c.layers]) / 2**20:.0f} MiB")
 
 # %% 03-padding-waste
 from labkit.training import batching
@@ -254,9 +258,12 @@ print(f"lk.estimate: {(saved['naive'] - saved['sdpa']) / 2**30:.2f} GiB")
 
 # %% 07-tiled-peak-block
 from labkit.transformer import attention
-H, N, d, b = 8, 1024, 64, 256
-answer = (4 * H * N * d * 4 + 2 * H * N * 4 + 5 * H * b * b * 4) / 2**20   # 4 (H,N,d) + 2 rows + 5 tiles, fp32
-print(f"measured: {attention.core_peak_bytes('tiled', N, block=b) / 2**20:.4f} MiB")
+H, N, d = 8, 2048, 64
+gap = H * N * d * 4 - 2 * H * N * 4          # SDPA's fifth (H, N, d) tensor less the tiled core's two rows
+answer = next(b for b in (64, 128, 256, 512) if 5 * H * b * b * 4 > gap)    # the first whose tiles outweigh it
+sdpa = attention.core_peak_bytes("sdpa", N)
+for b in (128, answer):
+    print(f"b = {b}: tiled {attention.core_peak_bytes('tiled', N, block=b) / 2**20:.2f} MiB, SDPA {sdpa / 2**20:.2f} MiB")
 
 # %% 07-watermark-no-preemption
 from labkit.transformer import paged
@@ -273,8 +280,8 @@ answer = (16 - 1) * per_token / 2**20                      # a last block holdin
 
 # %% 08-shm-image-loader
 from labkit.host import shm
-batch = 64 * 3 * 224 * 224 * 4                             # one batch of fp32 images
-answer = shm.shm_needed(batch, 8, 2) / 2**20               # (8 x 2 in flight + 2) batches, whole pages
+batch = 32 * 3 * 512 * 512 * 4                             # one batch of fp32 images
+answer = shm.shm_needed(batch, 6, 4) / 2**20               # (6 x 4 in flight + 2) batches, whole pages
 
 # %% 08-small-pool-tensors
 from labkit.host import allocator
@@ -291,22 +298,35 @@ answer = a.stats().reserved_bytes / 2**20
 
 # %% 08-pinned-staging-buffer
 from labkit.host import pinned
-answer = pinned.pinned_host_bytes(600 * 2**20) / 2**20     # rounded up to a power of two
+answer = sum(pinned.pinned_host_bytes(mib * 2**20) for mib in (300, 520)) / 2**20   # each to a power of two
 
 # %% 08-eval-leak-per-batch
-from labkit.training.leaks import run_leak
-run = run_leak("eval loss as a tensor", cfg="small", batch=4, seq=128, steps=2)
-answer = run.per_step / 2**20                          # MiB each evaluation batch leaves alive
-print(f"lk.estimate's saved activations: {lk.estimate('small', 4, 128, precision='fp32').saved_activations / 2**20:.2f} MiB")
+import torch
+c = lk.preset("small")
+model = lk.build_model(c)
+tokens = torch.randint(0, c.vocab_size, (8, 128 + 1))
+x, y = tokens[:, :-1], tokens[:, 1:]
+total, after = 0.0, []
+with lk.MemoryTracker() as mt:
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):     # entered for each batch
+            total = total + model(x, y)                       # a tensor: its graph stays
+        after.append(mt.current)
+answer = (after[1] - after[0]) / 2**20                       # MiB the second batch left alive
+est = lk.estimate(c, 8, 128, precision="bf16-mixed")
+print(f"predicted: saved activations + bf16 weight copies = "
+      f"{(est.saved_activations + est.saved_weight_cache) / 2**20:.2f} MiB")
 
 # %% 09-fewest-a100s-7b
 from labkit.course.plan import plan
 answer = next(gpus for gpus in (1, 2, 4, 8, 16)
               if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
 
-# %% 09-least-host-memory-one-4090
+# %% 09-no-p2p-link
+import dataclasses
+from labkit.core.gpus import GPUS
 from labkit.course.plan import plan
-answer = 16
-while not plan("deepseek-v2-lite", "rtx-4090-24gb", 1, seq=2048, trainable=("all", "lora", "qlora"),
-               host_ram=answer * 2**30, top=1, advice=False).fits:
-    answer *= 2                                        # GiB of host memory per node
+no_p2p = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=8)   # through host memory
+p = plan("deepseek-v2-lite", no_p2p, 2, seq=2048, trainable=("all", "lora", "qlora"), top=3)
+answer = p.fits[0].time.dp_overlapped                  # seconds, as the planner ranks
+print(p.fits[0].label())
