@@ -105,8 +105,8 @@ def test_advice_gives_the_fewest_gpus_with_offload_and_without():
     p = plan("deepseek-v2-lite", "a100-80gb", 1, seq=4096, top=1)
     assert not p.fits
     offloaded, on_gpus = p.advice[:2]
-    assert offloaded.startswith("2 x a100-80gb: full, optimizer offload, dp 1, tp 2")
-    assert on_gpus.startswith("4 x a100-80gb: full, ZeRO-3, dp 2, tp 2, pp 1, fused AdamW")
+    assert offloaded.startswith("2 x a100-80gb: full, ZeRO-2-Offload, dp 2, tp 1")
+    assert on_gpus.startswith("4 x a100-80gb: full, ZeRO-3, dp 4, tp 1, pp 1, fused AdamW")
     two = plan("deepseek-v2-lite", "a100-80gb", 2, seq=4096, top=1)
     assert two.fits[0].layout.offload and two.advice[0].startswith("4 x a100-80gb")
 

@@ -386,13 +386,7 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
             fits.append(k)
         else:
             fail(k, k.estimate.total, why)
-    # equal modelled times (within TIE, 2%, of each other): the larger micro-batch, then AdamW
-    # (foreach) over 8-bit or fused AdamW (the same time modelled), then the leaner layout; a tie
-    # cut at ``top`` fitted, so it is not "unexplored"
-    fits = _undominated(fits)
-    fastest = min((k.time.dp_overlapped for k in fits), default=1.0) or 1.0
-    fits.sort(key=lambda k: (round(k.time.dp_overlapped / fastest / TIE), -k.micro_batch,
-                             k.family.optimizer != "adamw", k.estimate.total))
+    fits = _ranked(_undominated(fits))
     fitted = {k.family for k in fits}
     fits = fits[:top]
     members_of = {}
@@ -408,6 +402,21 @@ def _search(c, gpu: GPU, gpus, gpus_per_node, seq, batch, usable, trainable, off
         else:
             unexplored.append(f.label())
     return fits, rejected, unexplored, n_estimates
+
+
+def _ranked(fits: list[Candidate]) -> list[Candidate]:
+    """Fastest first in groups of ties (every layout within TIE of its group's fastest); in a
+    group the larger micro-batch, fewer model-parallel dimensions (tp, pp, ep, cp), AdamW
+    (foreach) over 8-bit or fused AdamW (the same time), then the smaller peak."""
+    fits = sorted(fits, key=lambda k: k.time.dp_overlapped)
+    group, start, key = 0, None, {}
+    for k in fits:
+        if start is None or k.time.dp_overlapped > start * (1 + TIE):
+            group, start = group + 1, k.time.dp_overlapped
+        f = k.family
+        key[id(k)] = (group, -k.micro_batch, sum(n > 1 for n in (f.tp, f.pp, f.ep, f.cp)),
+                      f.optimizer != "adamw", k.estimate.total)
+    return sorted(fits, key=lambda k: key[id(k)])
 
 
 def _enough(fits: list[Candidate], top: int | None, k: Candidate) -> bool:

@@ -65,9 +65,9 @@ class StepTime:
     @property
     def dp_overlapped(self) -> float:
         """Seconds as data-parallel frameworks run a step by default, what the planner ranks
-        by: data parallel's collectives hidden under ``dp_window`` (ZeRO-2/3: every backward's
-        reduce-scatter and FSDP's prefetched gathers, the whole compute; DDP and ZeRO-1: the
-        last micro-batch's backward), the rest exposed."""
+        by: data parallel's collectives hidden under ``dp_window`` (ZeRO-3: FSDP's prefetched
+        gathers and every backward's reduce-scatter, the whole compute; ZeRO-2: every
+        backward; DDP and ZeRO-1: the last micro-batch's backward), the rest exposed."""
         window = self.compute + self.attention if self.dp_window < 0 else self.dp_window
         return self.total - self.dp + max(0.0, self.dp - window)
 
@@ -172,11 +172,13 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     offload_time, host_time = (_offload_times(gpu, (rank_params + rank_expert_params) / (dp * cp),
                                               frozen_params / (dp * cp), frozen_bytes,
                                               zero_stage, m) if offload else (0.0, 0.0))
-    # where dp's traffic hides: ZeRO-2/3 reduce-scatter in every backward (ZeRO-3's gathers are
-    # prefetched), so under all the compute; DDP and ZeRO-1 reduce once, in the last
-    # micro-batch's backward (DDP's no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage
-    # 1 overlaps nothing)
-    window = -1.0 if zero_stage >= 2 else (compute + attention) * passes / (2 + passes) / m
+    # where dp's traffic hides: ZeRO-3's gathers are prefetched under the forward and its
+    # reduce-scatters run in every backward (FSDP), so under all the compute; ZeRO-2
+    # reduce-scatters in every backward (FSDP's SHARD_GRAD_OP; DeepSpeed with overlap_comm,
+    # off by default at stage 2); DDP and ZeRO-1 reduce once, in the last micro-batch's
+    # backward (DDP's no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1: none)
+    backward = (compute + attention) * passes / (2 + passes)       # every micro-batch's
+    window = -1.0 if zero_stage == 3 else backward if zero_stage == 2 else backward / m
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
                     dequant, cp_time, attention, window)
 
@@ -202,14 +204,17 @@ def attention_forward_flops(c, seq: int) -> float:
 
 
 RANKING = ("the ranking adds compute, bubble and every collective but data parallel's, which "
-           "hides as the frameworks run it by default: ZeRO-2 and -3 reduce-scatter in every "
-           "backward and FSDP prefetches its gathers (hidden under all the compute), DDP and "
-           "ZeRO-1 reduce in the last micro-batch's backward (DDP's no_sync, Megatron's "
-           "--overlap-grad-reduce; DeepSpeed's stage 1 overlaps nothing); the line 'overlap:' "
-           "re-ranks the layouts found with all of dp's, pp's and ep's communication hidden "
-           "under the compute (DualPipe, Megatron's overlap options) and cp's under attention "
-           "(tp's, offload's and the host step stay exposed; Megatron's --tp-comm-overlap would "
-           "hide some of tp's): what the default frameworks do, and the most a framework hides")
+           "hides as the frameworks run it: ZeRO-3 (FSDP) prefetches its gathers and "
+           "reduce-scatters in every backward (hidden under all the compute), ZeRO-2 "
+           "reduce-scatters in every backward (FSDP's SHARD_GRAD_OP; DeepSpeed only with "
+           "overlap_comm), DDP and ZeRO-1 reduce in the last micro-batch's backward (DDP's "
+           "no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1 overlaps nothing); "
+           "times within 2% are ties, ordered by the larger micro-batch, fewer model-parallel "
+           "dimensions, then the smaller peak; the line 'overlap:' re-ranks the layouts found "
+           "with all of dp's, pp's and ep's communication hidden under the compute (DualPipe, "
+           "Megatron's overlap options) and cp's under attention (tp's, offload's and the host "
+           "step stay exposed; Megatron's --tp-comm-overlap would hide some of tp's): what the "
+           "default frameworks do, and the most a framework hides")
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
