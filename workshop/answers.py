@@ -11,13 +11,14 @@ notebook's one import cell. A new exercise needs a cell here (the build names th
 import labkit as lk
 
 # %% 01-foreach-over-for-loop
-c = lk.preset("small")
-n, largest = lk.count_params(c).total, c.vocab_size * c.hidden     # the embedding and the LM head
-predicted = 4 * n - 2 * 4 * largest      # foreach: sqrt(v) of every weight; for-loop: two of the largest
-peaks = {impl: lk.measure_step("small", seq=64, precision="fp32", optimizer_impl=impl, fake=False,
-                               device="cpu").total for impl in ("foreach", "for-loop")}
+kw = dict(seq=256, precision="fp32", device="cpu")
+impls = ("foreach", "for-loop")
+est = {impl: lk.estimate("small", optimizer_impl=impl, **kw) for impl in impls}
+for impl, e in est.items():                    # which moment sets each peak at 256 tokens?
+    print(impl, max(e.moments, key=e.moments.get), f"{e.total:,} B")
+peaks = {impl: lk.measure_step("small", optimizer_impl=impl, fake=False, **kw).total for impl in impls}
 answer = peaks["foreach"] - peaks["for-loop"]
-print(f"predicted {predicted:,} B, measured {answer:,} B")
+print(f"predicted {est['foreach'].total - est['for-loop'].total:,} B, measured {answer:,} B")
 
 # %% 01-mistral-7b-megatron-states
 n = lk.count_params("mistral-7b").total
@@ -72,10 +73,12 @@ answer = next(gpus for gpus in range(1, 1025)
               if lk.model_state_bytes(n, "bf16-mixed", "adamw", zero_stage=3, dp=gpus) <= 24 * 2**30)
 
 # %% 01-predict-then-measure-sgd-momentum
-predicted = lk.count_params("small").total * (4 + 4)      # fp32 weight + fp32 momentum buffer
+print(f"states: {lk.count_params('small').total * (4 + 4 + 4):,} B")   # weight, gradient, momentum
+e = lk.estimate("small", seq=64, precision="fp32", optimizer="sgd-momentum", device="cpu")
+print({k: f"{v:,}" for k, v in e.moments.items()})             # the peak is the largest moment
 m = lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=False)
-print(f"predicted {predicted:,} B, measured {m.params + m.optimizer:,} B")
-answer = m.params + m.optimizer
+print(f"predicted {e.total:,} B, measured {m.total:,} B during {m.peak_phase}")
+answer = m.total
 
 # %% 01-peak-moves-to-backward
 answer = next(seq for seq in range(512, 2**17, 512)
@@ -126,9 +129,9 @@ print(f"predicted {answer:.0f} MiB; lk.estimate, one layer more: "
 # %% 03-padding-waste
 from labkit.training import batching
 docs = batching.make_documents(batching.document_lengths(1000, max_len=4096, median=512, seed=3))
-padded = batching.pad_batches(docs, 8)
-print(f"{padded.tokens:,} real tokens, {padded.padding:,} padding positions")
-answer = 100 * padded.waste
+waste = {b: batching.bucket_batches(docs, b).waste for b in range(1, 41)}   # length buckets of b
+print(", ".join(f"b = {b}: {100 * w:.2f}%" for b, w in waste.items() if 16 <= b <= 24))
+answer = max(b for b, w in waste.items() if w < 0.05)     # b = 41 to 1000 all pad 5% or more
 
 # %% 03-accumulation-fits-h100
 from labkit.core.gpus import gpu, usable_memory
@@ -152,13 +155,18 @@ while hi - lo > 1:
 answer = hi
 
 # %% 03-cheapest-recompute-fits-24gib
+from labkit.core.gpus import gpu, usable_memory
+usable = usable_memory(gpu("rtx-4090-24gb"))               # 90% of the card: the course's rule
+
 def peak(k):
     return lk.estimate("llama-2-7b", batch=1, seq=4096, precision="bf16-master", zero_stage=3,
                        dp=16, recompute=f"every-{k}", device="cuda").total
 
 answer = 1                                                 # every-1 = full recompute: fits
-while peak(answer + 1) <= 24 * 2**30:                      # a larger k keeps more blocks whole
+while peak(answer + 1) <= usable:                          # a larger k keeps more blocks whole
     answer += 1
+print(f"every-{answer}: {peak(answer) / 2**30:.2f} GiB, every-{answer + 1}: "
+      f"{peak(answer + 1) / 2**30:.2f} GiB; usable {usable / 2**30:.2f} GiB")
 
 # %% 03-varlen-saving
 import torch
@@ -296,9 +304,18 @@ for key, mib in enumerate((3, 7, 11)):
     print(f"{mib} MiB: reserved {a.stats().reserved_bytes / 2**20:g} MiB")
 answer = a.stats().reserved_bytes / 2**20
 
-# %% 08-pinned-staging-buffer
-from labkit.host import pinned
-answer = sum(pinned.pinned_host_bytes(mib * 2**20) for mib in (300, 520)) / 2**20   # each to a power of two
+# %% 08-max-split-needs
+from labkit.host.allocator import min_capacity, parse_alloc_conf, replay
+seqs = [1024, 2048, 1536, 4096, 3072, 2560]                # section 3's six steps
+cfg4 = lk.preset("llama-2-7b").replace(layers=4, name="llama-2-7b, 4 layers")
+mv = lk.measure_step(cfg4, 1, seqs[0], precision="bf16-mixed", fake=True, device="cuda",
+                     events=True, then=[(1, s) for s in seqs[1:]])
+for conf in ("", "max_split_size_mb:128"):
+    s = parse_alloc_conf(conf)
+    need = min_capacity(mv.events, s, tolerance=4 * 2**20)  # the smallest device it runs on
+    print(f"{conf or 'defaults':22s} needs {need / 2**30:.2f} GiB, reserves "
+          f"{replay(mv.events, s, record_trace=False).peak_reserved / 2**30:.2f} GiB with no pressure")
+answer = need / 2**30                                       # max_split_size_mb:128, the last
 
 # %% 08-eval-leak-per-batch
 import torch

@@ -11,35 +11,58 @@ from labkit.predict.papers import model_state_bytes
 @register(
     "01-foreach-over-for-loop",
     question="""Predict, then measure. The course model `small` trains in fp32 with AdamW at batch
-1 x 64 tokens, where the optimizer step sets the peak. PyTorch's for-loop AdamW makes two fp32
-temporaries the size of the largest weight at a time; `foreach` makes one fp32 temporary the size
-of every weight at once (sqrt(v)). How many bytes higher is the foreach step's peak than the
-for-loop's? Predict from lk.count_params("small").total and the largest weight (vocab_size x
-hidden in lk.preset("small")), then measure both:
-lk.measure_step("small", seq=64, precision="fp32", optimizer_impl=impl, fake=False, device="cpu").total""",
+1 x 256 tokens. PyTorch's for-loop AdamW makes two fp32 temporaries the size of the largest
+weight at a time; `foreach` makes one fp32 temporary the size of every weight at once (sqrt(v)).
+At 64 tokens the optimizer step sets both peaks (section 2). How many bytes higher is the
+foreach step's peak than the for-loop's at 256 tokens? Predict: for each implementation,
+lk.estimate("small", seq=256, precision="fp32", optimizer_impl=impl, device="cpu").moments
+lists the candidate moments; the peak is the largest. Then measure both:
+lk.measure_step("small", seq=256, precision="fp32", optimizer_impl=impl, fake=False,
+device="cpu").total""",
     unit="bytes", rtol=1e-4,
-    hint="foreach: 4 bytes x every parameter; for-loop: 2 x 4 bytes x the largest weight. The "
-         "weights, gradients, moments and buffers are the same in both steps: subtract.",
-    solution="""foreach's sqrt(v): 4 x {n:,} parameters = {foreach:,} bytes; the for-loop's two
-temporaries: 2 x 4 x {largest:,} (vocab x hidden) = {forloop:,} bytes; predicted difference
-{predicted:,} bytes.
-Measured: {foreach_peak:,} - {forloop_peak:,} = {answer:,} bytes, {residual:,} bytes under the
-prediction: while the for-loop works on the LM head it still holds the denominator of the
-parameter before it (the final norm's {hidden} fp32 numbers), which the foreach step never keeps.""",
+    hint="Only the optimizer step differs between the two (foreach: 4 bytes x every parameter; "
+         "for-loop: 2 x 4 bytes x the largest weight). The forward and backward moments grow "
+         "with the tokens: check whether the start of the backward pass overtakes one step, both "
+         "or neither, then subtract the two peaks.",
+    solution="""Predicted (lk.estimate's moments at {seq} tokens): foreach peaks at "{foreach_moment}"
+({foreach_pred:,} bytes), the for-loop at "{forloop_moment}" ({forloop_pred:,} bytes):
+{predicted:,} bytes apart. The start of the backward pass ({bwd:,} bytes) lies above the
+for-loop's optimizer step ({forloop_step:,}) and below foreach's ({foreach_step:,}), so only
+part of the optimizer steps' gap ({step_gap:,} bytes, {step_gap_per:.2f} per parameter: 4 less
+two copies of the largest weight) shows in the peaks.
+Measured: {foreach_peak:,} bytes during {foreach_phase} - {forloop_peak:,} during {forloop_phase}
+= {answer:,} bytes ({per:.2f} per parameter), {residual} bytes under the prediction: the loss's
+4-byte scalar, which the estimate leaves out (section 5). From {zero_from} tokens on the backward
+pass sets both peaks and the difference is 0: a for-loop run undercounts a foreach step only
+where the optimizer step is the peak.""",
 )
 def _foreach_over_for_loop():
+    from labkit.predict import estimate
     from labkit.training.measure import measure_step
-    c = preset("small")
-    n, largest = count_params(c).total, c.vocab_size * c.hidden
-    peaks = {impl: measure_step("small", seq=64, precision="fp32", optimizer_impl=impl,
+    seq, n = 256, count_params("small").total
+
+    def est(impl, s=seq):
+        return estimate("small", seq=s, precision="fp32", optimizer_impl=impl, device="cpu")
+    e = {impl: est(impl) for impl in ("foreach", "for-loop")}
+    top = {impl: max(x.moments, key=x.moments.get) for impl, x in e.items()}
+    peaks = {impl: measure_step("small", seq=seq, precision="fp32", optimizer_impl=impl,
                                 fake=True, device="cpu") for impl in ("foreach", "for-loop")}
-    assert all(m.peak_phase == "optimizer" for m in peaks.values())
+    assert (peaks["foreach"].peak_phase, peaks["for-loop"].peak_phase) == ("optimizer", "backward")
     answer = peaks["foreach"].total - peaks["for-loop"].total
-    predicted = 4 * n - 2 * 4 * largest
-    return {"answer": answer, "n": n, "largest": largest, "foreach": 4 * n,
-            "forloop": 2 * 4 * largest, "predicted": predicted,
-            "foreach_peak": peaks["foreach"].total, "forloop_peak": peaks["for-loop"].total,
-            "residual": predicted - answer, "hidden": c.hidden}
+    predicted = e["foreach"].total - e["for-loop"].total
+    step = {impl: x.moments["optimizer step"] for impl, x in e.items()}
+    assert step["for-loop"] < e["foreach"].moments["backward: start"] < step["foreach"]
+    zero_from = next(s for s in range(seq, 4097, 64)                 # backward sets both peaks
+                     if est("foreach", s).total == est("for-loop", s).total)
+    return {"answer": answer, "seq": seq, "foreach_moment": top["foreach"],
+            "foreach_pred": e["foreach"].total, "forloop_moment": top["for-loop"],
+            "forloop_pred": e["for-loop"].total, "predicted": predicted,
+            "bwd": e["foreach"].moments["backward: start"], "forloop_step": step["for-loop"],
+            "foreach_step": step["foreach"], "step_gap": step["foreach"] - step["for-loop"],
+            "step_gap_per": (step["foreach"] - step["for-loop"]) / n,
+            "foreach_peak": peaks["foreach"].total, "foreach_phase": peaks["foreach"].peak_phase,
+            "forloop_peak": peaks["for-loop"].total, "forloop_phase": peaks["for-loop"].peak_phase,
+            "per": answer / n, "residual": predicted - answer, "zero_from": zero_from}
 
 
 @register(
@@ -99,11 +122,11 @@ def _zero_grad_placement_peaks(seq: int, impl: str = "fused") -> tuple:
     "01-zero-grad-placement",
     question="""Measure it. The course model `small` trains in fp32 with fused AdamW
 (optimizer_impl "fused") at batch 1 x 256 tokens. Run one step with train_step (zero_grad
-right after step()) and one with late_zero_grad_step from section 2 (zero_grad between forward
-and backward), each under lk.MemoryTracker(model, opt), as section 2 does. How many bytes higher
+right after step()) and one with late_zero_grad_step from section 5 (zero_grad between forward
+and backward), each under lk.MemoryTracker(model, opt), as section 5 does. How many bytes higher
 is the late zero_grad's peak?""",
     unit="bytes", rtol=0.001,
-    hint="Copy section 2's cell with seq=256 and impl=\"fused\"; the answer is late.peak - "
+    hint="Copy section 5's cell with seq=256 and impl=\"fused\"; the answer is late.peak - "
          "usual.peak. To predict it: lk.estimate(...).moments[\"forward: loss\"] plus 4 bytes of "
          "fp32 gradient per parameter, against the estimate's peak.",
     solution="""zero_grad right after step(): peak {usual:,} bytes, during {usual_phase}.
@@ -257,27 +280,45 @@ def _zero3_fewest_gpus():
 @register(
     "01-predict-then-measure-sgd-momentum",
     question="""Predict, then measure. The course model `small` trains in fp32 with SGD with
-momentum. How many bytes do its weights and its optimizer state (the momentum buffers) take?
-Predict from lk.count_params("small"), then run
+momentum at batch 1 x 64 tokens. SGD keeps one fp32 momentum buffer per parameter and makes no
+temporaries in its step. What is the measured peak of one step, in bytes? Predict the states
+(weights, gradients, momentum) from lk.count_params("small"), then what else is alive at each
+moment: lk.estimate("small", seq=64, precision="fp32", optimizer="sgd-momentum",
+device="cpu").moments. Then measure:
 m = lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=False)
-and compare m.params + m.optimizer with your prediction.""",
-    unit="bytes", rtol=0,
-    hint="fp32 weights are 4 bytes each; SGD with momentum keeps one fp32 buffer per parameter "
-         "(and, unlike AdamW, no step counter).",
-    solution="""{n:,} parameters x (4 bytes of weight + 4 bytes of momentum) = {answer:,} bytes.
-lk.measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum") at its peak:
-weights {params:,} + momentum {optimizer:,} = {measured:,} bytes - equal: {equal}.
-(The peak, {peak:,} bytes during {phase}, also holds activations or gradients.)""",
+and read m.total (m.peak_phase says when).""",
+    unit="bytes", rtol=0.001,
+    hint="4 + 4 + 4 bytes per parameter is only the states. The optimizer step and the end of "
+         "the backward pass both hold all of them plus a little more: take the largest of the "
+         "estimate's moments, then measure.",
+    solution="""States: {n:,} parameters x (4 weight + 4 gradient + 4 momentum) = {states:,} bytes.
+lk.estimate's two largest moments: "{top}" {top_pred:,} bytes and "{second}" {second_pred:,}
+bytes, {gap:,} apart: with no temporaries in SGD's step the two almost tie.
+Measured: peak {answer:,} bytes ({per:.2f} per parameter) during {phase}, {above_est} bytes above
+the estimate (a 4-byte scalar it leaves out, as in section 5).
+Weights + momentum at the peak: {params:,} + {optimizer:,} = {measured:,} bytes = 8 x {n:,}:
+{equal}. Beside them, in the estimate: {terms}.
+The states are the floor; the peak holds {extra:,} bytes more (labkit's RoPE tables and the
+gradients in flight).""",
 )
 def _sgd_momentum_small():
+    from labkit.predict import estimate
     from labkit.training.measure import measure_step
     n = count_params("small").total
+    b = state_bytes("fp32", "sgd-momentum")
     m = measure_step("small", seq=64, precision="fp32", optimizer="sgd-momentum", fake=True)
-    predicted = n * (state_bytes("fp32", "sgd-momentum").weights
-                     + state_bytes("fp32", "sgd-momentum").optimizer)
-    return {"answer": predicted, "n": n, "params": m.params, "optimizer": m.optimizer,
-            "measured": m.params + m.optimizer, "equal": m.params + m.optimizer == predicted,
-            "peak": m.total, "phase": m.peak_phase}
+    e = estimate("small", seq=64, precision="fp32", optimizer="sgd-momentum", device="cpu")
+    top, second = sorted(e.moments, key=e.moments.get, reverse=True)[:2]
+    states = n * (b.weights + b.grads + b.optimizer)
+    return {"answer": m.total, "n": n, "states": states, "top": top, "second": second,
+            "top_pred": e.moments[top], "second_pred": e.moments[second],
+            "gap": e.moments[top] - e.moments[second], "per": m.total / n, "phase": m.peak_phase,
+            "above_est": m.total - e.total,
+            "terms": "; ".join(f"{t.name} {t.nbytes:,}" for t in e.tensors
+                               if t.nbytes and t.category not in ("params", "optimizer")),
+            "params": m.params, "optimizer": m.optimizer, "measured": m.params + m.optimizer,
+            "equal": "equal" if m.params + m.optimizer == n * (b.weights + b.optimizer) else "NOT equal",
+            "extra": m.total - states}
 
 
 @register(
