@@ -269,6 +269,25 @@ def test_128_row_tiles_and_all_l2_hits_bracket_the_ratio_and_both_fall_with_d():
         assert r == (4 * n * d + 4 * n * n) / (4 * n * d + n)
 
 
+def test_deepseek_v2s_narrower_values_count_as_128_wide_not_192():
+    n, d, dv, a100 = 4096, 192, 128, SRAM_PER_SM["A100"].per_sm
+    for impl, options in (("naive", {}), ("tiled", {"block": 128}), ("tiled", {}),
+                          ("tiled", {"loop_order": "fa1"})):     # dv = d: the formulas unchanged
+        assert hbm_accesses(n, d, a100, impl, dv=d, **options) == hbm_accesses(n, d, a100, impl,
+                                                                               **options)
+    naive = hbm_accesses(n, d, 1, "naive", dv=dv)
+    assert naive == 2 * n * d + 2 * n * dv + 4 * n * n             # Q, K; V, O; S and P
+    tiles = hbm_accesses(n, d, 1, "tiled", block=128, dv=dv)
+    assert tiles == n * d + 32 * n * (d + dv) + n * dv + n          # Q once, K and V per pass
+    l2 = hbm_accesses(n, d, 1, "tiled", block=n, dv=dv)
+    assert round(naive / tiles, 2) == 1.61 and round(naive / l2, 1) == 26.6
+    assert naive / tiles > hbm_ratio_tiles(n, d) and naive / l2 > hbm_ratio_all_l2_hits(n, d)
+    width = d + dv                                  # a fitted block holds 2B(d + dv) + B^2 numbers
+    block = max(b for b in range(1, n) if 2 * b * width + b * b <= a100 // 2)
+    assert hbm_accesses(n, d, a100, "tiled", dv=dv) == hbm_accesses(n, d, 1, "tiled", block=block,
+                                                                     dv=dv)
+
+
 def test_hbm_accesses_grow_with_the_sequence():
     for impl in ("naive", "tiled"):
         counts = [hbm_accesses(n, 64, 192 * 1024, impl) for n in (512, 1024, 2048, 4096)]

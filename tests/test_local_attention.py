@@ -49,6 +49,13 @@ def test_a_dense_mask_saves_no_attention_memory(one_thread):
     assert m.local_global == m.additive_mask_bytes + 4 * unit + rows   # + out, dq, dk, dv, lse
 
 
+def test_a_float_mask_built_once_is_not_copied(one_thread):
+    T = 512
+    m = attention_memory(T=T, window=64, n_global=4, heads=2, head_dim=16)
+    assert m.float_mask == m.full                            # no (T, T) tensor beyond the mask
+    assert m.local_global > m.float_mask + m.additive_mask_bytes // 2   # the bool mask's copy
+
+
 def test_the_allocator_sees_sdpas_scratch_the_tracker_does_not(one_thread):
     n = 512
     tiled, sdpa = core_allocator_peak("tiled", n), core_allocator_peak("sdpa", n)

@@ -11,12 +11,11 @@
 - "sdpa": ``F.scaled_dot_product_attention``, PyTorch's fused kernel (``labkit.transformer.model``'s
   default), which keeps the same tensors as the tiled one.
 
-``hbm_accesses`` counts what each reads and writes in GPU memory (the paper's Theorem 2) for
-the on-chip memory of real GPUs (``SRAM_PER_SM``).
+``labkit.transformer.traffic`` counts what each reads and writes in GPU memory (the paper's
+Theorem 2) for the on-chip memory of real GPUs; its names are re-exported here.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,9 @@ import torch
 from labkit.core.recipe import ATTENTION_IMPLS  # noqa: F401  (the vocabulary lives in the core)
 from labkit.core.units import check_choice, check_positive, dtype_bytes
 from labkit.predict.layers import Dtypes, attention_core_saved
+from labkit.transformer.traffic import (KiB, LOOP_ORDERS, SRAM_PER_SM, TILE, Sram,  # noqa: F401
+                                        fitted_block, hbm_accesses, hbm_ratio,   # re-exported
+                                        hbm_ratio_all_l2_hits, hbm_ratio_tiles)
 
 
 # ---- naive: the (T, T) matrix in memory -------------------------------------------------------
@@ -340,76 +342,7 @@ def core_peak_bytes(impl: str, seq: int, heads: int = 8, head_dim: int = 64,
     return mt.peak - before
 
 
-# ---- the paper's count of GPU-memory (HBM) accesses --------------------------------------------
-@dataclass(frozen=True)
-class Sram:
-    """On-chip memory of one GPU: per streaming multiprocessor (SM), and how many SMs."""
-
-    sms: int
-    per_sm: int           # bytes: L1 cache and shared memory together (the paper's "SRAM")
-    shared_per_sm: int    # bytes of it a kernel may use as shared memory, at most
-
-
-KiB = 1024
-# A100: "192KB of on-chip SRAM per each of 108 streaming multiprocessors" (FlashAttention
-# paper, section 2.1); of it up to 164 KB shared memory per SM (NVIDIA Ampere tuning guide,
-# "Unified Shared Memory/L1/Texture Cache"). H100 SXM5: 132 SMs with 256 KB of combined L1
-# and shared memory each, up to 228 KB of it shared (NVIDIA Hopper tuning guide; Modal's GPU
-# glossary, "L1 data cache": 256 KiB per SM x 132 SMs). H200: the same GH100 chip and SMs as
-# the H100 SXM, with more and faster HBM (141 GB HBM3e).
-SRAM_PER_SM = {
-    "A100": Sram(sms=108, per_sm=192 * KiB, shared_per_sm=164 * KiB),
-    "H100 SXM": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
-    "H200": Sram(sms=132, per_sm=256 * KiB, shared_per_sm=228 * KiB),
-}
-
-
-LOOP_ORDERS = ("fa2", "fa1")      # query blocks outside (FlashAttention-2, labkit's), or keys
-
-
-def fitted_block(d: int, sram_bytes: int, bytes_per_number: int = 2) -> int:
-    """The largest square block of B rows whose Q_i, K_j, V_j, O_i (B x d each) and scores
-    (B x B) fit in ``sram_bytes`` of on-chip memory: 4Bd + B^2 <= M numbers."""
-    on_chip = sram_bytes // bytes_per_number                                # M, in numbers
-    return max(1, math.isqrt(4 * d * d + on_chip) - 2 * d)      # (B + 2d)^2 <= M + 4d^2
-
-
-def hbm_accesses(n: int, d: int, sram_bytes: int, impl: str, bytes_per_number: int = 2,
-                 loop_order: str = "fa2", block: int | None = None) -> int:
-    """Numbers one head's *forward* attention reads and writes in GPU memory (HBM), counted as
-    the algorithms of Dao et al. move them: a model (no causal skipping, no L2 cache, the
-    backward pass not counted). Theorem 2 of FlashAttention (2022) states them as
-    Theta(N d + N^2) and Theta(N^2 d^2 / M). Multiply by ``bytes_per_number`` for bytes.
-
-    "naive" (the paper's Algorithm 0): read Q, K, write S (2Nd + N^2); read S, write P (2N^2);
-    read P, V, write O (N^2 + 2Nd): 4Nd + 4N^2, whatever the SRAM.
-    "tiled", in square blocks of B rows (``block``; None: ``fitted_block``, the largest that
-    fits the M = sram_bytes / bytes_per_number numbers on chip; real kernels use 64-128):
-    - ``loop_order="fa2"`` (FlashAttention-2 (2023), Algorithm 1; the order labkit's
-      ``TiledAttention`` and ``flash_triton`` run): each of the T_r = ceil(N / B) query
-      blocks reads its Q_i once, streams all of K and V, and writes O_i and its log-sum-exp
-      once: Nd + T_r 2Nd + Nd + N. The ratio to naive tends to 2B / d.
-    - ``loop_order="fa1"`` (FlashAttention, Algorithm 1): K and V are read once (2Nd); for
-      each of the T_c = ceil(N / B) key blocks every query block reads Q_i, O_i, l_i, m_i
-      and writes O_i, l_i, m_i: 2Nd + T_c (3Nd + 4N). The ratio tends to 4B / 3d.
-    """
-    check_choice("attention implementation (for HBM accesses)", impl, ("naive", "tiled"))
-    check_choice("loop order", loop_order, LOOP_ORDERS)
-    for name, value in (("n", n), ("d", d), ("sram_bytes", sram_bytes),
-                        ("bytes_per_number", bytes_per_number)):
-        check_positive(name, value)
-    if impl == "naive":
-        return 4 * n * d + 4 * n * n
-    block = fitted_block(d, sram_bytes, bytes_per_number) if block is None else \
-        check_positive("block", block)
-    passes = math.ceil(n / block)                                            # T_r (or T_c)
-    if loop_order == "fa1":
-        return 2 * n * d + passes * (3 * n * d + 4 * n)
-    return 2 * n * d + passes * 2 * n * d + n
-
-
 # ---- the core's bytes by formula (lab 07's panel; tests/test_widgets checks them) ----------
-TILE = 128                       # queries and keys per tile of the tiled core (core()'s default)
 CORE_DTYPE = "bf16"              # the core's q, k, v, output and gradients (its tiles: fp32)
 
 
@@ -470,27 +403,3 @@ def attention_core_bytes(impl: str, seq: int, heads: int, head_dim: int,
     inside = {"one tile's q, dO, k, v in fp32": 4 * b * H * d * 4,
               "tiles in the loop: S, P, dS and two temporaries (fp32)": 5 * tile}
     return CoreBytes(impl, kept, {**common, **max(end, inside, key=lambda m: sum(m.values()))})
-
-
-def hbm_ratio(seq: int, head_dim: int, gpu: str) -> float:
-    """Standard attention's HBM reads and writes over FlashAttention's for one head's forward
-    pass (``labkit.transformer.attention.hbm_accesses``) with one SM's on-chip memory of ``gpu``."""
-    sram = SRAM_PER_SM[gpu].per_sm
-    return (hbm_accesses(seq, head_dim, sram, "naive")
-            / hbm_accesses(seq, head_dim, sram, "tiled"))
-
-
-def hbm_ratio_tiles(seq: int, head_dim: int, block: int = TILE) -> float:
-    """Standard attention's HBM reads and writes over FlashAttention-2's for one head's forward
-    pass in tiles of ``block`` query rows (``hbm_accesses``, no L2 cache): real kernels use 64 to
-    128 rows whatever the GPU, so this ratio is the same on every GPU; it tends to 2B / d."""
-    return (hbm_accesses(seq, head_dim, 1, "naive")
-            / hbm_accesses(seq, head_dim, 1, "tiled", block=block))
-
-
-def hbm_ratio_all_l2_hits(seq: int, head_dim: int) -> float:
-    """The same ratio if every re-read of K and V hits the L2 cache, none HBM: the tiled pass then
-    reads Q, K, V and writes O and its log-sum-exp once (4Nd + N, ``hbm_accesses`` in one block
-    of all N rows) against standard attention's 4Nd + 4N^2, a ratio that tends to 1 + N / d."""
-    return (hbm_accesses(seq, head_dim, 1, "naive")
-            / hbm_accesses(seq, head_dim, 1, "tiled", block=seq))

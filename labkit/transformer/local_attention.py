@@ -70,6 +70,8 @@ class AttentionMemory:
     full_forward: int          # the causal step's peak by the end of its forward pass
     local_global_forward: int  # the masked step's peak by the end of its forward pass
     additive_mask_bytes: int   # T^2 numbers in q's dtype: the additive copy SDPA makes of a bool mask
+    float_mask: int = 0        # the same kernel given the mask as an additive float tensor in q's
+    #                            dtype, built before (counted apart as the bool mask): not copied
 
     @property
     def added_by_the_mask(self) -> int:
@@ -80,7 +82,8 @@ class AttentionMemory:
 def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
                      head_dim: int = 64, dtype=torch.float32) -> AttentionMemory:
     """Measure fwd+bwd peaks of full causal attention and of local + global attention
-    through a dense mask, with the MemoryTracker (q, k, v and the bool mask made before)."""
+    through a dense mask, bool and additive float, with the MemoryTracker (q, k, v and the
+    masks made before: a model builds its mask once per step for all its layers)."""
     dtype = torch_dtype(dtype)
     q, k, v = (torch.randn(1, heads, T, head_dim, dtype=dtype, requires_grad=True)
                for _ in range(3))
@@ -102,10 +105,12 @@ def attention_memory(T: int, window: int, n_global: int = 4, heads: int = 8,
         return mt.peak - before, forward
 
     (full, full_forward), (masked, masked_forward) = peaks(None), peaks(mask)
+    additive = torch.zeros(T, T, dtype=dtype).masked_fill_(~mask, float("-inf"))  # (T, T), q's dtype
+    float_masked, _ = peaks(additive)
     causal_pairs = T * (T + 1) // 2
     return AttentionMemory(T, window, n_global, full, masked, mask.nbytes,
                            mask.sum().item() / causal_pairs, block_density(mask), full_forward,
-                           masked_forward, T * T * q.element_size())
+                           masked_forward, T * T * q.element_size(), float_masked)
 
 
 @dataclass(frozen=True)
