@@ -44,27 +44,50 @@ def _full_recompute_kept():
             "none": saved(c, "none") / GiB}
 
 
+BUCKET_CORPUS = dict(n=1000, max_len=4096, median=512, seed=3)   # the corpus of 03-padding-waste
+BUCKET_LIMIT = 0.05                 # the most padding allowed, a share of the positions
+
+
+def _bucket_waste(lengths: list[int], b: int) -> float:
+    """Share of positions that are padding when sorted lengths go b a batch, each padded to its
+    longest (what batching.bucket_batches does, from the lengths alone)."""
+    ordered = sorted(lengths)
+    positions = sum(len(g) * g[-1] for g in (ordered[i:i + b] for i in range(0, len(ordered), b)))
+    return 1 - sum(ordered) / positions
+
+
 @register(
     "03-padding-waste",
-    question="""A corpus of 1000 documents, batching.document_lengths(1000, max_len=4096, median=512,
-seed=3) (from labkit.training import batching), is batched 8 documents at a time in the order
-given, each batch padded to its longest document: batching.pad_batches(docs, 8) with
-docs = batching.make_documents(lengths). What percentage of the positions are padding?""",
-    unit="percent",
-    hint="pad_batches returns a Batching: .waste is the share of positions that are padding (a "
-         "fraction), .padding and .tokens count them.",
-    solution="""{pad:,} padding positions beside {real:,} real tokens: {answer:.1f}% of the
-positions (batching.pad_batches(docs, 8).waste). Sorting the same documents into length buckets
-first (batching.bucket_batches(docs, 8)) leaves {bucket:.1f}% padding, in the same {steps} steps:
-the waste comes from mixing short and long documents in one batch.""",
+    question="""Your corpus: batching.document_lengths(1000, max_len=4096, median=512, seed=3)
+(from labkit.training import batching). You batch it in length buckets: sorted by length, b
+documents a batch, each batch padded to its longest document. A larger b takes fewer steps but
+pads more. You allow at most 5% of the positions to be padding: what is the largest b you can
+use?""",
+    unit="documents per batch", rtol=0,
+    hint="Section 6 batches documents in length buckets (batching.bucket_batches, on "
+         "batching.make_documents(lengths)); the Batching it returns counts real tokens and "
+         "padding. Try b = 8, 16 and 32, then narrow down: the padding does not grow strictly "
+         "with b.",
+    solution="""b = {answer}: {waste:.2f}% of the positions are padding, in {steps} steps
+(batching.bucket_batches(docs, {answer}).waste); b = {next} pads {over:.2f}%, and every larger b,
+up to the whole corpus in one batch, pads 5% or more. A larger batch spans a wider range of
+sorted lengths, so its shorter documents pad more; the growth is not strict, as where the
+batches start moves with b. The same {answer} documents a batch in the order given
+(batching.pad_batches(docs, {answer})) pad {unsorted:.1f}%: most padding comes from mixing
+short and long documents, not from the batch size.""",
 )
 def _padding_waste():
     from labkit.training.batching import (bucket_batches, document_lengths, make_documents,
                                           pad_batches)
-    docs = make_documents(document_lengths(1000, max_len=4096, median=512, seed=3))
-    b, buckets = pad_batches(docs, 8), bucket_batches(docs, 8)
-    return {"answer": 100 * b.waste, "real": b.tokens, "pad": b.padding,
-            "bucket": 100 * buckets.waste, "steps": b.steps}
+    c = BUCKET_CORPUS
+    lengths = document_lengths(c["n"], max_len=c["max_len"], median=c["median"], seed=c["seed"])
+    under = [b for b in range(1, len(lengths) + 1) if _bucket_waste(lengths, b) < BUCKET_LIMIT]
+    b = max(under)
+    docs = make_documents(lengths)
+    best, nxt = bucket_batches(docs, b), bucket_batches(docs, b + 1)
+    assert abs(best.waste - _bucket_waste(lengths, b)) < 1e-12   # labkit's batcher agrees
+    return {"answer": b, "waste": 100 * best.waste, "steps": best.steps, "next": b + 1,
+            "over": 100 * nxt.waste, "unsorted": 100 * pad_batches(docs, b).waste}
 
 
 H100 = "h100-80gb"
@@ -152,23 +175,35 @@ def _peak_leaves_optimizer_with_selective():
 
 
 FIT = dict(batch=1, seq=4096, precision="bf16-master", zero_stage=3, dp=16, device="cuda")
+CARD = "rtx-4090-24gb"              # the 24 GB card of 03-cheapest-recompute-fits-24gib
 
 
 @functools.cache
 def _every_k_fit() -> dict:
+    from labkit.core.gpus import gpu, usable_memory
     from labkit.transformer.checkpointing import recompute_cost
     from labkit.predict import estimate
     total = {k: estimate("llama-2-7b", recompute=f"every-{k}", **FIT).total for k in range(1, 33)}
-    k = max(k for k, t in total.items() if t <= 24 * GiB)
+    usable, memory = usable_memory(gpu(CARD)), gpu(CARD).memory
+    k = max(k for k, t in total.items() if t <= usable)
     cost = {p: 100 * recompute_cost("llama-2-7b", p, seq=4096).extra
             for p in (f"every-{k}", "full")}
-    return {"answer": k, "next": k + 1, "fits": f"{total[k] / GiB:.1f}",
-            "over": f"{total[k + 1] / GiB:.1f}",
+    prefetched = total[k] + 2 * _layer_params("llama-2-7b")
+    whole = max(k for k, t in total.items() if t <= memory)
+    return {"answer": k, "next": k + 1, "fits": f"{total[k] / GiB:.2f}",
+            "over": f"{total[k + 1] / GiB:.2f}", "usable": f"{usable / GiB:.2f}",
+            "memory": f"{memory / GiB:.2f}",
             "none": f"{estimate('llama-2-7b', **FIT).total / GiB:.1f}",
             "extra": f"{cost[f'every-{k}']:.1f}", "full_extra": f"{cost['full']:.1f}",
             "full": f"{total[1] / GiB:.1f}",
             "gathered": f"{2 * _layer_params('llama-2-7b') / GiB:.2f}",
-            "prefetched": f"{(total[k] + 2 * _layer_params('llama-2-7b')) / GiB:.2f}"}
+            "prefetched": f"{prefetched / GiB:.2f}",
+            "margin": ("still under the usable share" if prefetched <= usable
+                       else "past the usable share"),
+            "whole": (f"Measured against the card's whole {memory / GiB:.2f} GiB instead, "
+                      f"every-{whole} would seem to fit with {(memory - total[whole]) / GiB:.2f} GiB "
+                      f"to spare, which the CUDA context and NCCL's buffers can take."
+                      if whole != k else "")}
 
 
 def _layer_params(name: str) -> int:
@@ -179,20 +214,25 @@ def _layer_params(name: str) -> int:
 
 @register(
     "03-cheapest-recompute-fits-24gib",
-    question="""LLaMA-2-7B trains with bf16 weights and fp32 master weights (precision
-"bf16-master"), ZeRO-3 over 16 GPUs of 24 GiB, one sequence of 4096 tokens per GPU, CUDA
-defaults. Without recomputation it does not fit. The policy every-k recomputes one block in k:
-the larger k, the fewer extra FLOPs. What is the largest k with which it fits in 24 GiB?""",
+    question=f"""LLaMA-2-7B trains with bf16 weights and fp32 master weights (precision
+"bf16-master"), ZeRO-3 over 16 RTX 4090s (24 GB each: labkit.core.gpus.gpu("{CARD}")), one
+sequence of 4096 tokens per GPU, CUDA defaults. Without recomputation it does not fit. The policy
+every-k recomputes one block in k: the larger k, the fewer extra FLOPs. What is the largest k
+that fits? Use the course's rule: the estimated peak at most
+labkit.core.gpus.usable_memory(gpu("{CARD}")), 90% of the card's memory (the estimate leaves
+out the CUDA context, NCCL's buffers and fragmentation).""",
     unit="blocks", rtol=0,
     hint="lk.estimate('llama-2-7b', batch=1, seq=4096, precision='bf16-master', zero_stage=3, "
-         "dp=16, recompute='every-3', device='cuda').total, for k = 1, 2, 3, ...",
-    solution="""k = {answer}: every-{answer} peaks at {fits} GiB, every-{next} at {over} GiB, no
-recomputation at {none} GiB. It costs +{extra}% FLOPs (checkpointing.recompute_cost) where full
+         "dp=16, recompute='every-3', device='cuda').total, for k = 1, 2, 3, ..., against "
+         f"usable_memory(gpu('{CARD}')) (from labkit.core.gpus import gpu, usable_memory).",
+    solution="""k = {answer}: every-{answer} peaks at {fits} GiB, under the card's {usable} GiB
+usable (90% of {memory} GiB); every-{next} peaks at {over} GiB, no recomputation at {none} GiB.
+{whole} Every-{answer} costs +{extra}% FLOPs (checkpointing.recompute_cost) where full
 recomputation (k = 1, {full} GiB) costs +{full_extra}%: the model states and the blocks that
-keep everything share the 24 GiB, and each recomputed block frees one layer's activations.
+keep everything share the card, and each recomputed block frees one layer's activations.
 The estimate holds the weights ZeRO-3 gathers (the embedding, final norm and LM head, and one
 block at a time: {gathered} GiB per block in bf16; lab 04 measures them); an implementation that
-prefetches the next block holds one more: {prefetched} GiB at every-{answer}'s peak, no margin.""",
+prefetches the next block holds one more: {prefetched} GiB at every-{answer}'s peak, {margin}.""",
 )
 def _cheapest_fit():
     return _every_k_fit()
