@@ -37,3 +37,15 @@ def test_pytorch_asks_for_huge_pages_only_when_told_to():
 def test_first_touch_rejects_bad_sizes():
     with pytest.raises(ValueError, match="nbytes must be a positive integer"):
         hugepages.first_touch(0, thp_alloc=True)
+
+
+def test_first_touch_times_the_first_allocation_apart_from_later_ones_and_retouches():
+    """Only the first allocation is a first touch: later ones reuse blocks just freed, and a
+    retouch writes pages already mapped. Each is reported on its own, none folded into a median."""
+    t = hugepages.first_touch(8 * MiB, thp_alloc=False, repeats=3, retouches=2)
+    assert t.first > 0 and t.again > 0 and t.retouch > 0
+    assert t.gib_per_s == pytest.approx(8 * MiB / t.first / 2**30)
+    assert t.compact_stalls is None or t.compact_stalls >= 0
+    assert hugepages.first_touch(8 * MiB, thp_alloc=False, repeats=1).again is None
+    with pytest.raises(ValueError, match="retouches must be a positive integer"):
+        hugepages.first_touch(8 * MiB, thp_alloc=False, retouches=0)

@@ -233,8 +233,9 @@ def _thp(root: Path, environ) -> Finding:
         return _finding("thp", mode, "Good default: programs ask for huge pages where they help. "
                         + ("THP_MEM_ALLOC_ENABLE=1 is set: PyTorch's CPU allocator asks for them "
                            "on large buffers." if torch_thp else "THP_MEM_ALLOC_ENABLE=1 makes "
-                           "PyTorch's CPU allocator ask for them on large buffers (for CPU-heavy "
-                           "work such as an offloaded optimizer step)."),
+                           "PyTorch's CPU allocator ask for them on large buffers: the first "
+                           "allocation can stall on compaction, later ones get faster; memory "
+                           "already faulted in gains little (lab 08, section 5)."),
                         commands=[] if torch_thp else ["export THP_MEM_ALLOC_ENABLE=1"], data=data)
     return _finding("thp", mode, "'always' gives every large mapping huge pages whether it "
                     "wants them or not: fine for most training, but watch RSS; 'madvise' lets "

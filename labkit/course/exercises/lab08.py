@@ -77,24 +77,48 @@ def _reserved_three_tensors():
 
 
 @register(
-    "08-pinned-staging-buffer",
-    question="""On a CUDA machine you pin two staging buffers with torch.empty(..., pin_memory=True):
-300 MiB for activations and 520 MiB for optimizer states. How many MiB of page-locked host memory
-does PyTorch's pinned-memory cache take for the two?""",
-    unit="MiB", rtol=0,
-    hint="By default the pinned (host) caching allocator rounds each request up on its own "
-         "(labkit.host.pinned models the rule).",
-    solution="""Each request rounds up to the next power of two: 300 MiB -> {first:g} MiB, 520 MiB ->
-{second:g} MiB, {answer:g} MiB in all (CachingHostAllocator: c10::llvm::PowerOf2Ceil), {extra:g} MiB
-more than asked. Freed, a block stays cached for the next request that fits until
-torch.accelerator.empty_host_cache() (torch.cuda.host_memory_stats() counts the rounded bytes).""",
+    "08-max-split-needs",
+    question="""Replay the lab's six steps of varying length (section 3: LLaMA-2-7B's shapes cut to
+4 layers, batch 1, seq 1024, 2048, 1536, 4096, 3072, 2560, bf16-mixed, fake tensors with CUDA's
+defaults: the notebook's mv.events) through the caching allocator with
+PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128. How many GiB of device memory does it need
+(labkit.host.allocator.min_capacity, to 4 MiB)? Then set it beside what the default settings
+need, and beside what each reserves with no memory pressure.""",
+    unit="GiB", rtol=1e-3,
+    hint="parse_alloc_conf turns the setting's text into AllocatorSettings; "
+         "min_capacity(mv.events, settings, tolerance=4 * MiB) bisects the smallest device the "
+         "replay runs on; replay(mv.events, settings).peak_reserved is what it keeps with no limit.",
+    solution="""min_capacity(mv.events, parse_alloc_conf("max_split_size_mb:128"), tolerance=4 MiB) =
+{answer:.2f} GiB, against {native:.2f} GiB with the default settings: {saved:.0f} MiB less. Cached
+blocks of 128 MiB or more are never split, so small requests cannot strand free space inside them.
+With no pressure it reserves {res_split:.2f} GiB against {res_native:.2f} GiB: a large cached block no longer
+serves a smaller request, so more segments are made; nvidia-smi looks worse while the
+out-of-memory comes later. roundup_power2_divisions:4
+needs {power2:.2f} GiB here, {power2_word} than the defaults (each request rounds up to one of four
+sizes per power of two). All from labkit's one-stream replay, not from a GPU.""",
 )
-def _pinned_staging_buffer():
-    from labkit.host.pinned import pinned_host_bytes
-    MiB = 2**20
-    first, second = (pinned_host_bytes(n * MiB) // MiB for n in (300, 520))
-    return {"answer": first + second, "first": first, "second": second,
-            "extra": first + second - 820}
+def _max_split_needs():
+    from labkit.host.allocator import min_capacity, parse_alloc_conf, replay
+    MiB, GiB = 2**20, 2**30
+    events = _six_varying_steps()
+    conf = {name: parse_alloc_conf(text) for name, text in (
+        ("native", ""), ("split", "max_split_size_mb:128"), ("power2", "roundup_power2_divisions:4"))}
+    need = {name: min_capacity(events, s, tolerance=4 * MiB) for name, s in conf.items()}
+    return {"answer": need["split"] / GiB, "native": need["native"] / GiB,
+            "saved": (need["native"] - need["split"]) / MiB, "power2": need["power2"] / GiB,
+            "power2_word": "more" if need["power2"] > need["native"] else "less",
+            "res_split": replay(events, conf["split"], record_trace=False).peak_reserved / GiB,
+            "res_native": replay(events, conf["native"], record_trace=False).peak_reserved / GiB}
+
+
+def _six_varying_steps():
+    """The storage events of section 3's six steps of varying length (the notebook's mv.events)."""
+    from labkit.core.config import preset
+    from labkit.training.measure import measure_step
+    seqs = [1024, 2048, 1536, 4096, 3072, 2560]
+    cfg4 = preset("llama-2-7b").replace(layers=4, name="llama-2-7b, 4 layers")
+    return measure_step(cfg4, 1, seqs[0], precision="bf16-mixed", fake=True, device="cuda",
+                        events=True, then=[(1, s) for s in seqs[1:]]).events
 
 
 @register(
@@ -114,7 +138,7 @@ every matmul weight: {answer:.2f} MiB measured (labkit.training.leaks.run_leak),
 (labkit.training.leaks.kept_per_step: lk.estimate's saved activations and weight cache)
 gives {expected:.2f} MiB. With autocast entered once around the loop the copies are made once:
 {around:.2f} MiB a batch. Over a 1,000-batch evaluation that is {thousand:.1f} GiB. Under
-torch.no_grad() (and with total += loss.item()) nothing stays.""",
+torch.no_grad() (and with total += loss.detach()) nothing stays.""",
 )
 def _eval_leak_per_batch():
     from labkit.predict import count_params
