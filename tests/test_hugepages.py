@@ -16,6 +16,7 @@ def test_thp_mode_is_the_bracketed_word(tmp_path, text, mode):
     assert hugepages.thp_mode(str(tmp_path / "missing")) == "unknown"
 
 
+@pytest.mark.slow            # a child Python process per call (torch imported): 39 s in CI
 def test_pytorch_asks_for_huge_pages_only_when_told_to():
     """Under the kernel's madvise mode THP_MEM_ALLOC_ENABLE=1 backs a 64 MiB tensor with 2 MiB
     pages (all but its unaligned ends) and without it none are; 'always' backs both, 'never'
@@ -39,6 +40,7 @@ def test_first_touch_rejects_bad_sizes():
         hugepages.first_touch(0, thp_alloc=True)
 
 
+@pytest.mark.slow            # two child processes: 33 s in CI
 def test_first_touch_times_the_first_allocation_apart_from_later_ones_and_retouches():
     """Only the first allocation is a first touch: later ones reuse blocks just freed, and a
     retouch writes pages already mapped. Each is reported on its own, none folded into a median."""
