@@ -420,11 +420,12 @@ def _ranked(fits: list[Candidate]) -> list[Candidate]:
 
 
 def _enough(fits: list[Candidate], top: int | None, k: Candidate) -> bool:
-    """Whether the search can stop before ``k``: ``top`` fits that no other of their family
-    beats, and ``k`` no tie of the last (the pool runs fastest first)."""
-    return (top is not None and len(fits) >= top
-            and k.time.dp_overlapped > fits[-1].time.dp_overlapped * (1 + TIE)
-            and len(_undominated(fits)) >= top)
+    """Whether the search can stop before ``k`` (the pool runs fastest first): ``top`` fits no
+    other of their family beats, and ``k`` slower than the top-th of them by more than a tie."""
+    if top is None or len(fits) < top:
+        return False
+    kept = sorted(f.time.dp_overlapped for f in _undominated(fits))
+    return len(kept) >= top and k.time.dp_overlapped > kept[top - 1] * (1 + TIE)
 
 
 def _undominated(fits: list[Candidate]) -> list[Candidate]:
