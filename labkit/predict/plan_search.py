@@ -28,9 +28,8 @@ FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf
 # model's K/V hop outlasts the attention it hides behind below about this many tokens (Llama-3-8B
 # on H100s: ~4k); inside a node, or with more key/value heads, the break-even differs
 CP_MIN_TOKENS = 4096
-# full fine-tuning's optimizers the search can try: AdamW (CUDA's default foreach), 8-bit AdamW
-# (bitsandbytes'; labkit's AdamW8bit): its two moments in 1 byte each instead of 4, and AdamW's
-# fused implementation (fused=True: no step temporaries; the same numbers as foreach)
+# full fine-tuning's optimizers to try: AdamW (CUDA's default foreach), 8-bit AdamW (its moments
+# in 1 byte each; labkit's AdamW8bit, as bitsandbytes'), fused AdamW (no step temporaries)
 OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-fused")
 OPTIMIZER_LABELS = {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}
 
