@@ -309,3 +309,26 @@ def test_naive_equals_sdpa_with_other_numbers_of_keys(t_q, t_k, causal):
     q, k, v = (torch.randn(1, 2, t, 8, generator=g, dtype=torch.float64) for t in (t_q, t_k, t_k))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.testing.assert_close(naive_attention(q, k, v, causal=causal), expected)
+
+
+def test_soft_capping_refuses_what_it_cannot_do_and_says_why():
+    """Bad soft-capping input: a clear ValueError naming the fix, never a silent uncapped run."""
+    with pytest.raises(ValueError, match="attn_softcap must be a number >= 0"):
+        lk.preset("tiny").replace(attn_softcap=-1.0)
+    with pytest.raises(ValueError, match="labkit's MLA does not: set attn_softcap=0"):
+        lk.preset("tiny-moe").replace(attention="mla", kv_lora_rank=16, qk_nope_dim=16,
+                                      qk_rope_dim=8, v_head_dim=16, attn_softcap=50.0)
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="softcap must be a number >= 0"):
+        tiled_attention(q, k, v, softcap=-2.0)
+    capped = lk.preset("tiny").replace(logit_softcap=30.0)
+    with pytest.raises(ValueError, match="does not soft-cap the logits.*loss_chunk=None"):
+        lk.estimate(capped, seq=64, recipe=lk.Recipe("fp32", loss_chunk=32))
+    model = lk.build_model(capped)
+    model.loss_chunk = 32
+    tokens = torch.randint(0, capped.vocab_size, (1, 17))
+    with pytest.raises(ValueError, match="does not soft-cap the logits.*loss_chunk=None"):
+        model(tokens[:, :-1], tokens[:, 1:])
+    packed = lk.build_model(lk.preset("tiny").replace(attn_softcap=5.0))
+    with pytest.raises(ValueError, match="soft-capped attention .* no packed rows"):
+        packed(tokens[:, :-1], tokens[:, 1:], doc_ids=torch.zeros(1, 16, dtype=torch.long))
