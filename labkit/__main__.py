@@ -173,6 +173,9 @@ def _step_options(parser: argparse.ArgumentParser) -> None:
                         help="attention core: sdpa (fused, no T x T kept; soft-capped models run "
                              "labkit's tiled core, as FlashAttention-2), naive (the T x T "
                              "matrices kept, as transformers' eager attention), tiled")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="step each weight as its gradient is made, then free the gradient "
+                             "(one device, one micro-batch)")
     _json_option(parser)
 
 
@@ -306,6 +309,7 @@ def _run(args) -> str:
                 optimizer=args.optimizer, recompute=recompute,
                 optimizer_impl=args.optimizer_impl, device=args.device,
                 lora_rank=args.lora_rank, attention=args.attention,
+                optimizer_in_backward=args.optimizer_in_backward,
                 **fine_tuning_fields(args.trainable))
     result, extra, title = (_estimated if args.command == "estimate" else _measured)(args, step)
     if args.json:

@@ -121,6 +121,8 @@ class Recipe:
     trains until the autocast region ends (its default); False is ``torch.autocast(...,
     cache_enabled=False)``, each matmul casting anew (what FSDP's bf16 ``param_dtype`` also
     avoids). With recomputation the cached copies outlive the layers that used them.
+    ``optimizer_in_backward``: each parameter is updated by a hook as soon as its gradient is
+    made, and the gradient freed (``labkit.training.in_backward``): no step holds every gradient.
     """
 
     precision: str = "bf16-mixed"
@@ -135,11 +137,13 @@ class Recipe:
     lora_targets: str = "all-linear"
     attention: str = "sdpa"
     autocast_cache: bool = True
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         if not isinstance(self.autocast_cache, bool):
             raise ValueError(f"autocast_cache is True (torch.autocast's default) or False "
                              f"(cache_enabled=False), got {self.autocast_cache!r}")
+        self._check_in_backward()
         object.__setattr__(self, "every", check_positive("every", self.every))
         object.__setattr__(self, "loss_chunk", check_loss_chunk(self.loss_chunk))
         state_bytes(self.precision, self.optimizer)
@@ -161,6 +165,19 @@ class Recipe:
                              f"(T, T) score matrix (or tile): use attention='sdpa', or a "
                              f"recompute policy that reruns whole blocks ('full', 'every-k', "
                              f"'sqrt')")
+
+    def _check_in_backward(self):
+        """The step in backward updates each weight alone: nothing may need every gradient."""
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise ValueError(f"optimizer_in_backward is True or False, got "
+                             f"{self.optimizer_in_backward!r}")
+        if self.optimizer_in_backward and self.precision.endswith("-master"):
+            raise ValueError(f"optimizer_in_backward with {self.precision!r}: labkit's master "
+                             f"weights copy every gradient at the step; use 'bf16' or "
+                             f"'bf16-mixed'")
+        if self.optimizer_in_backward and self.precision == "fp16-mixed":
+            raise ValueError("optimizer_in_backward with 'fp16-mixed': the loss scaler checks "
+                             "every gradient for inf before any update; use 'bf16-mixed'")
 
     def impl(self, device: str) -> str:
         """AdamW's implementation on ``device``: the one chosen, or the device's default."""

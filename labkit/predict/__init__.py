@@ -33,6 +33,7 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
              optimizer_impl: str | None = None, device="cuda", every: int = 2,
              loss_chunk: int | None = None, attention: str = "sdpa", trainable: str = "all",
              lora_rank: int = 16, weight_format: str | None = None,
+             optimizer_in_backward: bool = False,
              recipe: Recipe | None = None, layout: Layout | None = None) -> Estimate:
     """Predicted peak bytes per device of one steady-state training step, by category.
 
@@ -55,11 +56,19 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
                          optimizer_impl=optimizer_impl, recompute=recompute, every=every,
                          loss_chunk=loss_chunk, attention=attention, trainable=trainable,
-                         lora_rank=lora_rank, weight_format=weight_format)
+                         lora_rank=lora_rank, weight_format=weight_format,
+                         optimizer_in_backward=optimizer_in_backward)
     layout = layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp)
     batch, seq = check_positive("batch", batch), check_positive("seq", seq)
     device = device_type(device)
     layout.check(c, seq)
+    spread = [f"{k}={getattr(layout, k)}" for k in ("dp", "tp", "pp", "ep", "cp")
+              if getattr(layout, k) > 1] + ["offload"] * layout.offload + [
+              f"{layout.micro_batch_count} micro-batches"] * (layout.micro_batch_count > 1)
+    if recipe.optimizer_in_backward and spread:
+        raise ValueError(f"optimizer_in_backward is modelled (and measured) on one device and "
+                         f"one micro-batch, not with {', '.join(spread)} (accumulation needs "
+                         f"the gradients kept): use Layout(), or optimizer_in_backward=False")
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
               for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
     per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()

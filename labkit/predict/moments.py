@@ -132,6 +132,7 @@ class Moments:
                 self._recomputed(i, *dropped, unit_start)] if c.post_norms else kept) + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
+                self._stepping(self._first_grad(self.moe[i]) // self.bytes.grads),
                 Tensor("activation gradients in flight", "other", self.cdt,
                        self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream)]
             # with ep, a block's experts' bucket (stage 1: the stage's) is made by their weight
@@ -455,6 +456,7 @@ class Moments:
             Tensor("the LM head's share of the tied weight's gradient, and their sum", "other",
                    self.wdt, 2 * tied),
             residual])}
+        out.update(self._embedding_step_moment(always, embedding_grad))
         if self.zero >= 2 and self.rest:    # the last unit done: the root's bucket reduced
             out["backward: reduce-scatter of the embedding, final norm and LM head"] = (
                 "backward", always + grads + [self._reduced_shard(self.rest),
@@ -471,6 +473,8 @@ class Moments:
                              "fp32" if self.master else self.wdt, self._optimizer_temporaries())
         if self.zero:
             return self._zero_optimizer_moments(always, temporaries)
+        if self.in_backward:
+            return self._largest_step_moment(always, temporaries)
         return {"optimizer step": ("optimizer", always + [
             Tensor("gradients", "grads", self.wdt,
                    0 if self.master or self.in_buckets else self.grads()),

@@ -112,7 +112,7 @@ class States:
     def _done(self, grad_bytes: int) -> int:
         """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
         gradients are views of them)."""
-        if self.in_buckets:
+        if self.in_buckets or self.in_backward:      # in backward: stepped, then freed
             return 0
         return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.data_ranks)
 
@@ -297,6 +297,8 @@ class States:
         AdamW8bit (any impl) steps each tensor a chunk at a time: its largest chunk's.
         """
         number = 4 if self.master else self.bytes.weights
+        if self.in_backward:
+            return self.step_temporaries(max(self._stepped_sizes(), default=0))
         if self.eight_bit:
             return max(step_temporary_bytes(n, number) for n in self._stepped_sizes())
         if not self.recipe.optimizer.startswith("adamw") or self.impl == "fused":
@@ -305,6 +307,15 @@ class States:
             return self._per_rank(number, "optimizer")
         sizes = self._stepped_sizes()
         return max(2 * n + previous for n, previous in zip(sizes, [0] + sizes)) * number
+
+    def step_temporaries(self, numel: int) -> int:
+        """Bytes of one weight's step alone (``optimizer_in_backward``): AdamW's sqrt(v) (and
+        its bias-corrected copy in the for-loop), or AdamW8bit's largest chunk's."""
+        if self.eight_bit:
+            return step_temporary_bytes(numel, self.bytes.weights) if numel else 0
+        if not self.recipe.optimizer.startswith("adamw"):
+            return 0
+        return {"foreach": 1, "for-loop": 2}.get(self.impl, 0) * numel * self.bytes.weights
 
     def _stepped_sizes(self) -> list[int]:
         """Numbers of each tensor the optimizer steps on this rank, in the model's order."""

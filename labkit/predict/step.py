@@ -13,6 +13,7 @@ from labkit.parallel.pipeline import schedules
 from labkit.predict.layers import (Saved, Term, Weight, block_weights, embedding_weights,
                                    head_saved, head_weights, layer_saved, lora_targets,
                                    lora_weights)
+from labkit.predict.in_backward import InBackwardMoments
 from labkit.predict.moments import Moments
 from labkit.predict.states import States
 from labkit.predict.terms import Estimate, Tensor, _by_category, _total
@@ -27,7 +28,7 @@ def _split_units(n: int, experts: int, dp: int, ep: int) -> list[tuple[int, int]
     return [(n - experts, dp), (experts, dp // ep)] if experts else [(n, dp)]
 
 
-class _Step(States, Moments):
+class _Step(States, Moments, InBackwardMoments):
     """One pipeline stage's step: its model states, its saved tensors, its moments."""
 
     def __init__(self, c, batch, seq, recipe, layout, device, stage, layers):
@@ -48,6 +49,7 @@ class _Step(States, Moments):
         self.cdt = "fp32" if recipe.precision == "fp32" else "bf16"       # what matmuls produce
         self.master = recipe.precision.endswith("-master")
         self.eight_bit = recipe.optimizer == "adamw-8bit"                   # labkit's AdamW8bit
+        self.in_backward = recipe.optimizer_in_backward     # each weight stepped as its grad is made
         self._count_weights()
         self._zero_units()
         # gloo (CPU) stages a copy of every buffer it sends; NCCL works in place
@@ -213,6 +215,7 @@ class _Step(States, Moments):
         head = self._head(heads) if self.last else []
         moments = {**(self._loss_moments(always + kept, head) if self.last else {}),
                    **(self._final_norm_moment(always + kept) if self.last else {}),
+                   **self._head_step_moment(always + kept, head),
                    **self._worst_layer_moment(always, saved, full, unit_start),
                    **self._naive_attention_moment(always, saved, full, unit_start),
                    **(self._embedding_moment(always) if self.first else {}),

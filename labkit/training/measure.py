@@ -43,6 +43,10 @@ def init_optimizer_state(model_or_params, optimizer):
     does but without the step (over FSDP2's DTensors a step costs ~13 s of sharding rules)."""
     params = list(model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module)
                   else model_or_params)
+    if hasattr(optimizer, "per_param"):                     # OptimizerInBackward: each one's
+        for p, one in optimizer.per_param.items():
+            init_optimizer_state([p], one)
+        return
     for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -204,6 +208,7 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                  optimizer_impl: str | None = None, device=None, every: int = 2,
                  loss_chunk: int | None = None, attention: str = "sdpa", trainable: str = "all",
                  lora_rank: int = 16, weight_format: str | None = None,
+                 optimizer_in_backward: bool = False,
                  recipe: Recipe | None = None, layout: Layout | None = None,
                  fake: bool | None = None, warmup: bool = True, seed: int = 0, loss_fn=None,
                  events: bool = False, then: list[tuple[int, int]] = ()) -> Measurement:
@@ -244,7 +249,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
     recipe = recipe_from(recipe, precision=precision, optimizer=optimizer,
                          optimizer_impl=optimizer_impl, recompute=recompute, every=every,
                          loss_chunk=loss_chunk, attention=attention, trainable=trainable,
-                         lora_rank=lora_rank, weight_format=weight_format)
+                         lora_rank=lora_rank, weight_format=weight_format,
+                         optimizer_in_backward=optimizer_in_backward)
     _check_one_device(layout_from(layout, dp=dp, zero_stage=zero_stage, tp=tp, sp=sp, pp=pp))
     precision, optimizer, attention = recipe.precision, recipe.optimizer, recipe.attention
     param_dtype(precision)
@@ -260,7 +266,8 @@ def measure_step(cfg, batch: int = 1, seq: int = 2048, precision: str = "bf16-mi
                              f"another module with its own attention and attention='sdpa'")
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer, impl, device=setup.runs_on,
-                             master_weights=precision == "bf16-master")
+                             master_weights=precision == "bf16-master",
+                             in_backward=recipe.optimizer_in_backward)
         scaler = (torch.amp.GradScaler(setup.runs_on.type)
                   if precision == "fp16-mixed" and setup.mode is None else None)
         inputs, targets, step = _batch(model, batch, seq, loss_fn, setup.runs_on)

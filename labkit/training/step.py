@@ -26,6 +26,7 @@ from labkit.core.recipe import (DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
                                 default_optimizer_impl)
 from labkit.core.units import check_choice
 from labkit.quantisation.optim8bit import AdamW8bit
+from labkit.training.in_backward import OptimizerInBackward
 
 
 def device() -> torch.device:
@@ -93,9 +94,17 @@ class MasterWeights:
 
 
 def make_optimizer(params, optimizer: str = "adamw", impl: str | None = None, lr: float = 1e-3,
-                   device: str | torch.device = "cpu", master_weights: bool = False):
+                   device: str | torch.device = "cpu", master_weights: bool = False,
+                   in_backward: bool = False):
     """A torch optimizer by the course's names; ``impl`` picks AdamW's implementation;
-    ``master_weights`` wraps it in ``MasterWeights``."""
+    ``master_weights`` wraps it in ``MasterWeights``; ``in_backward`` steps each parameter in
+    the backward pass (``OptimizerInBackward``)."""
+    if in_backward:
+        if master_weights:
+            raise ValueError("labkit's master weights copy every gradient at the step; with "
+                             "in_backward use precision 'bf16' or 'bf16-mixed'")
+        return OptimizerInBackward(params, lambda one: make_optimizer(one, optimizer, impl, lr,
+                                                                       device))
     if master_weights:
         return MasterWeights(params, lambda masters: make_optimizer(masters, optimizer, impl,
                                                                      lr, device))
@@ -134,6 +143,10 @@ def train_step(model, optimizer, tokens, targets, precision: str = "fp32", scale
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be a positive number, got {clip_norm!r}; use e.g. 1.0, "
                          "or None for no clipping")
+    if isinstance(optimizer, OptimizerInBackward) and (clip_norm is not None or scaler is not None):
+        raise ValueError("the optimizer steps in backward: no moment holds every gradient to "
+                         "clip by their global norm or check for inf (loss scaling); pass "
+                         "clip_norm=None and scaler=None, or an ordinary optimizer")
     phase = tracker.phase if tracker is not None else (lambda name: contextlib.nullcontext())
     dtype = autocast_dtype(precision)
     autocast = (torch.autocast(tokens.device.type, dtype=dtype, cache_enabled=autocast_cache)
