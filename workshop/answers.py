@@ -185,6 +185,13 @@ for a in ("mask", "varlen"):                               # one autocast block 
         kept[a] = batching.packed_step_memory(model, row, a).kept
 answer = (kept["mask"] - kept["varlen"]) / 2**20           # measured
 
+# %% 03-in-backward-saving
+def peak(**kw):
+    return lk.estimate("llama-2-7b", 1, 2048, precision="bf16", recompute="full",
+                       device="cuda", **kw).total
+
+answer = (peak() - peak(optimizer_in_backward=True)) / 2**30
+
 # %% 04-zero2-bytes-per-parameter
 n = 8 * 10**6                                              # any count that 8 divides
 answer = lk.model_state_bytes(n, "bf16-master", "adamw", zero_stage=2, dp=8) / n   # 2 + (2 + 12) / 8

@@ -287,3 +287,37 @@ def _varlen_saving():
             "heads": cfg.heads, "lse": lse, "equal": saved == mask + lse,
             "ratio": mask / mem["varlen"].kept, "varlen": f"{mem['varlen'].kept / 2**20:.1f}",
             "mask_mib": mask / 2**20}
+
+
+@register(
+    "03-in-backward-saving",
+    question="""Predict, then check with lk.estimate. LLaMA-2-7B trains in pure bf16
+(precision="bf16") with full recomputation on one GPU (device="cuda": foreach AdamW), batch 1 x
+2048 tokens. How many GiB lower is the peak when the optimizer steps inside the backward pass
+(optimizer_in_backward=True)? Which two things does the ordinary step hold at its peak that the
+other never holds at once?""",
+    unit="GiB",
+    hint="The ordinary step peaks at the optimizer step: every bf16 gradient (2 bytes per "
+         "parameter) and foreach AdamW's temporaries (one bf16 number per parameter). In backward "
+         "no finished gradient is kept. Check: lk.estimate('llama-2-7b', 1, 2048, "
+         "precision='bf16', recompute='full', device='cuda', optimizer_in_backward=True).total "
+         "against the same without it.",
+    solution="""The ordinary step peaks at {ordinary} GiB (the optimizer step); in backward at {inb}
+GiB ("{moment}"): {answer:.1f} GiB saved. The ordinary step holds every gradient ({grads} GiB)
+and foreach's temporaries ({temps} GiB) at once. In backward no finished gradient is ever kept:
+at most one weight's update (its gradient and temporaries) joins what the backward pass holds.
+Fused AdamW alone (no temporaries) peaks at {fused} GiB, at the end of backward, where every
+gradient is still there.""",
+)
+def _in_backward_saving():
+    from labkit.predict import count_params, estimate
+
+    def peak(**kw):
+        return estimate("llama-2-7b", 1, 2048, precision="bf16", recompute="full",
+                        device="cuda", **kw)
+    ordinary, inb, fused = peak(), peak(optimizer_in_backward=True), peak(optimizer_impl="fused")
+    n = count_params("llama-2-7b").total
+    return {"answer": (ordinary.total - inb.total) / GiB, "ordinary": f"{ordinary.total / GiB:.1f}",
+            "inb": f"{inb.total / GiB:.1f}", "moment": inb.details["peak moment"],
+            "grads": f"{ordinary.grads / GiB:.1f}", "temps": f"{2 * n / GiB:.1f}",
+            "fused": f"{fused.total / GiB:.1f}"}
