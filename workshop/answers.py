@@ -341,6 +341,13 @@ est = lk.estimate(c, 8, 128, precision="bf16-mixed")
 print(f"predicted: saved activations + bf16 weight copies = "
       f"{(est.saved_activations + est.saved_weight_cache) / 2**20:.2f} MiB")
 
+# %% 08-oom-outside-pytorch
+from labkit.host.oom import parse_oom
+from labkit.course.exercises.lab08 import OOM_MESSAGE
+r = parse_oom(OOM_MESSAGE)
+print(r.verdict())
+answer = r.outside_pytorch / 2**30                         # in use - allocated - cached
+
 # %% 09-fewest-a100s-7b
 from labkit.course.plan import plan
 answer = next(gpus for gpus in (1, 2, 4, 8, 16)

@@ -151,3 +151,34 @@ def _eval_leak_per_batch():
     return {"answer": per_batch / MiB, "copies": (per_batch - around) / MiB, "weights": weights,
             "expected": kept_per_step("eval, autocast per batch", "small", B, T) / MiB,
             "around": around / MiB, "thousand": 1000 * per_batch / 2**30}
+
+
+OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 39.39 "
+               "GiB of which 1.70 GiB is free. Including non-PyTorch memory, this process has 37.68 "
+               "GiB memory in use. Of the allocated memory 33.10 GiB is allocated by PyTorch, and "
+               "3.40 GiB is reserved by PyTorch but unallocated.")
+
+
+@register(
+    "08-oom-outside-pytorch",
+    question=f"""A fine-tuning run on a 40 GB A100 stops with:
+
+    {OOM_MESSAGE}
+
+How many GiB does this process hold outside PyTorch's caching allocator? Then triage it: how
+much did the request lack, and is it fragmentation, another process, memory outside PyTorch,
+or the step's tensors?""",
+    unit="GiB", rtol=0.005,
+    hint="PyTorch's allocator holds what it allocated plus what it reserved but left unallocated; "
+         "the process's memory in use includes both. The request lacked requested - free. "
+         "labkit.host.oom.parse_oom(message) reads the numbers; .verdict() checks the four.",
+    solution="""37.68 - 33.10 - 3.40 = {answer:.2f} GiB outside PyTorch (the CUDA context, NCCL,
+cuBLAS workspaces). The request lacked 2.50 - 1.70 = {short:.2f} GiB, and the allocator held
+3.40 GiB free inside its segments: fragmentation. parse_oom's verdict: "{verdict}".""",
+)
+def _oom_outside_pytorch():
+    from labkit.host.oom import parse_oom
+    r = parse_oom(OOM_MESSAGE)
+    GiB = 2**30
+    return {"answer": r.outside_pytorch / GiB, "short": r.shortfall / GiB,
+            "verdict": r.verdict().split(":")[0]}
