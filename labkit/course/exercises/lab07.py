@@ -174,3 +174,30 @@ def _paged_waste():
             "contiguous": slab.fragmentation_bytes / MiB,
             "contiguous_share": slab.fragmentation_bytes / slab.reserved_bytes,
             "ratio": slab.fragmentation_bytes / waste}
+
+
+@register(
+    "07-decode-tokens-per-second",
+    question="""Predict with pencil and paper, then check with
+labkit.transformer.decoding.decode_step. Mistral-7B (GQA: 8 KV heads of 128, 32 layers) decodes
+64 sequences at 4,096 tokens of context each on an A100 80GB (2,039 GB/s of HBM), bf16 weights
+and cache. Each step reads every weight but the input embedding once, and the whole KV cache.
+What is the roofline's bound, in tokens per second for the whole batch?""",
+    unit="tokens/s", rtol=0.01,
+    hint="Weights read: count_params('mistral-7b').total minus its embedding (32,000 x 4096), x 2 "
+         "bytes. KV cache: 64 x 4096 tokens x 32 layers x 2 x 8 x 128 numbers x 2 bytes. A step "
+         "makes 64 tokens in (weights + cache) / 2,039e9 seconds, unless the FLOPs take longer.",
+    solution="""Weights {weights:.2f} GiB + KV cache {kv:.2f} GiB = {total:.2f} GiB read per step:
+{seconds:.1f} ms at 2,039 GB/s, 64 tokens each step: {answer:,.0f} tokens/s. Its FLOPs ({tflop:.2f}
+TFLOP a step) take {compute:.2f} ms at 312 TFLOP/s: bandwidth bounds it. With LLaMA-2-7B's full
+multi-head cache (4x Mistral's per token) the same batch reads {mha:.0f} GiB of cache a step and
+makes {mha_tps:,.0f} tokens/s, if it fitted (it does not: 80 GB).""",
+)
+def _decode_tokens_per_second():
+    from labkit.transformer.decoding import decode_step
+    s, mha = decode_step("mistral-7b", 64, 4096), decode_step("llama-2-7b", 64, 4096)
+    GiB = 2**30
+    return {"answer": s.tokens_per_second("a100-80gb"), "weights": s.weight_bytes / GiB,
+            "kv": s.kv_bytes / GiB, "total": s.bytes / GiB, "seconds": 1e3 * s.bytes / 2039e9,
+            "tflop": s.flops / 1e12, "compute": 1e3 * s.flops / 312e12,
+            "mha": mha.kv_bytes / GiB, "mha_tps": mha.tokens_per_second("a100-80gb")}
