@@ -294,11 +294,11 @@ per_token = lk.kv_cache_bytes("llama-2-13b", seq=1, dtype="fp16")   # one token,
 answer = (16 - 1) * per_token / 2**20                      # a last block holding one token of 16
 
 # %% 07-decode-tokens-per-second
+from labkit.transformer.decoding import decode_step
 n = lk.count_params("mistral-7b")
 weights = 2 * (n.total - n.by_component["embedding"])      # bf16, all but the lookup table
 kv = 64 * 4096 * 32 * 2 * 8 * 128 * 2                      # batch x context x layers x (k, v) x heads x dim
 answer = 64 * 2039e9 / (weights + kv)                      # tokens per step over seconds per step
-from labkit.transformer.decoding import decode_step
 print(answer, decode_step("mistral-7b", 64, 4096).tokens_per_second("a100-80gb"))
 
 # %% 08-shm-image-loader
