@@ -67,8 +67,9 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
               f"{layout.micro_batch_count} micro-batches"] * (layout.micro_batch_count > 1)
     if recipe.optimizer_in_backward and spread:
         raise ValueError(f"optimizer_in_backward is modelled (and measured) on one device and "
-                         f"one micro-batch, not with {', '.join(spread)} (accumulation needs "
-                         f"the gradients kept): use Layout(), or optimizer_in_backward=False")
+                         f"one micro-batch, not with {', '.join(spread)}: drop those (a "
+                         f"micro-batch would update the weights each time), or drop "
+                         f"optimizer_in_backward (--optimizer-in-backward)")
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
               for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
     per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()

@@ -17,6 +17,22 @@ class InBackwardMoments:
         return Tensor("that weight's optimizer step, in backward", "other",
                       self.wdt, self.step_temporaries(numel) if self.in_backward else 0)
 
+    def _layer_step_moment(self, base: list[Tensor], i: int) -> list[list[Tensor]]:
+        """With the optimizer in backward, a block's first update: its MLP down projection's
+        backward done, that weight's gradient made and stepped, the gradients of its input and
+        of the residual stream in flight (the layer's wider transients come later)."""
+        if not self.in_backward:
+            return []
+        c, moe, cb = self.c, self.moe[i], compute_bytes(self.recipe.precision)
+        width = (max(1, c.shared_experts) * c.moe_ffn if moe else c.ffn) // self.L.tp
+        first = self._first_grad(moe)
+        return [base + [
+            Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt, first),
+            self._stepping(first // self.bytes.grads),
+            Tensor("gradient of the down projection's input", "other", self.cdt, self.N * width * cb),
+            Tensor("gradient of the residual stream", "other", self.wdt,
+                   self.N * c.hidden * self.bytes.weights)]]
+
     def _head_step_moment(self, kept: list[Tensor], head: list[Tensor]) -> dict:
         """With the optimizer in backward, the LM head's update: its backward is done (the loss's
         tensors and its input freed), its gradient made, the gradient of its input in flight."""
@@ -30,6 +46,8 @@ class InBackwardMoments:
                    * compute_bytes(self.recipe.precision)),
             Tensor("LM head gradient", "grads", self.wdt, numel * self.bytes.grads)]
         out = {"backward: the LM head's optimizer step": ("backward", done + [self._stepping(numel)])}
+        if self.recipe.loss_chunk:      # formed chunk by chunk: the chunked loss's own moments
+            return out
         if self.mixed:      # autocast: the bf16 gradient of its bf16 copy, cast to the fp32 one
             out["backward: the LM head's gradient cast to fp32"] = ("backward", done + [
                 Tensor("LM head gradient in bf16 (autocast)", "other", "bf16", numel * 2)])

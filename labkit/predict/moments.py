@@ -128,11 +128,11 @@ class Moments:
                 self._recomputed(i, saved, full, unit_start)]
             # by w_down's gradient the MLP output norm (Gemma, OLMo 2) has freed what it kept
             dropped = [self._drop_mlp_post_norm(terms, i) for terms in (saved, full)]
-            tensors = (always + self._kept_up_to(dropped[0], i) + grads + this_block + [
-                self._recomputed(i, *dropped, unit_start)] if c.post_norms else kept) + [
+            base = (always + self._kept_up_to(dropped[0], i) + grads + this_block + [
+                self._recomputed(i, *dropped, unit_start)] if c.post_norms else kept)
+            tensors = base + [
                 Tensor("first gradient of this layer (MLP down projection)", "grads", self.wdt,
                        self._first_grad(self.moe[i])),
-                self._stepping(self._first_grad(self.moe[i]) // self.bytes.grads),
                 Tensor("activation gradients in flight", "other", self.cdt,
                        self._layer_backward_transient(self.moe[i]) + self.N * c.hidden * stream)]
             # with ep, a block's experts' bucket (stage 1: the stage's) is made by their weight
@@ -148,7 +148,8 @@ class Moments:
                 Tensor("MLP output RMSNorm's backward temporaries", "other", "fp32", temporaries),
                 Tensor("gradient of the residual stream", "other", self.wdt, wide * stream)]
             ] if c.post_norms else []
-            for candidate in [tensors] + ([kept + experts] if experts else []) + post_norm:
+            for candidate in ([tensors] + ([kept + experts] if experts else []) + post_norm
+                              + self._layer_step_moment(base, i)):
                 if worst is None or _total(candidate) > _total(worst[1]):
                     worst = (i, candidate)
             if self.zero >= 2:         # the block's backward is done: its bucket reduce-scattered
