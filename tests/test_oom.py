@@ -40,7 +40,8 @@ def test_the_allocator_models_message_reads_back_within_its_rounding():
 
 
 @pytest.mark.parametrize("cached,others,this,verdict", [
-    (600 * MiB, 0, None, "fragmentation"),          # holes larger than the shortfall come first
+    (GiB, 0, None, "fragmentation"),        # holes larger than the shortfall, 5% of reserved
+    (600 * MiB, 0, None, "the step's tensors"),     # enough for this request, 3% of reserved
     (100 * MiB, 4 * GiB, None, "another process"),
     (100 * MiB, 0, 20 * GiB, "memory outside PyTorch"),   # 20 - 18 - 0.1 GiB: NCCL, context
     (100 * MiB, 0, 18 * GiB + 100 * MiB, "the step's tensors")])
@@ -71,3 +72,36 @@ def test_memory_summary_prints_the_models_statistics_in_torchs_rows():
     assert rows["Non-releasable memory"][:2] == ["17.00", "MiB"]   # the split segment's free rest
     assert rows["Allocations"] == ["1", "2"]
     assert text.splitlines()[-1].split() == ["cudaMalloc", "retries:", "0", "CUDA", "OOMs:", "0"]
+
+
+def test_the_forms_real_messages_take_are_read():
+    """Private pools (CUDA graphs, 2.2+), a log's line breaks, a container's PID namespace (this
+    process printed as "Process N"), and a memory fraction's cap ("... allowed;")."""
+    pools = REAL.replace("is allocated by PyTorch, and", "is allocated by PyTorch, with 2.00 GiB "
+                         "allocated in private pools (e.g., CUDA Graphs), and")
+    assert parse_oom(pools.replace(". ", ".\n  ")) == parse_oom(REAL)
+    container = ("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has a total capacity of "
+                 "47.53 GiB of which 20.00 MiB is free. Process 1686436 has 47.51 GiB memory in use. "
+                 "Of the allocated memory 46.00 GiB is allocated by PyTorch, and 1.15 GiB is "
+                 "reserved by PyTorch but unallocated.")
+    r = parse_oom(container)
+    assert r.guessed_this and r.others == 0 and r.this_process == round(47.51 * GiB)
+    assert r.verdict().startswith("the step's tensors")  # not "another process": 2% cached
+    capped = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
+              "GiB of which 40.00 GiB is free. 38.00 GiB allowed; Of the allocated memory 35.50 GiB "
+              "is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but unallocated.")
+    r = parse_oom(capped)
+    assert r.allowed == 38 * GiB and r.shortfall == 2 * GiB - (38 * GiB - r.reserved)
+    assert r.verdict().startswith("the step's tensors") and "cached would have covered" in r.verdict()
+    with pytest.raises(ValueError, match="cudaMallocAsync"):
+        parse_oom("CUDA out of memory. Tried to allocate 2.00 GiB. Allocation on device 0 would "
+                  "exceed allowed memory. (out of memory) Currently allocated: 70 GiB ... "
+                  "CUDA-side: cudaMallocAsync")
+
+
+def test_sufficient_lists_every_memory_that_alone_covers_the_request():
+    r = parse_oom(REAL)
+    assert r.sufficient() == {"other processes": round(6.2 * GiB),
+                              "outside PyTorch": r.outside_pytorch}
+    with pytest.raises(ValueError, match="memory_stats"):
+        memory_summary({})

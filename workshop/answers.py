@@ -351,12 +351,13 @@ est = lk.estimate(c, 8, 128, precision="bf16-mixed")
 print(f"predicted: saved activations + bf16 weight copies = "
       f"{(est.saved_activations + est.saved_weight_cache) / 2**20:.2f} MiB")
 
-# %% 08-oom-outside-pytorch
+# %% 08-oom-capped-shortfall
 from labkit.host.oom import parse_oom
 from labkit.course.exercises.lab08 import OOM_MESSAGE
-r = parse_oom(OOM_MESSAGE)
-print(r.verdict())
-answer = r.outside_pytorch / 2**30                         # in use - allocated - cached
+reserved = 35.50 + 1.20                                    # allocated + reserved but unallocated
+room = min(40.10, 38.00 - reserved)                        # the fraction's cap, or the device
+answer = 2.00 - room                                       # GiB the request lacked
+print(answer, parse_oom(OOM_MESSAGE).verdict())
 
 # %% 09-fewest-a100s-7b
 from labkit.course.plan import plan

@@ -1,9 +1,11 @@
-"""Triage a CUDA out-of-memory error: read PyTorch's message, decide what is short of memory (the
-step's tensors, fragmentation, another process, or memory outside PyTorch), and print the
-allocator's statistics as ``torch.cuda.memory_summary()`` does.
+"""Triage a CUDA out-of-memory error: read PyTorch's message, say what alone would have covered
+the failed request (fragmentation, another process, memory outside PyTorch) or that the step's
+tensors fill the card, and print the allocator's counters as ``torch.cuda.memory_summary()`` does.
 
-The message is the caching allocator's (``c10/cuda/CUDACachingAllocator.cpp``), in its forms
-since PyTorch 2.1; ``labkit.host.allocator`` raises the same one from a replayed step.
+The message is the native caching allocator's (``c10/cuda/CUDACachingAllocator.cpp``, PyTorch
+2.1-2.13). Before raising it the allocator has freed every wholly free cached segment and
+retried, so what it still reports as "reserved but unallocated" sits inside segments that also
+hold live blocks: fragmentation. ``labkit.host.allocator`` raises the same message from a replay.
 """
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from labkit.core.units import fmt_bytes as _fmt
 
 UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
+# labkit's threshold for "large" cached memory (PyTorch's hint says only "large"): a share of
+# what PyTorch reserves, below which a near-full card is the step's tensors, not fragmentation
+LARGE_CACHED = 0.05
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"    # read by every version; 2.13 also reads PYTORCH_ALLOC_CONF
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -31,58 +37,93 @@ class OomReport:
     cached: int                   # "reserved by PyTorch but unallocated"
     this_process: int | None      # "this process has ... memory in use" (None: not printed)
     others: int                   # "Process N has ... memory in use", summed
+    allowed: int | None = None    # "... allowed;": a per-process memory fraction's cap
+    guessed_this: bool = False    # this process read from a "Process N" line (a container)
+
+    @property
+    def reserved(self) -> int:
+        return self.allocated + self.cached
 
     @property
     def shortfall(self) -> int:
-        """How much more free device memory the request needed."""
-        return max(self.requested - self.free, 0)
+        """How much more room the request needed: on the device, or under the fraction's cap."""
+        room = self.free if self.allowed is None else min(self.free, self.allowed - self.reserved)
+        return max(self.requested - max(room, 0), 0)
 
     @property
     def outside_pytorch(self) -> int | None:
-        """This process's memory that PyTorch's allocator did not reserve: the CUDA context,
-        NCCL's buffers, cuBLAS/cuDNN workspaces, other libraries' allocations."""
+        """This process's memory that PyTorch's allocator did not reserve: the CUDA context and
+        loaded kernels, NCCL's own buffers, extensions' direct cudaMalloc. (cuBLAS and cuDNN
+        workspaces come from the caching allocator: they are in "allocated".)"""
         if self.this_process is None:
             return None
-        return max(self.this_process - self.allocated - self.cached, 0)
+        return max(self.this_process - self.reserved, 0)
+
+    def sufficient(self) -> dict[str, int]:
+        """Each memory that alone would have covered the shortfall, and its bytes."""
+        found = {"fragmentation (reserved but unallocated)": self.cached,
+                 "other processes": self.others, "outside PyTorch": self.outside_pytorch or 0}
+        return {name: n for name, n in found.items() if n >= self.shortfall and n > 0}
 
     def verdict(self) -> str:
-        """What is short of memory, and the first fix to try, in the order a triage checks."""
-        short = self.shortfall
-        if self.cached >= short:
-            return ("fragmentation: the allocator holds more free memory in its segments "
-                    f"({_fmt(self.cached)}) than the request lacked ({_fmt(short)}), in pieces "
-                    "too small; set PYTORCH_ALLOC_CONF=expandable_segments:True")
-        if self.others >= short:
+        """What ran short, and the first fix to try, in the order a triage checks."""
+        short, also = self.shortfall, self.sufficient()
+        where = " (read from a 'Process N' line: in a container PyTorch cannot tell it is this " \
+                "process)" if self.guessed_this else ""
+        if self.cached >= short and self.cached >= LARGE_CACHED * self.reserved:
+            return (f"fragmentation: {_fmt(self.cached)} sits free inside PyTorch's segments "
+                    f"(≥ {LARGE_CACHED:.0%} of {_fmt(self.reserved)} reserved), more than the "
+                    f"request lacked ({_fmt(short)}), in pieces too small; set "
+                    f"{ALLOC_CONF}=expandable_segments:True")
+        if self.others >= short > 0:
             return (f"another process: other processes hold {_fmt(self.others)} of this GPU; "
                     "stop them, or give each job its own GPU")
-        if self.outside_pytorch is not None and self.outside_pytorch >= short:
+        if (self.outside_pytorch or 0) >= short > 0:
             return (f"memory outside PyTorch's allocator: {_fmt(self.outside_pytorch)} in this "
-                    "process (CUDA context, NCCL, library workspaces); count it in the budget")
-        return ("the step's tensors: live tensors take "
-                f"{_fmt(self.allocated)} of {_fmt(self.capacity)}; lower the peak (a smaller "
+                    f"process{where} (CUDA context, NCCL, extensions); count it in the budget")
+        edge = (f"; the {_fmt(self.cached)} cached would have covered this request alone, but "
+                "the next one fails as well") if also else ""
+        return (f"the step's tensors: live tensors take {_fmt(self.allocated)} of "
+                f"{_fmt(self.allowed or self.capacity)}{edge}; lower the peak (a smaller "
                 "micro-batch, recomputation, sharding: lk.estimate says by how much)")
 
 
 def parse_oom(message: str) -> OomReport:
-    """The numbers of PyTorch's CUDA out-of-memory message; ValueError if it is not one."""
-    def find(pattern: str, required: bool = True):
-        m = re.search(pattern, message)
-        if m is None and required:
-            raise ValueError("not a PyTorch CUDA out-of-memory message (it lacks "
-                             f"{pattern.split('(')[0].strip()!r}); pass the whole text of the "
-                             "torch.OutOfMemoryError")
+    """The numbers of PyTorch's CUDA out-of-memory message (any line breaks); ValueError naming
+    what is missing if it is not the native allocator's message."""
+    text = " ".join(message.split())
+
+    def find(pattern: str, what: str):
+        m = re.search(pattern, text)
+        if m is None:
+            async_hint = (" (backend:cudaMallocAsync words its errors differently: "
+                          "it is not read here)" if "cudaMallocAsync" in text
+                          or "would exceed allowed memory" in text else "")
+            raise ValueError(f"not PyTorch's CUDA out-of-memory message: no {what!r} in it"
+                             f"{async_hint}; pass the whole text of the torch.OutOfMemoryError "
+                             f"(PyTorch 2.1 or later)")
         return m
-    requested = find(r"Tried to allocate " + _SIZE)
-    total = find(r"total capac\w+ of " + _SIZE + r" of which " + _SIZE + r" is free")
-    held = find(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch, and " + _SIZE
-                + r" is reserved by PyTorch but unallocated")
-    this = find(r"this process has " + _SIZE + r" memory in use", required=False)
-    others = [_bytes(*m.groups()) for m in re.finditer(r"Process \d+ has " + _SIZE +
-                                                       r" memory in use", message)]
+    requested = find(r"Tried to allocate " + _SIZE, "Tried to allocate")
+    total = find(r"total capac\w+ of " + _SIZE + r" of which " + _SIZE + r" is free",
+                 "total capacity of ... of which ... is free")
+    held = find(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch,"
+                r"(?: with [^,]*? allocated in private pools \([^)]*\),)? and " + _SIZE
+                + r" is reserved by PyTorch but unallocated", "Of the allocated memory")
+    allowed = re.search(_SIZE + r" allowed;", text)
+    this = re.search(r"this process has " + _SIZE + r" memory in use", text)
+    processes = [_bytes(*m.groups()) for m in re.finditer(r"Process \d+ has " + _SIZE +
+                                                          r" memory in use", text)]
+    allocated, cached = _bytes(*held.groups()[:2]), _bytes(*held.groups()[2:])
+    guessed = None
+    if this is None:        # a PID namespace: this process may be printed as "Process N"
+        guessed = max((n for n in processes if n >= allocated + cached), default=None)
+        if guessed is not None:
+            processes.remove(guessed)
     return OomReport(requested=_bytes(*requested.groups()), capacity=_bytes(*total.groups()[:2]),
-                     free=_bytes(*total.groups()[2:]), allocated=_bytes(*held.groups()[:2]),
-                     cached=_bytes(*held.groups()[2:]),
-                     this_process=this and _bytes(*this.groups()), others=sum(others))
+                     free=_bytes(*total.groups()[2:]), allocated=allocated, cached=cached,
+                     this_process=_bytes(*this.groups()) if this else guessed,
+                     others=sum(processes), allowed=allowed and _bytes(*allowed.groups()),
+                     guessed_this=guessed is not None)
 
 
 # ---- torch.cuda.memory_summary()'s table, from a memory_stats() dict -------------------------
@@ -96,6 +137,9 @@ SUMMARY_ROWS = (("Allocated memory", "allocated_bytes"), ("Active memory", "acti
 def memory_summary(stats: dict) -> str:
     """``torch.cuda.memory_summary()``'s main rows (current and peak, all pools) and its retry and
     OOM counts, from ``torch.cuda.memory_stats()`` or ``CachingAllocator.memory_stats()``."""
+    if "allocated_bytes.all.current" not in stats:
+        raise ValueError("not a memory_stats() dict (no 'allocated_bytes.all.current'): pass "
+                         "torch.cuda.memory_stats() or CachingAllocator.memory_stats()")
     lines = [f"{'Metric':<24}{'Cur Usage':>12}{'Peak Usage':>12}"]
     for label, key in SUMMARY_ROWS:
         current, peak = stats.get(f"{key}.all.current", 0), stats.get(f"{key}.all.peak", 0)
@@ -104,4 +148,3 @@ def memory_summary(stats: dict) -> str:
     lines.append(f"cudaMalloc retries: {stats.get('num_alloc_retries', 0)}   "
                  f"CUDA OOMs: {stats.get('num_ooms', 0)}")
     return "\n".join(lines)
-

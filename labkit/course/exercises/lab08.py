@@ -153,32 +153,35 @@ def _eval_leak_per_batch():
             "around": around / MiB, "thousand": 1000 * per_batch / 2**30}
 
 
-OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 39.39 "
-               "GiB of which 1.70 GiB is free. Including non-PyTorch memory, this process has 37.68 "
-               "GiB memory in use. Of the allocated memory 33.10 GiB is allocated by PyTorch, and "
-               "3.40 GiB is reserved by PyTorch but unallocated.")
+OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
+               "GiB of which 40.10 GiB is free. 38.00 GiB allowed; Of the allocated memory 35.50 GiB "
+               "is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but unallocated.")
 
 
 @register(
-    "08-oom-outside-pytorch",
-    question=f"""A fine-tuning run on a 40 GB A100 stops with:
+    "08-oom-capped-shortfall",
+    question=f"""To rehearse a 40 GB card on an 80 GB one, a script calls
+torch.cuda.set_per_process_memory_fraction(0.48), and stops with:
 
     {OOM_MESSAGE}
 
-How many GiB does this process hold outside PyTorch's caching allocator? Then triage it: how
-much did the request lack, and is it fragmentation, another process, memory outside PyTorch,
-or the step's tensors?""",
+The card has 40 GiB free, and the request is 2 GiB: how many GiB did the request actually lack?
+Then triage it: fragmentation, another process, memory outside PyTorch, or the step's tensors?""",
     unit="GiB", rtol=0.005,
-    hint="PyTorch's allocator holds what it allocated plus what it reserved but left unallocated; "
-         "the process's memory in use includes both. The request lacked requested - free. "
-         "labkit.host.oom.parse_oom(message) reads the numbers; .verdict() checks the four.",
-    solution="""37.68 - 33.10 - 3.40 = {answer:.2f} GiB outside PyTorch (the CUDA context, NCCL,
-cuBLAS workspaces). The request lacked 2.50 - 1.70 = {short:.2f} GiB, and the allocator held
-3.40 GiB free inside its segments: fragmentation. parse_oom's verdict: "{verdict}".""",
+    hint="'38.00 GiB allowed' is the fraction's cap. Under it, PyTorch may reserve at most 38 GiB: "
+         "what it already reserves is allocated + reserved-but-unallocated. The room left is the "
+         "cap less that, or the device's free memory if smaller. labkit.host.oom.parse_oom(message) "
+         "reads the numbers; .shortfall and .verdict() check yours.",
+    solution="""PyTorch reserves 35.50 + 1.20 = 36.70 GiB of the 38.00 GiB allowed: 1.30 GiB of
+room, so the 2.00 GiB request lacked {answer:.2f} GiB, not nothing (the device's 40 GiB free do
+not count under the cap). The 1.20 GiB cached would cover this request alone, but it is
+{share:.1%} of what PyTorch reserves: the cap is nearly full, and the next request fails as well.
+No other process and nothing outside PyTorch is printed. parse_oom's verdict: "{verdict}": the
+rehearsed 40 GB card is too small for this step.""",
 )
-def _oom_outside_pytorch():
+def _oom_capped_shortfall():
     from labkit.host.oom import parse_oom
     r = parse_oom(OOM_MESSAGE)
     GiB = 2**30
-    return {"answer": r.outside_pytorch / GiB, "short": r.shortfall / GiB,
+    return {"answer": r.shortfall / GiB, "share": r.cached / r.reserved,
             "verdict": r.verdict().split(":")[0]}
