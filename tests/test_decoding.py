@@ -58,3 +58,13 @@ def test_attention_reads_a_cached_byte_once_per_query_head_that_shares_it():
     assert attention_flops_per_byte("mistral-7b") == 4.0            # 32 query heads on 8
     v3 = lk.preset("deepseek-v3")                                   # 128 heads on one latent
     assert attention_flops_per_byte(v3) == 128 * (576 + 512) / 576
+
+
+def test_no_batch_passes_the_caches_ceiling_and_bad_counts_are_refused():
+    ceiling = decode_step("mistral-7b", 1, 4096).cache_ceiling("a100-80gb")
+    rates = [decode_step("mistral-7b", b, 4096).tokens_per_second("a100-80gb") for b in (1, 16, 106, 4096)]
+    assert rates == sorted(rates) and rates[-1] < ceiling and rates[2] >= 0.8 * ceiling
+    with pytest.raises(ValueError, match="top_k"):
+        experts_read(64, 70, 1)
+    with pytest.raises(ValueError, match="context"):
+        largest_batch("llama-2-7b", 0, "h100-80gb")

@@ -295,13 +295,14 @@ for answer in range(5, 45, 5):                              # percent, in steps 
 per_token = lk.kv_cache_bytes("llama-2-13b", seq=1, dtype="fp16")   # one token, every layer
 answer = (16 - 1) * per_token / 2**20                      # a last block holding one token of 16
 
-# %% 07-decode-tokens-per-second
-from labkit.transformer.decoding import decode_step
-n = lk.count_params("mistral-7b")
-weights = 2 * (n.total - n.by_component["embedding"])      # bf16, all but the lookup table
-kv = 64 * 4096 * 32 * 2 * 8 * 128 * 2                      # batch x context x layers x (k, v) x heads x dim
-answer = 64 * 2039e9 / (weights + kv)                      # tokens per step over seconds per step
-print(answer, decode_step("mistral-7b", 64, 4096).tokens_per_second("a100-80gb"))
+# %% 07-decode-batch-for-80-percent
+import math
+from labkit.transformer.decoding import decode_step, largest_batch
+one = decode_step("mistral-7b", 1, 4096)
+answer = math.ceil(4 * one.weight_bytes / one.kv_bytes)    # b x K >= 0.8 (W + b x K)
+s = decode_step("mistral-7b", answer, 4096)
+print(answer, s.tokens_per_second("a100-80gb") / one.cache_ceiling("a100-80gb"),
+      answer <= largest_batch("mistral-7b", 4096, "a100-80gb"))
 
 # %% 08-shm-image-loader
 from labkit.host import shm

@@ -4,7 +4,10 @@ Scaling Transformer Inference"). A roofline of one decode step, counted in bytes
 
 A model: weights and cache read once per step from HBM (no L2 reuse), the input embedding's
 rows only (a lookup), the LM head whole; for MoE layers, the routed experts that the batch's
-tokens choose, with every expert equally likely (balanced routing).
+tokens choose, every expert equally likely: an upper bound on the experts read (a skewed router
+picks fewer). One query token per sequence a step (no speculative decoding), on one GPU. The
+weights' matmuls and attention are bounded one after the other, each by the slower of its bytes
+and its FLOPs.
 """
 from __future__ import annotations
 
@@ -24,11 +27,16 @@ class DecodeStep:
     context: int
     weight_bytes: int        # weights read: every dense weight, the experts the batch routes to
     kv_bytes: int            # the whole KV cache of the batch, read by attention
-    flops: int               # 2 per weight used per token, and attention's 4 per cached number
+    weight_flops: int        # 2 per weight used, per token
+    attention_flops: int     # 2 per cached number, per query head that reads it
 
     @property
     def bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.weight_flops + self.attention_flops
 
     @property
     def bytes_per_token(self) -> float:
@@ -39,16 +47,33 @@ class DecodeStep:
         """FLOPs per byte read: below a GPU's FLOP/s over its bytes/s, bandwidth bounds it."""
         return self.flops / self.bytes
 
-    def tokens_per_second(self, device: GPU | str) -> float:
-        """The roofline's bound: tokens a second, the slower of reading and computing."""
+    def seconds(self, device: GPU | str) -> float:
+        """The roofline's time: the weights' matmuls, then attention, each the slower of reading
+        its bytes and doing its FLOPs."""
         g = gpu(device)
-        seconds = max(self.bytes / (g.hbm_gbps * 1e9), self.flops / (g.bf16_tflops * 1e12))
-        return self.batch / seconds
+        bandwidth, peak = g.hbm_gbps * 1e9, g.bf16_tflops * 1e12
+        return (max(self.weight_bytes / bandwidth, self.weight_flops / peak)
+                + max(self.kv_bytes / bandwidth, self.attention_flops / peak))
+
+    def tokens_per_second(self, device: GPU | str) -> float:
+        """The roofline's bound on the batch's tokens a second."""
+        return self.batch / self.seconds(device)
+
+    def cache_ceiling(self, device: GPU | str) -> float:
+        """Tokens a second that no batch passes: with the weights' reads shared by ever more
+        sequences, each token still reads its own sequence's cache."""
+        g = gpu(device)
+        per_sequence = max(self.kv_bytes / (g.hbm_gbps * 1e9),
+                           self.attention_flops / (g.bf16_tflops * 1e12)) / self.batch
+        return 1 / per_sequence
 
 
 def experts_read(routed: int, top_k: int, tokens: int) -> float:
     """Expected distinct experts that ``tokens`` tokens choose, ``top_k`` each of ``routed``,
     every expert equally likely: routed x (1 - (1 - top_k / routed) ** tokens)."""
+    if not 0 < top_k <= routed or tokens < 0:
+        raise ValueError(f"experts_read needs 0 < top_k <= routed and tokens >= 0, got "
+                         f"routed={routed}, top_k={top_k}, tokens={tokens}")
     return routed * (1 - (1 - top_k / routed) ** tokens)
 
 
@@ -67,7 +92,7 @@ def decode_step(cfg: ModelConfig | str, batch: int = 1, context: int = 4096,
     kv = kv_cache_bytes(c, batch, context, kv_dtype)
     used_per_token = n.active - embedding
     attention = attention_flops_per_byte(c, kv_dtype) * kv
-    return DecodeStep(batch, context, int(weights), kv, int(2 * used_per_token * batch + attention))
+    return DecodeStep(batch, context, int(weights), kv, 2 * used_per_token * batch, int(attention))
 
 
 def attention_flops_per_byte(cfg: ModelConfig | str, kv_dtype: str = "bf16") -> float:
@@ -90,6 +115,7 @@ def largest_batch(cfg: ModelConfig | str, context: int, device: GPU | str,
     Decoding's activations (one token per sequence) are left out."""
     from labkit.core.gpus import usable_memory
     c = preset(cfg) if isinstance(cfg, str) else cfg
+    context = check_positive("context", context)
     room = usable_memory(gpu(device)) - count_params(c).total * dtype_bytes(weight_dtype)
     per_sequence = kv_cache_bytes(c, 1, context, kv_dtype)
     return max(int(room // per_sequence), 0)

@@ -177,27 +177,38 @@ def _paged_waste():
 
 
 @register(
-    "07-decode-tokens-per-second",
-    question="""Predict with pencil and paper, then check with
-labkit.transformer.decoding.decode_step. Mistral-7B (GQA: 8 KV heads of 128, 32 layers) decodes
-64 sequences at 4,096 tokens of context each on an A100 80GB (2,039 GB/s of HBM), bf16 weights
-and cache. Each step reads every weight but the input embedding once, and the whole KV cache.
-What is the roofline's bound, in tokens per second for the whole batch?""",
-    unit="tokens/s", rtol=0.01,
-    hint="Weights read: count_params('mistral-7b').total minus its embedding (32,000 x 4096), x 2 "
-         "bytes. KV cache: 64 x 4096 tokens x 32 layers x 2 x 8 x 128 numbers x 2 bytes. A step "
-         "makes 64 tokens in (weights + cache) / 2,039e9 seconds, unless the FLOPs take longer.",
-    solution="""Weights {weights:.2f} GiB + KV cache {kv:.2f} GiB = {total:.2f} GiB read per step:
-{seconds:.1f} ms at 2,039 GB/s, 64 tokens each step: {answer:,.0f} tokens/s. Its FLOPs ({tflop:.2f}
-TFLOP a step) take {compute:.2f} ms at 312 TFLOP/s: bandwidth bounds it. With LLaMA-2-7B's full
-multi-head cache (4x Mistral's per token) the same batch reads {mha:.0f} GiB of cache a step and
-makes {mha_tps:,.0f} tokens/s, if it fitted (it does not: 80 GB).""",
+    "07-decode-batch-for-80-percent",
+    question="""Mistral-7B decodes at 4,096 tokens of context on an A100 80GB (2,039 GB/s), bf16
+weights and cache. A step reads the weights W once for the whole batch and each sequence's
+cache K, so with bandwidth B the batch makes b x B / (W + b x K) tokens a second, which no batch
+passes: B / K. From which batch b on does it reach 80% of that ceiling? Work it out from W and
+K first (labkit.transformer.decoding.decode_step gives both), then check with the roofline's
+tokens_per_second and cache_ceiling. Does that batch fit the card?""",
+    unit="sequences", rtol=0.01,
+    hint="b x B / (W + b x K) >= 0.8 x B / K  <=>  b x K >= 0.8 x (W + b x K)  <=>  b >= 4 W / K. "
+         "W: decode_step('mistral-7b', 1, 4096).weight_bytes; K: its kv_bytes (one sequence). "
+         "largest_batch('mistral-7b', 4096, 'a100-80gb') says how many fit.",
+    solution="""W = {w:.2f} GiB, K = {k:.3f} GiB per sequence: b >= 4 W / K = {bound:.1f}, so from
+batch {answer} on (the roofline: {tps:,.0f} of its {ceiling:,.0f} tokens/s ceiling; batch {below}
+makes {below_share:.1%}). Bandwidth bounds it there: the weights' FLOPs take {flops_ms:.1f} ms,
+their bytes {bytes_ms:.1f} ms. The card fits {fits} sequences beside the weights (90% of its
+memory): {verdict}. Half the cache per sequence (an 8-bit cache) doubles the ceiling, and the
+batch that reaches 80% of it.""",
 )
-def _decode_tokens_per_second():
-    from labkit.transformer.decoding import decode_step
-    s, mha = decode_step("mistral-7b", 64, 4096), decode_step("llama-2-7b", 64, 4096)
-    GiB = 2**30
-    return {"answer": s.tokens_per_second("a100-80gb"), "weights": s.weight_bytes / GiB,
-            "kv": s.kv_bytes / GiB, "total": s.bytes / GiB, "seconds": 1e3 * s.bytes / 2039e9,
-            "tflop": s.flops / 1e12, "compute": 1e3 * s.flops / 312e12,
-            "mha": mha.kv_bytes / GiB, "mha_tps": mha.tokens_per_second("a100-80gb")}
+def _decode_batch_for_80_percent():
+    from labkit.transformer.decoding import decode_step, largest_batch
+    GiB, a100 = 2**30, "a100-80gb"
+    one = decode_step("mistral-7b", 1, 4096)
+    ceiling = one.cache_ceiling(a100)
+    b = 1
+    while decode_step("mistral-7b", b, 4096).tokens_per_second(a100) < 0.8 * ceiling:
+        b += 1
+    fits = largest_batch("mistral-7b", 4096, a100)
+    below = decode_step("mistral-7b", b - 1, 4096).tokens_per_second(a100)
+    return {"answer": b, "w": one.weight_bytes / GiB, "k": one.kv_bytes / GiB,
+            "bound": 4 * one.weight_bytes / one.kv_bytes, "ceiling": ceiling,
+            "tps": decode_step("mistral-7b", b, 4096).tokens_per_second(a100), "below": b - 1,
+            "below_share": below / ceiling, "fits": fits,
+            "verdict": "it fits" if b <= fits else "it does not fit",
+            "flops_ms": 1e3 * decode_step("mistral-7b", b, 4096).weight_flops / 312e12,
+            "bytes_ms": 1e3 * one.weight_bytes / 2039e9}
