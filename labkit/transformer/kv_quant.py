@@ -1,0 +1,60 @@
+"""A KV cache stored in 8 bits: int8 or FP8 (E4M3) keys and values, one fp32 scale per token and
+KV head, dequantised when attention reads them. What vLLM's and TensorRT-LLM's 8-bit caches save
+(vLLM's FP8 cache keeps one scale per tensor instead; KIVI quantises keys per channel).
+"""
+from __future__ import annotations
+
+import torch
+
+from labkit.core.config import ModelConfig
+from labkit.core.units import check_choice, check_positive
+from labkit.transformer.generate import KVCache
+
+FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}   # dtype, its max
+
+
+def quantise(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d) -> (8-bit codes (..., d), fp32 scales (..., 1)): absmax over the last dim."""
+    dtype, top = FORMATS[fmt]
+    scale = x.detach().abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / top   # (..., 1)
+    y = x.float() / scale
+    codes = y.round().clamp(-top, top).to(dtype) if fmt == "int8" else y.to(dtype)
+    return codes, scale
+
+
+def dequantise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale).to(dtype)
+
+
+class QuantisedKVCache(KVCache):
+    """``KVCache`` whose keys and values are stored as 8-bit codes with a scale per token and head;
+    ``read`` hands attention the dequantised tensors in ``dtype``."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, fmt: str = "int8",
+                 share: int = 1, dtype: torch.dtype = torch.float32, device=None):
+        check_choice("fmt (the cache's 8-bit format)", fmt, FORMATS)
+        check_positive("batch", batch)
+        check_positive("capacity (tokens the cache holds)", capacity)
+        check_positive("share (layers per cache slot; 1: no sharing)", share)
+        self.fmt, self.dtype = fmt, dtype
+        self.capacity, self.share, self.length, self.device = capacity, share, 0, device
+        codes, scales = (batch, cfg.kv_heads, capacity, cfg.head_dim), (batch, cfg.kv_heads, capacity, 1)
+        self.slots = [{"k": torch.zeros(codes, dtype=FORMATS[fmt][0], device=device),
+                       "v": torch.zeros(codes, dtype=FORMATS[fmt][0], device=device),
+                       "k_scale": torch.zeros(scales, device=device),
+                       "v_scale": torch.zeros(scales, device=device)}
+                      for _ in range(-(-cfg.layers // share))]
+
+    def write(self, layer: int, **new):
+        """Quantise the new tokens' keys and values (B, Hkv, T, d) and store codes and scales."""
+        slot = self.slots[layer // self.share]
+        for name, t in new.items():
+            codes, scale = quantise(t, self.fmt)
+            for key, value in ((name, codes), (f"{name}_scale", scale)):
+                slot[key].narrow(self.time_dim, self.length, t.shape[self.time_dim]).copy_(value)
+
+    def read(self, layer: int, end: int) -> list:
+        """The first ``end`` tokens' keys and values, dequantised: [k, v], each (B, Hkv, end, d)."""
+        slot = self.slots[layer // self.share]
+        return [dequantise(slot[n].narrow(2, 0, end), slot[f"{n}_scale"].narrow(2, 0, end),
+                           self.dtype) for n in ("k", "v")]
