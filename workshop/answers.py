@@ -304,6 +304,14 @@ s = decode_step("mistral-7b", answer, 4096)
 print(answer, s.tokens_per_second("a100-80gb") / one.cache_ceiling("a100-80gb"),
       answer <= largest_batch("mistral-7b", 4096, "a100-80gb"))
 
+# %% 07-kv-int8-gib
+from labkit.transformer.kv_quant import QuantisedKVCache
+per_token = 32 * 8 * 2 * (128 + 4)                         # layers x KV heads x (k, v) x (codes + scale)
+answer = 32 * 8192 * per_token / 2**30                     # GiB
+one_layer = QuantisedKVCache(lk.preset("llama-3-8b").replace(layers=1), 32, 8192, fmt="int8",
+                             device="meta")                 # sizes only, nothing allocated
+print(answer, one_layer.nbytes * 32 / 2**30)
+
 # %% 08-shm-image-loader
 from labkit.host import shm
 batch = 32 * 3 * 512 * 512 * 4                             # one batch of fp32 images

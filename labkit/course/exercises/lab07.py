@@ -212,3 +212,29 @@ def _decode_batch_for_80_percent():
             "verdict": "it fits" if b <= fits else "it does not fit",
             "flops_ms": 1e3 * decode_step("mistral-7b", b, 4096).weight_flops / 312e12,
             "bytes_ms": 1e3 * one.weight_bytes / 2039e9}
+
+
+@register(
+    "07-kv-int8-gib",
+    question="""Predict, then check. LLaMA-3-8B (32 layers, 8 KV heads of 128 numbers) serves 32
+sequences of 8,192 tokens with an int8 KV cache that keeps one fp32 scale per token and KV head,
+as labkit's QuantisedKVCache does. How many GiB does the cache take? What would bf16 take, and
+what share of it do the scales add?""",
+    unit="GiB", rtol=1e-3,
+    hint="Per token, layer and KV head: keys and values, each 128 one-byte codes and a 4-byte "
+         "scale. Check without allocating 17 GiB: QuantisedKVCache(lk.preset('llama-3-8b')"
+         ".replace(layers=1), 32, 8192, fmt='int8', device='meta').nbytes, times 32 layers "
+         "(from labkit.transformer.kv_quant import QuantisedKVCache).",
+    solution="""32 sequences x 8,192 tokens x 32 layers x 8 heads x 2 (k, v) x (128 + 4) B =
+{bytes:,} B = {answer:.2f} GiB. In bf16: {bf16:.2f} GiB ({share:.1%} of it in int8); the scales
+add {scales:.2f} GiB, {scale_share:.1%} of the int8 cache. One scale per tensor (vLLM's FP8
+cache) would make them negligible.""",
+)
+def _kv_int8_gib():
+    from labkit.transformer.kv_quant import QuantisedKVCache
+    c = preset("llama-3-8b")
+    one_layer = QuantisedKVCache(c.replace(layers=1), 32, 8192, fmt="int8", device="meta")
+    nbytes, bf16 = one_layer.nbytes * c.layers, kv_cache_bytes(c, 32, 8192, "bf16")
+    scales = 32 * 8192 * c.layers * c.kv_heads * 2 * 4
+    return {"answer": nbytes / GiB, "bytes": nbytes, "bf16": bf16 / GiB, "share": nbytes / bf16,
+            "scales": scales / GiB, "scale_share": scales / nbytes}
