@@ -40,6 +40,8 @@ def test_generation_over_it_stays_close_to_the_full_caches(fmt):
     assert quant.dtype == torch.float32
 
 
-def test_a_bad_format_is_refused():
+def test_a_bad_format_and_an_mla_model_are_refused():
     with pytest.raises(ValueError, match="int8"):
         QuantisedKVCache(lk.preset("tiny"), 1, 8, fmt="int4")
+    with pytest.raises(ValueError, match="latent"):
+        QuantisedKVCache(lk.preset("tiny-moe"), 1, 8)

@@ -82,6 +82,7 @@ def decode_step(cfg: ModelConfig | str, batch: int = 1, context: int = 4096,
     """Bytes and FLOPs of one decode step (``labkit.predict.kv_cache_bytes`` for the cache)."""
     c = preset(cfg) if isinstance(cfg, str) else cfg
     batch, context = check_positive("batch", batch), check_positive("context", context)
+    kv_dtype = {"fp8": "fp8-e4m3"}.get(kv_dtype, kv_dtype)      # QuantisedKVCache's name for it
     n = count_params(c)
     embedding = n.by_component["embedding"] if not c.tie_embeddings else 0   # a lookup, not a read
     routed = n.by_component.get("routed experts", 0)

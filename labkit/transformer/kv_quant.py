@@ -1,6 +1,9 @@
-"""A KV cache stored in 8 bits: int8 or FP8 (E4M3) keys and values, one fp32 scale per token and
-KV head, dequantised when attention reads them. What vLLM's and TensorRT-LLM's 8-bit caches save
-(vLLM's FP8 cache keeps one scale per tensor instead; KIVI quantises keys per channel).
+"""A KV cache stored in 8 bits: int8 or FP8 (E4M3) keys and values with one fp32 scale per token
+and KV head, computed as each token is written (as LMDeploy's online int8 cache does), and
+dequantised when attention reads a layer. labkit's choice: vLLM's and TensorRT-LLM's 8-bit caches
+keep fixed scales, one per tensor or per KV head, calibrated beforehand (1.0 otherwise), so they
+store no scale per token; their kernels dequantise inside attention, a tile at a time. KIVI
+scales keys per channel.
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ class QuantisedKVCache(KVCache):
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, fmt: str = "int8",
                  share: int = 1, dtype: torch.dtype = torch.float32, device=None):
         check_choice("fmt (the cache's 8-bit format)", fmt, FORMATS)
+        if cfg.attention == "mla":
+            raise ValueError("MLA caches a latent, not keys and values per head: "
+                             "QuantisedKVCache holds GQA, MHA and MQA caches (use an MLA model's "
+                             "generate.new_cache)")
         check_positive("batch", batch)
         check_positive("capacity (tokens the cache holds)", capacity)
         check_positive("share (layers per cache slot; 1: no sharing)", share)

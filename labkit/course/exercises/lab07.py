@@ -184,7 +184,7 @@ cache K, so with bandwidth B the batch makes b x B / (W + b x K) tokens a second
 passes: B / K. From which batch b on does it reach 80% of that ceiling? Work it out from W and
 K first (labkit.transformer.decoding.decode_step gives both), then check with the roofline's
 tokens_per_second and cache_ceiling. Does that batch fit the card?""",
-    unit="sequences", rtol=0.01,
+    unit="sequences", rtol=0,
     hint="b x B / (W + b x K) >= 0.8 x B / K  <=>  b x K >= 0.8 x (W + b x K)  <=>  b >= 4 W / K. "
          "W: decode_step('mistral-7b', 1, 4096).weight_bytes; K: its kv_bytes (one sequence). "
          "largest_batch('mistral-7b', 4096, 'a100-80gb') says how many fit.",
