@@ -460,10 +460,11 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: 
 
 def min_capacity(events, settings: AllocatorSettings = AllocatorSettings(),
                  tolerance: int = 2 * kMB) -> int:
-    """The smallest device memory (within ``tolerance`` bytes) on which the replay runs without
-    running out: what the step needs, as against what an unpressed allocator keeps reserved.
-    Bisection between the peak of allocated blocks and the peak reserved with no limit (more
-    memory never makes this model fail sooner in practice; the answer is where it stops)."""
+    """A device memory on which the replay runs, with ``tolerance`` bytes less failing: what the
+    step needs, as against what an unpressed allocator keeps reserved. Bisection between the
+    peak of allocated blocks and the peak reserved with no limit. The allocator is not
+    monotonic in memory: with more room it caches segments that can fragment later, so a device
+    a little larger may still fail (lab 08 scans that band); read the answer to its width."""
     free_run = replay(events, settings, record_trace=False)
     low, high = free_run.peak_allocated, free_run.peak_reserved
     if replay(events, settings, capacity=low, record_trace=False).oom is None:

@@ -16,9 +16,9 @@ from labkit.core.units import fmt_bytes as _fmt
 
 UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
-# labkit's threshold for "large" cached memory (PyTorch's hint says only "large"): a share of
-# what PyTorch reserves, below which a near-full card is the step's tensors, not fragmentation
-LARGE_CACHED = 0.05
+# a CUDA context with its loaded kernels takes a few hundred MiB: memory outside PyTorch is to
+# blame only above this (labkit's threshold)
+CONTEXT = 2**30
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"    # read by every version; 2.13 also reads PYTORCH_ALLOC_CONF
 
 
@@ -39,6 +39,8 @@ class OomReport:
     others: int                   # "Process N has ... memory in use", summed
     allowed: int | None = None    # "... allowed;": a per-process memory fraction's cap
     guessed_this: bool = False    # this process read from a "Process N" line (a container)
+    private_pools: int = 0        # "with ... allocated in private pools": free blocks that CUDA
+                                  # graphs' pools hold, counted in "allocated by PyTorch"
 
     @property
     def reserved(self) -> int:
@@ -59,33 +61,42 @@ class OomReport:
             return None
         return max(self.this_process - self.reserved, 0)
 
+    @property
+    def live(self) -> int:
+        """Bytes of live tensors: allocated, less the free blocks held in private pools."""
+        return self.allocated - self.private_pools
+
     def sufficient(self) -> dict[str, int]:
         """Each memory that alone would have covered the shortfall, and its bytes."""
-        found = {"fragmentation (reserved but unallocated)": self.cached,
+        found = {"CUDA graphs' private pools (free)": self.private_pools,
+                 "fragmentation (reserved but unallocated)": self.cached,
                  "other processes": self.others, "outside PyTorch": self.outside_pytorch or 0}
         return {name: n for name, n in found.items() if n >= self.shortfall and n > 0}
 
     def verdict(self) -> str:
         """What ran short, and the first fix to try, in the order a triage checks."""
-        short, also = self.shortfall, self.sufficient()
+        short = self.shortfall
         where = " (read from a 'Process N' line: in a container PyTorch cannot tell it is this " \
                 "process)" if self.guessed_this else ""
-        if self.cached >= short and self.cached >= LARGE_CACHED * self.reserved:
-            return (f"fragmentation: {_fmt(self.cached)} sits free inside PyTorch's segments "
-                    f"(≥ {LARGE_CACHED:.0%} of {_fmt(self.reserved)} reserved), more than the "
-                    f"request lacked ({_fmt(short)}), in pieces too small; set "
-                    f"{ALLOC_CONF}=expandable_segments:True")
+        if self.private_pools >= short > 0:
+            return (f"CUDA graphs' private pools: {_fmt(self.private_pools)} of free blocks sit "
+                    "in them, counted as allocated; release the graphs (or their MemPool), or "
+                    "capture fewer (torch.compile's reduce-overhead mode captures them)")
+        if self.cached >= short:
+            return (f"fragmentation first: {_fmt(self.cached)} sits free inside PyTorch's "
+                    f"segments, more than the request lacked ({_fmt(short)}), in pieces too "
+                    f"small; set {ALLOC_CONF}=expandable_segments:True, and if the step still "
+                    "fails, lower its peak")
         if self.others >= short > 0:
             return (f"another process: other processes hold {_fmt(self.others)} of this GPU; "
                     "stop them, or give each job its own GPU")
-        if (self.outside_pytorch or 0) >= short > 0:
-            return (f"memory outside PyTorch's allocator: {_fmt(self.outside_pytorch)} in this "
-                    f"process{where} (CUDA context, NCCL, extensions); count it in the budget")
-        edge = (f"; the {_fmt(self.cached)} cached would have covered this request alone, but "
-                "the next one fails as well") if also else ""
-        return (f"the step's tensors: live tensors take {_fmt(self.allocated)} of "
-                f"{_fmt(self.allowed or self.capacity)}{edge}; lower the peak (a smaller "
-                "micro-batch, recomputation, sharding: lk.estimate says by how much)")
+        outside = self.outside_pytorch or 0
+        if outside >= short > 0 and outside > CONTEXT:
+            return (f"memory outside PyTorch's allocator: {_fmt(outside)} in this process{where}, "
+                    "more than a CUDA context takes (NCCL, extensions); count it in the budget")
+        return (f"the step's tensors: live tensors take {_fmt(self.live)} of "
+                f"{_fmt(self.allowed or self.capacity)}; lower the peak (a smaller micro-batch, "
+                "recomputation, sharding: lk.estimate says by how much)")
 
 
 def parse_oom(message: str) -> OomReport:
@@ -107,23 +118,25 @@ def parse_oom(message: str) -> OomReport:
     total = find(r"total capac\w+ of " + _SIZE + r" of which " + _SIZE + r" is free",
                  "total capacity of ... of which ... is free")
     held = find(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch,"
-                r"(?: with [^,]*? allocated in private pools \([^)]*\),)? and " + _SIZE
+                r"(?: with " + _SIZE + r" allocated in private pools \([^)]*\),)? and " + _SIZE
                 + r" is reserved by PyTorch but unallocated", "Of the allocated memory")
     allowed = re.search(_SIZE + r" allowed;", text)
     this = re.search(r"this process has " + _SIZE + r" memory in use", text)
     processes = [_bytes(*m.groups()) for m in re.finditer(r"Process \d+ has " + _SIZE +
                                                           r" memory in use", text)]
-    allocated, cached = _bytes(*held.groups()[:2]), _bytes(*held.groups()[2:])
+    groups = held.groups()
+    allocated, cached = _bytes(*groups[:2]), _bytes(*groups[4:])
+    private = _bytes(*groups[2:4]) if groups[2] else 0
     guessed = None
     if this is None:        # a PID namespace: this process may be printed as "Process N"
-        guessed = max((n for n in processes if n >= allocated + cached), default=None)
+        guessed = min((n for n in processes if n >= allocated + cached), default=None)
         if guessed is not None:
             processes.remove(guessed)
     return OomReport(requested=_bytes(*requested.groups()), capacity=_bytes(*total.groups()[:2]),
                      free=_bytes(*total.groups()[2:]), allocated=allocated, cached=cached,
                      this_process=_bytes(*this.groups()) if this else guessed,
                      others=sum(processes), allowed=allowed and _bytes(*allowed.groups()),
-                     guessed_this=guessed is not None)
+                     guessed_this=guessed is not None, private_pools=private)
 
 
 # ---- torch.cuda.memory_summary()'s table, from a memory_stats() dict -------------------------

@@ -254,7 +254,7 @@ class _Step(States, Moments, InBackwardMoments):
                        "parameters on this device": self.n_local,
                        "layers on this device": len(self.layers),
                        "model states": {"params": states["params"],
-                                        "grads": 0 if self.offload else self.grads(),
+                                        "grads": 0 if self.offload or self.in_backward else self.grads(),
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
             gathered = ([u for b in self.gathered_units for u in b]

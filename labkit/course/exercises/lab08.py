@@ -154,7 +154,8 @@ def _eval_leak_per_batch():
 
 
 OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 "
-               "GiB of which 40.10 GiB is free. 38.00 GiB allowed; Of the allocated memory 35.50 GiB "
+               "GiB of which 40.10 GiB is free. Including non-PyTorch memory, this process has "
+               "37.20 GiB memory in use. 38.00 GiB allowed; Of the allocated memory 35.50 GiB "
                "is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but unallocated.")
 
 
@@ -174,14 +175,15 @@ Then triage it: fragmentation, another process, memory outside PyTorch, or the s
          "reads the numbers; .shortfall and .verdict() check yours.",
     solution="""PyTorch reserves 35.50 + 1.20 = 36.70 GiB of the 38.00 GiB allowed: 1.30 GiB of
 room, so the 2.00 GiB request lacked {answer:.2f} GiB, not nothing (the device's 40 GiB free do
-not count under the cap). The 1.20 GiB cached would cover this request alone, but it is
-{share:.1%} of what PyTorch reserves: the cap is nearly full, and the next request fails as well.
-No other process and nothing outside PyTorch is printed. parse_oom's verdict: "{verdict}": the
-rehearsed 40 GB card is too small for this step.""",
+not count under the cap). The 1.20 GiB cached ({share:.1%} of what PyTorch reserves) covers
+it: try expandable segments under the same cap first. No other process is printed, and the
+{outside:.2f} GiB this process holds outside PyTorch is about what a CUDA context takes.
+parse_oom's verdict: "{verdict}". Only if the step still fails with
+expandable segments is the rehearsed 40 GB card too small for it.""",
 )
 def _oom_capped_shortfall():
     from labkit.host.oom import parse_oom
     r = parse_oom(OOM_MESSAGE)
     GiB = 2**30
     return {"answer": r.shortfall / GiB, "share": r.cached / r.reserved,
-            "verdict": r.verdict().split(":")[0]}
+            "verdict": r.verdict().split(":")[0], "outside": r.outside_pytorch / GiB}
