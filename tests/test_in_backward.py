@@ -75,18 +75,21 @@ def test_its_state_and_groups_are_every_weights():
     assert sum(s["exp_avg"].numel() for s in opt.state.values()) == sum(p.numel() for p in params)
 
 
-CASES = [(name, *case) for name, case in itertools.product(
-    ["llama-2-7b", "gemma-3-1b", "deepseek-v2-lite"],
-    [("fp32", "for-loop", "adamw"), ("bf16", "foreach", "adamw"), ("bf16", "fused", "adamw"),
-     ("bf16-mixed", "foreach", "adamw"), ("bf16-mixed", "fused", "adamw"),
-     ("bf16", "foreach", "adamw-8bit"), ("bf16", "foreach", "sgd-momentum")])]
+RECIPES = [("fp32", "for-loop", "adamw"), ("bf16", "foreach", "adamw"), ("bf16", "fused", "adamw"),
+           ("bf16-mixed", "foreach", "adamw"), ("bf16-mixed", "fused", "adamw"),
+           ("bf16", "foreach", "adamw-8bit"), ("bf16", "foreach", "sgd-momentum")]
+# every recipe on LLaMA-2-7B's blocks; a tied model and an MoE one on three (CI's time)
+CASES = ([("llama-2-7b", *r) for r in RECIPES]
+         + [(name, *RECIPES[k]) for name, k in itertools.product(["gemma-3-1b", "deepseek-v2-lite"],
+                                                                  (0, 4, 6))])
 
 
 @pytest.mark.parametrize("name,precision,impl,optimizer", CASES)
 def test_the_estimate_is_the_measured_peak(name, precision, impl, optimizer):
     """Two or three blocks of each model at 1 x 256 tokens, where the weights' states dominate
     and the step's moments decide; measured on fake tensors with CUDA's defaults. Within 0.1%:
-    the largest residual measured, 0.08%, is AdamW8bit's chunk bookkeeping."""
+    the largest residual measured, 0.08%, is AdamW8bit's chunk bookkeeping (all 21 model and
+    recipe pairs were measured so on 2026-12-05; CI runs these 13)."""
     cfg = lk.preset(name).replace(layers=3 if name == "deepseek-v2-lite" else 2)
     recipe = lk.Recipe(precision, optimizer=optimizer, optimizer_impl=impl,
                        optimizer_in_backward=True)
@@ -105,6 +108,7 @@ LONGER = [(name, batch, seq, recipe) for name, batch, seq, recipe in [
     ("deepseek-v2-lite", 1, 2048, dict(precision="bf16", optimizer="sgd", loss_chunk=256))]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,batch,seq,recipe", LONGER)
 def test_the_estimate_holds_with_recompute_and_a_chunked_loss(name, batch, seq, recipe):
     """Longer steps, where a block's backward or the loss's chunks set the peak. Within 1.2%: the
@@ -117,7 +121,8 @@ def test_the_estimate_holds_with_recompute_and_a_chunked_loss(name, batch, seq, 
         measured.total, rel=0.012)
 
 
-def test_llama_3_8b_whole_in_torchtunes_low_memory_regime():
+@pytest.mark.slow
+def test_llama_3_8b_whole_in_labkits_low_memory_regime():
     """All 32 blocks, bf16, full recomputation, a chunked loss, 8192 tokens: exact."""
     r = lk.Recipe("bf16", recompute="full", loss_chunk=1024, optimizer_in_backward=True)
     measured = lk.measure_step("llama-3-8b", 1, 8192, recipe=r, fake=True, device="cuda")
