@@ -245,6 +245,8 @@ def test_version_comes_from_the_package_and_all_names_the_public_api(capsys):
     (["estimate", "--model", "tiny", "--recompute", "every-k", "--every", "-1"],
      "--every: must be a positive integer, got '-1'"),
     (["measure", "--model", "no/such/config.json"], "no such file: no/such/config.json"),
+    (["estimate", "--model", "tiny", "--optimizer-in-backward", "--dp", "2"],
+     "not with --dp 2: drop those"),
 ])
 def test_bad_input_is_one_line_naming_the_fix_and_exit_code_2(capsys, argv, fix):
     try:

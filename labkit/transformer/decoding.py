@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.core.config import ModelConfig, preset
-from labkit.core.gpus import GPU, gpu
+from labkit.core.gpus import GPU, gpu, usable_memory
 from labkit.core.units import check_positive, dtype_bytes
 from labkit.predict import count_params, kv_cache_bytes
 
@@ -114,7 +114,6 @@ def largest_batch(cfg: ModelConfig | str, context: int, device: GPU | str,
     """The most sequences of ``context`` tokens whose KV cache fits beside every stored weight in
     the GPU's usable memory (``labkit.core.gpus.usable_memory``); 0 when the weights alone do not.
     Decoding's activations (one token per sequence) are left out."""
-    from labkit.core.gpus import usable_memory
     c = preset(cfg) if isinstance(cfg, str) else cfg
     context = check_positive("context", context)
     room = usable_memory(gpu(device)) - count_params(c).total * dtype_bytes(weight_dtype)

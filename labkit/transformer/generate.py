@@ -53,12 +53,16 @@ class Cache:
         self.capacity, self.share, self.length = capacity, share, 0
         self.device = device
         slots = -(-cfg.layers // share)
-        self.slots = [{name: torch.zeros(shape, dtype=dtype, device=device)
+        self.slots = [{name: torch.zeros(shape, dtype=self.stored_dtype(name, dtype), device=device)
                        for name, shape in self.shapes(cfg, batch, capacity).items()}
                       for _ in range(slots)]
 
     def shapes(self, cfg: ModelConfig, batch: int, capacity: int) -> dict:
         raise NotImplementedError
+
+    def stored_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype entry ``name`` is stored in: the cache's own (a quantised cache differs)."""
+        return dtype
 
     def writes(self, layer: int) -> bool:
         """Whether ``layer`` computes and stores its own entries (the first of its group)."""

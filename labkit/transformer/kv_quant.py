@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from labkit.core.config import ModelConfig
-from labkit.core.units import check_choice, check_positive
+from labkit.core.units import check_choice
 from labkit.transformer.generate import KVCache
 
 FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}   # dtype, its max
@@ -40,28 +40,27 @@ class QuantisedKVCache(KVCache):
             raise ValueError("MLA caches a latent, not keys and values per head: "
                              "QuantisedKVCache holds GQA, MHA and MQA caches (use an MLA model's "
                              "generate.new_cache)")
-        check_positive("batch", batch)
-        check_positive("capacity (tokens the cache holds)", capacity)
-        check_positive("share (layers per cache slot; 1: no sharing)", share)
-        self.fmt, self.dtype = fmt, dtype
-        self.capacity, self.share, self.length, self.device = capacity, share, 0, device
-        codes, scales = (batch, cfg.kv_heads, capacity, cfg.head_dim), (batch, cfg.kv_heads, capacity, 1)
-        self.slots = [{"k": torch.zeros(codes, dtype=FORMATS[fmt][0], device=device),
-                       "v": torch.zeros(codes, dtype=FORMATS[fmt][0], device=device),
-                       "k_scale": torch.zeros(scales, device=device),
-                       "v_scale": torch.zeros(scales, device=device)}
-                      for _ in range(-(-cfg.layers // share))]
+        self.fmt, self.dtype = fmt, dtype          # dtype: what attention reads
+        super().__init__(cfg, batch, capacity, share, torch.float32, device)
+
+    def shapes(self, cfg, batch, capacity):
+        """Codes (B, Hkv, capacity, d) and one scale per token and head (B, Hkv, capacity, 1)."""
+        codes, scales = super().shapes(cfg, batch, capacity)["k"], (batch, cfg.kv_heads, capacity, 1)
+        return {"k": codes, "v": codes, "k_scale": scales, "v_scale": scales}
+
+    def stored_dtype(self, name, dtype):
+        return dtype if name.endswith("_scale") else FORMATS[self.fmt][0]   # fp32 scales
 
     def write(self, layer: int, **new):
         """Quantise the new tokens' keys and values (B, Hkv, T, d) and store codes and scales."""
-        slot = self.slots[layer // self.share]
+        stored = {}
         for name, t in new.items():
-            codes, scale = quantise(t, self.fmt)
-            for key, value in ((name, codes), (f"{name}_scale", scale)):
-                slot[key].narrow(self.time_dim, self.length, t.shape[self.time_dim]).copy_(value)
+            stored[name], stored[f"{name}_scale"] = quantise(t, self.fmt)
+        super().write(layer, **stored)
 
     def read(self, layer: int, end: int) -> list:
         """The first ``end`` tokens' keys and values, dequantised: [k, v], each (B, Hkv, end, d)."""
         slot = self.slots[layer // self.share]
-        return [dequantise(slot[n].narrow(2, 0, end), slot[f"{n}_scale"].narrow(2, 0, end),
+        t = self.time_dim
+        return [dequantise(slot[n].narrow(t, 0, end), slot[f"{n}_scale"].narrow(t, 0, end),
                            self.dtype) for n in ("k", "v")]
