@@ -26,14 +26,29 @@ def test_each_lab_notebook_uses_only_exercises_that_exist_and_every_exercise_is_
     assert asked <= used, f"exercises no notebook asks: {asked - used}"
 
 
-@pytest.mark.parametrize("id", ALL)
+# Five answers take 2-4 s each on one core (a replay, tracked steps; the other 42: 4 s together,
+# 2026-12-05). Each lab's solution notebook computes every answer twice, its worked one and
+# labkit's inside check(), and prints the solution: tests/test_workshop.py, in the slow run,
+# asserts a ✅ and filled placeholders for each. These five are checked there only.
+LEFT_TO_THE_SOLUTIONS = {"07-watermark-no-preemption", "03-varlen-saving", "08-max-split-needs",
+                         "01-foreach-over-for-loop", "07-tiled-peak-block"}
+
+
+def test_the_answers_left_to_the_solution_notebooks_are_exercises():
+    assert LEFT_TO_THE_SOLUTIONS <= set(ALL)
+
+
+@pytest.mark.parametrize("id", [i for i in ALL if i not in LEFT_TO_THE_SOLUTIONS])
 def test_labkits_own_answer_is_right_and_the_solution_quotes_it(id):
-    exercise = ex.get(id)
-    result = ex.check(id, exercise.answer())
+    result = ex.check(id, ex.get(id).answer())
     assert result.correct and "✅" in repr(result) and "Hint" not in repr(result)
     text = ex.solution(id)
     assert text and "{" not in text                      # every placeholder was filled
-    assert exercise.unit in ex.question(id)
+
+
+@pytest.mark.parametrize("id", ALL)
+def test_each_question_names_the_unit_of_its_answer(id):
+    assert f"(answer in {ex.get(id).unit})" in ex.question(id)
 
 
 def test_answers_equal_the_published_figures():

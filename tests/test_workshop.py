@@ -241,3 +241,6 @@ def test_each_solution_notebook_runs_and_every_check_shows_a_tick(path, tmp_path
         shown = "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs
                         if o.output_type == "execute_result")
         assert shown.startswith("✅"), f"{path.name}, {cell.id}: {shown}"
+    for cell in (c for c in nb.cells if c.cell_type == "code" and c.id.endswith("-solution")):
+        printed = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stdout")
+        assert printed.strip() and "{" not in printed, f"{path.name}, {cell.id}: {printed}"
