@@ -20,18 +20,19 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
   True); it holds each layer's keys after RoPE - fp32 under autocast, because cos/sin take
   the fp32 residual stream's dtype - until the forward pass returns: 4 x kv_heads x head_dim
   more at the end of the forward pass, where the peak then falls.
-- Mistral at seq >= sliding_window: a (B, 1, T, T) mask, copied to a float mask inside SDPA
-  per layer (4T in fp32), and keys and values repeated to every head (the GQA path of SDPA
-  is off when a mask is given).
+- Mistral v0.1 at seq >= sliding_window: a (B, 1, T, T) mask, copied to a float mask inside
+  SDPA per layer (4T in fp32), and keys and values repeated to every head (the GQA path of
+  SDPA is off when a mask is given); labkit's windowed layers do the same (0.991-0.996x its
+  peak at 4 x 4096; 0.924-0.948 before they did).
 - DeepSeek (MLA): v is narrower than q and k and transformers does not pad it, so SDPA on
   CPU runs its math path and keeps the fp32 attention probabilities (4 H T); under autocast
   the routed experts run in fp32 (grouped_mm is not autocast-enabled), with no bf16 weight
   copies; the router keeps an fp32 copy of its input (4h).
-- Gemma 3 (gemma-3-1b): transformers builds a (B, 1, T, T) sliding-window mask even where the
-  window covers every token, and SDPA copies it to a float mask in each layer (2T bytes per
-  token in bf16, 4T in fp32: 8-16 KiB at T = 4096), so 0.960-0.977x its peak at 4 x 4096; its
-  RMSNorms keep x / rms(x) in fp32 for the product with 1 + weight, as labkit's Gemma-style
-  norm does (``norm_style="gemma"``).
+- Gemma 3 (gemma-3-1b): its sliding-window layers (window 512) get the same mask copy (2T
+  bytes per token in bf16, 4T in fp32: 8-16 KiB at T = 4096); its one kv head is repeated as
+  a view (no bytes). As labkit's windowed layers: 0.998-1.003x its peak at 4 x 4096 (0.960-0.977
+  without them). Its RMSNorms keep x / rms(x) in fp32 for the product with 1 + weight, as
+  labkit's Gemma-style norm does (``norm_style="gemma"``).
 - Gemma 2 (gemma-2-9b; transformers 5.25): transformers runs it eagerly (SDPA cannot soft-cap
   the scores), so the estimate uses labkit's naive core, which keeps what eager attention
   keeps: the fp32 softmax and its bf16 copy, the tanh of the soft-capped scores (8 bytes per

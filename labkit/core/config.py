@@ -51,8 +51,8 @@ class ModelConfig:
     embed_scale: bool = False    # the embedding's output times sqrt(hidden) (Gemma)
     # sliding-window attention (Mistral, Gemma 2/3, OLMo 3): layers attend to the last
     # ``sliding_window`` tokens only, but for every ``global_every``-th layer (0: none), which
-    # attends to all. labkit's model attends to every earlier token (the same tensors in
-    # training up to seq = sliding_window); ``kv_cache_bytes`` counts what a windowed cache keeps
+    # attends to all (``model.attention_core``; ``kv_cache_bytes`` counts what a windowed cache
+    # keeps)
     sliding_window: int = 0
     global_every: int = 0
     # soft-capping (Gemma 2): x -> cap * tanh(x / cap) on each layer's attention scores before
@@ -112,6 +112,11 @@ class ModelConfig:
     def post_norms(self) -> bool:
         """Whether each sub-layer's output is normalised before the residual add."""
         return self.norms != "pre"
+
+    def window_of(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window in tokens (0: it attends to every earlier token)."""
+        return self.sliding_window if self.global_every == 0 or (
+            layer + 1) % self.global_every else 0
 
     @property
     def windowed_layers(self) -> int:

@@ -101,13 +101,10 @@ def from_hf_config(hf_config) -> ModelConfig:
             fields.update(_mixtral_fields(c))
         if model_type == "qwen3_moe":
             fields.update(_qwen3_moe_fields(c))
-        # Sliding-window attention (Mistral, Qwen2's use_sliding_window) is not modelled in
-        # training (``kv_cache_bytes`` caps a windowed layer's cache at the window): at
-        # seq < sliding_window (4096 for Mistral-7B) the window covers every earlier token and
-        # transformers runs SDPA causal without a mask, as labkit does: the same tensors. From
-        # seq = sliding_window on it builds a (B, 1, T, T) mask, which SDPA copies to a float
-        # mask in every layer, and which turns off its grouped-query path (keys and values
-        # are then repeated to every head): memory labkit's estimate does not include.
+        # Sliding windows (Mistral v0.1, Qwen2's use_sliding_window): below seq = window
+        # transformers runs SDPA causal without a mask, as labkit does; from it on, a mask
+        # that SDPA copies to a float one in every windowed layer, with k and v repeated to
+        # every head, as labkit's windowed layers do (``model.windowed_sdpa``).
     return ModelConfig(**fields)
 
 

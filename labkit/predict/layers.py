@@ -15,7 +15,7 @@ It also keeps its repeated key and value heads (4 head-wide tensors per token in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from labkit.core.config import ModelConfig, preset
 from labkit.core.recipe import compute_bytes, state_bytes
@@ -194,9 +194,10 @@ class Term:
     per_layer: float = 0
     category: str = "activations"
     per_pair: float = 0
+    from_seq: int = 0         # counted from this sequence length on (a sliding window's mask)
 
     def bytes(self, batch: int, seq: int) -> int:
-        return round(self.per_token * batch * seq + self.per_position * seq + self.per_layer
+        return 0 if seq < self.from_seq else round(self.per_token * batch * seq + self.per_position * seq + self.per_layer
                      + self.per_pair * batch * seq * seq)
 
 
@@ -275,8 +276,21 @@ def attention_core_saved(d: Dtypes, heads: int, kv_heads: int, head_dim: int,
         [Term(SOFT_CAPPED_SCORES, cdt, per_pair=heads * d.compute)] if softcap else [])
 
 
-def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
-                     attention: str = "sdpa", frozen: bool = False) -> Saved:
+def _window_saved(c: ModelConfig, d: Dtypes, H: int, Hkv: int, attention: str,
+                  window: int) -> list[Term]:
+    """From seq = ``window`` on, a sliding-window layer through SDPA (``model.windowed_sdpa``)
+    keeps SDPA's float copy of its (B, 1, T, T) mask and k and v repeated to every head (a
+    view of one kv head: no bytes)."""
+    if not window or attention != "sdpa" or c.attn_softcap:
+        return []
+    return [Term("sliding-window mask, SDPA's float copy (T x T)", d.name, per_pair=d.compute,
+                 from_seq=window),
+            Term("k and v repeated to every head (a mask turns SDPA's grouping off)", d.name,
+                 2 * (H - Hkv) * c.head_dim * d.compute * (Hkv > 1), from_seq=window)]
+
+
+def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int, attention: str = "sdpa",
+                     frozen: bool = False, window: int = 0) -> Saved:
     """The attention sub-layer after its norm: projections' inputs, (Qwen3) the q and k norms,
     and the core's q, k, v, output and log-sum-exp (or, naive, its probabilities).
 
@@ -300,7 +314,8 @@ def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int,
             # with sp the input is all-gathered once (in bf16 under autocast) for q, k and v
             Term("input of wq, wk, wv", cdt, d.linear_inputs(3 if sp == 1 else 1, c.hidden) / sp),
             *norms, *attention_core_saved(d, H, Hkv, c.head_dim, attention,
-                                          softcap=bool(c.attn_softcap)), rope])
+                                          softcap=bool(c.attn_softcap)), rope,
+            *_window_saved(c, d, H, Hkv, attention, window)])
     qk, r = c.qk_head_dim, c.kv_lora_rank
     low_rank = d.linear_inputs(2, c.hidden)                                  # into wq(_a), wkv_a
     if c.q_lora_rank:
@@ -388,7 +403,7 @@ def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
 
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                 recompute: str = "none", sp: bool = False, ep: int = 1, lora_rank: int = 0,
-                first: bool = False, attention: str = "sdpa",
+                first: bool = False, attention: str = "sdpa", layer: int = 0,
                 weight_format: str | None = None) -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
@@ -401,7 +416,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     stored as ``weight_format`` (None or "nf4"), with any recompute policy and precision
     (autocast: ``lora_weight_copies``; "selective": the adapters' matmul outputs too);
     ``first``: it is the model's first block. ``attention``: the core
-    (``labkit.transformer.attention``); "naive" keeps its (T, T) probabilities.
+    (``labkit.transformer.attention``); "naive" keeps its (T, T) probabilities. ``layer``: its
+    index (a sliding-window layer's mask: ``_window_saved``).
     """
     d, split = Dtypes.of(precision), (tp if sp else 1)
     block_input = Saved([Term("block input (residual stream)", d.stream_name,
@@ -424,7 +440,8 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     norms *= c.pre_norms                      # OLMo 2 normalises no sub-layer's input
     return Saved([Term("RMSNorm inputs and outputs", "fp32" if d.stream == 4 or frozen
                        else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]
-                 + post + _attention_saved(c, d, tp, split, attention, frozen)
+                 + post + _attention_saved(c, d, tp, split, attention, frozen,
+                                           c.window_of(layer))
                  + _mlp_saved(c, d, moe, tp, split)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else [])
@@ -432,37 +449,6 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                  # nothing, its input (kept for A's gradient) is the one it kept before
                  + ([Term("LoRA adapters' x A^T", d.name,
                           len(lora_targets(c, moe)) * lora_rank * d.compute)] if frozen else []))
-
-
-def naive_backward_alive(c: ModelConfig, precision: str, tp: int = 1, sp: bool = False) -> Saved:
-    """What a block holds when its naive attention core's backward peaks, in the softmax's
-    backward: the attention norm and the projections' input, q and the repeated k, the
-    gradient of the repeated v (v itself freed), the fp32 probabilities (their bf16 copy freed)
-    and their two gradients dP and dS (B, H, T, T) in fp32. The MLP's
-    saved tensors and the attention output are freed by then."""
-    d, split = Dtypes.of(precision), (tp if sp else 1)
-    H = c.heads // tp
-    width = c.head_dim if c.attention == "gqa" else c.qk_head_dim
-    softmax = 4                                            # bytes of P, dP, dS: fp32 softmax
-    terms = [Term("attention RMSNorm", "fp32" if d.stream == 4 else "fp32 + bf16",
-                  _norm(c, c.hidden, d.stream) / split)] if c.pre_norms else []
-    for t in _attention_saved(c, d, tp, split, "naive"):
-        if t.per_pair and t.name != SOFT_CAPPED_SCORES:      # the tanh's output: kept as it is
-            terms += [replace(t, per_pair=H * softmax),
-                      Term("gradients of the probabilities and scores (dP, dS)",
-                           "fp32", per_pair=2 * H * softmax,
-                           category="other")]
-        elif t.name.startswith("q, "):          # v and wo's input freed, v's gradient formed
-            terms.append(Term("q, k (repeated) and the gradient of v", d.name,
-                              3 * H * width * d.compute))
-        elif not t.name.startswith("un-padded"):
-            terms.append(t)
-    if d.mixed:
-        copies = 2 * sum(w.local(tp) for w in attention_weights(c) if w.matmul and
-                         w.name != "attn.wo")
-        terms.append(Term("bf16 copies of the q, k, v projections (autocast)", "bf16",
-                          per_layer=copies, category="weight_cache"))
-    return Saved(terms)
 
 
 SOFTMAX = "softmax over this rank's vocabulary (vocab-parallel loss)"

@@ -10,8 +10,8 @@ from fractions import Fraction
 from labkit.core.recipe import compute_bytes
 from labkit.core.units import HOST
 from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights,
-                                   embedding_weights, head_weights, lora_targets,
-                                   naive_backward_alive)
+                                   embedding_weights, head_weights, lora_targets)
+from labkit.predict.naive import naive_backward_alive
 from labkit.predict.terms import Tensor, _total
 
 
@@ -201,7 +201,7 @@ class Moments:
         return Tensor("recomputed activations", "other", self.cdt, rebuilt)
 
     def _naive_attention_moment(self, always, saved, full, unit_start) -> dict:
-        """Naive attention's backward in each layer (``layers.naive_backward_alive``): the
+        """Naive attention's backward in each layer (``naive.naive_backward_alive``): the
         layers below keep their tensors (those recomputed with it rebuilt), this layer's MLP,
         output projection and norm have their gradients, and two (B, H, T, T) gradients form."""
         if self.recipe.attention != "naive" or self.lora:

@@ -139,10 +139,11 @@ class _Step(States, Moments, InBackwardMoments):
                      weight_format=self.recipe.weight_format) if self.lora else {}
                 for j in range(len(self.moe))]
         full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j],
-                                                    attention=self.recipe.attention), m)
+                                                    attention=self.recipe.attention,
+                                                    layer=self.layers[j]), m)
                 for j, m in enumerate(self.moe)]
         saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
-                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep, **lora[j])
+                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep, **lora[j], layer=self.layers[j])
                  for j, m in enumerate(self.moe)]
         self.kept = kept
         return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}

@@ -40,7 +40,8 @@ def repeat_kv(x, groups: int):
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=None):
+def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=None,
+                    window: int = 0):
     """softmax(q k^T / sqrt(d) + mask) v, every matrix made in memory.
 
     q: (B, H, T, d); k, v: (B, Hkv, Tk, d) with Hkv dividing H (grouped-query attention: the
@@ -49,6 +50,7 @@ def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=Non
     inputs or under autocast - the repeated k and v, and q. ``softcap`` > 0: the scores become softcap * tanh(s / softcap)
     first (Gemma 2, as transformers' eager attention), which keeps the tanh's output too.
     ``mask``: bool (T, Tk), True where a query may see a key, in place of ``causal``.
+    ``window`` > 0 (causal): query i sees only keys i - window + 1 .. i (a sliding window).
     """
     H, T, d, Tk = q.shape[1], q.shape[2], q.shape[3], k.shape[2]
     _check_heads(H, k.shape[1])
@@ -59,8 +61,9 @@ def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=Non
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif causal:   # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
-        scores = scores + torch.full((T, Tk), float("-inf"), dtype=scores.dtype,
-                                     device=scores.device).triu(1)            # (T, Tk)
+        ninf = torch.full((T, Tk), float("-inf"), dtype=scores.dtype, device=scores.device)
+        band = ninf.triu(1) + (ninf.tril(-window) if window else 0)           # (T, Tk)
+        scores = scores + band
     # 16-bit scores get an fp32 softmax, as Meta's LLaMA code and transformers' eager
     # attention run it (and CUDA's autocast; CPU's would leave it in bf16): autograd keeps the
     # fp32 probabilities and the 16-bit copy the matmul with v takes

@@ -105,7 +105,26 @@ def use_attention(impl):
         _attention = previous
 
 
-def attention_core(q, k, v, mask=None, softcap: float = 0.0):
+def window_mask(batch: int, T: int, window: int, device) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where query i sees key j: j <= i and i - j < window (one
+    (T, T) matrix, expanded over the batch)."""
+    i = torch.arange(T, device=device)
+    near = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)        # (T, T)
+    return near.expand(batch, 1, T, T)                                          # (B, 1, T, T)
+
+
+def windowed_sdpa(q, k, v, window: int):
+    """A sliding-window layer through SDPA as transformers runs it (its default on GPUs):
+    SDPA copies the bool mask to a float (B, 1, T, T) one and keeps it for backward, and k and
+    v are expanded to every head (transformers turns SDPA's grouped heads off with a mask):
+    copies, but for one kv head (a view)."""
+    (B, Hkv, T, d), groups = k.shape, q.shape[1] // k.shape[1]
+    k, v = (x[:, :, None].expand(B, Hkv, groups, T, d).reshape(B, Hkv * groups, T, d)
+            for x in (k, v))                                                    # (B, H, T, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(B, T, window, q.device))
+
+
+def attention_core(q, k, v, mask=None, softcap: float = 0.0, window: int = 0):
     """Causal softmax(q k^T / sqrt(d)) v through SDPA's fused kernel (no (T, T) matrix is kept),
     or the implementation ``use_attention`` chose.
 
@@ -114,7 +133,24 @@ def attention_core(q, k, v, mask=None, softcap: float = 0.0):
     ``softcap`` > 0 (Gemma 2) soft-caps the scores, which SDPA cannot: "sdpa" then runs the tiled
     core, which keeps what a fused kernel that soft-caps keeps (FlashAttention-2's ``softcap``,
     FlexAttention); "naive" keeps the tanh's (T, T) output too, as transformers' eager attention.
+    ``window`` > 0: a sliding-window layer, each query sees its last ``window`` keys. From
+    T = window on (where transformers starts masking) SDPA runs ``windowed_sdpa``; the naive
+    core adds the band to its causal mask; the tiled core has no band (refused past the window).
     """
+    T = q.shape[2]
+    if window and T >= window:
+        if mask is not None or callable(_attention):
+            raise ValueError(f"sliding-window layers (window {window}) at {T} tokens attend "
+                             "through a band mask: no packed rows (doc_ids) and no ring; "
+                             f"use a sequence shorter than {window} tokens")
+        if _attention == "naive":
+            return naive_attention(q, k, v, softcap=softcap, window=window)
+        if _attention == "sdpa" and not softcap:
+            return windowed_sdpa(q, k, v, window)
+        if T > window:
+            raise ValueError(f"labkit's tiled core has no sliding window (window {window}, "
+                             f"{T} tokens): run the naive core (use_attention('naive'), as "
+                             "transformers' eager attention) or a sequence up to the window")
     if mask is not None and _attention != "sdpa":
         raise ValueError(f"attention {_attention!r} runs plain causal rows; packed rows (doc_ids) "
                          f"attend through 'sdpa': leave the attention at 'sdpa' for them")
@@ -136,10 +172,10 @@ def attention_core(q, k, v, mask=None, softcap: float = 0.0):
 class GroupedQueryAttention(nn.Module):
     """Multi-head (kv_heads == heads), grouped-query or multi-query (kv_heads == 1) attention."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.softcap = cfg.attn_softcap
+        self.softcap, self.window = cfg.attn_softcap, cfg.window_of(layer)
         self.wq = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -169,7 +205,7 @@ class GroupedQueryAttention(nn.Module):
         q = self.heads_of(x, self.wq, self.heads, self.q_norm)                    # (B, H, T, d)
         k = self.heads_of(x, self.wk, self.kv_heads, self.k_norm)                 # (B, Hkv, T, d)
         v = self.heads_of(x, self.wv, self.kv_heads)                              # (B, Hkv, T, d)
-        y = attention_core(rope(q), rope(k), v, mask, self.softcap)              # (B, H, T, d)
+        y = attention_core(rope(q), rope(k), v, mask, self.softcap, self.window)  # (B, H, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))                       # (B, T, hidden)
 
 
@@ -327,7 +363,8 @@ class Block(nn.Module):
         pre_norm = norm if cfg.pre_norms else nn.Identity
         post_norm = norm if cfg.post_norms else nn.Identity
         self.attn_norm = pre_norm()
-        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else GroupedQueryAttention(cfg)
+        self.attn = (LatentAttention(cfg) if cfg.attention == "mla" else
+                     GroupedQueryAttention(cfg, layer))
         self.attn_post_norm = post_norm()
         self.mlp_norm = pre_norm()
         self.mlp = (MoE(cfg) if layer >= cfg.dense_layers else

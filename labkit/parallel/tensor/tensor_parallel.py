@@ -195,7 +195,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         world = comm.world
         self.heads, self.kv_heads = attn.heads // world, attn.kv_heads // world
-        self.head_dim, self.comm, self.sp = attn.head_dim, comm, sp
+        self.head_dim, self.comm, self.sp, self.window = attn.head_dim, comm, sp, attn.window
         self.wq, self.wk, self.wv = (split_column(w, comm) for w in (attn.wq, attn.wk, attn.wv))
         self.wo = split_row(attn.wo, comm, sp)
         # Qwen3's and Gemma 3's q and k norms: one weight for every head, replicated; each
@@ -212,7 +212,7 @@ class ParallelAttention(nn.Module):
         k = self.k_norm(k.view(B, T, self.kv_heads, self.head_dim)).transpose(1, 2)
         # k (B, Hkv/N, T, d); per-head norms only (check_tp refuses OLMo's whole-projection ones)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)        # (B, Hkv/N, T, d)
-        y = attention_core(rope(q), rope(k), v, mask)                         # (B, H/N, T, d)
+        y = attention_core(rope(q), rope(k), v, mask, window=self.window)     # (B, H/N, T, d)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))         # (B, T, h), (B, T/N, h) if sp
 
 
