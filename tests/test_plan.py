@@ -269,6 +269,12 @@ def test_h800_has_deepseeks_links():
     assert (h800.memory, h800.bf16_tflops) == (h100.memory, h100.bf16_tflops)
 
 
+def test_a_table_gpu_is_found_whatever_the_case_of_its_name():
+    assert gpu("H100-80GB") is gpu("h100-80gb") is GPUS["h100-80gb"]
+    with pytest.raises(ValueError, match="unknown GPU 'H100'"):
+        gpu("H100")
+
+
 def test_a_gpu_of_your_own_from_json_text_or_a_file(tmp_path):
     text = ('{"name": "a6000", "memory_gib": 48, "bf16_tflops": 155, "intra_node_gbps": 32, '
             '"inter_node_gbps": 12.5, "host_ram_per_gpu_gib": 64}')

@@ -263,6 +263,12 @@ e = lk.estimate("llama-2-7b", 1, 2048,
 print(e.explain())
 answer = e.total / 2**30
 
+# %% 06-paged-mistral-mib
+from labkit.predict.layers import lora_weights
+c = lk.preset("mistral-7b")
+numbers = [w.numel for i in range(c.layers) for w in lora_weights(c, False, 16)]
+answer = sum(2 * n for n in numbers if n >= 100_000) / 2**20     # two 1-byte moments each
+
 # %% 07-naive-minus-sdpa-gqa
 c, T = lk.preset("mistral-7b"), 4096
 probs = c.heads * T * T * (4 + 2)                           # H x T x T pairs, fp32 + bf16 copy

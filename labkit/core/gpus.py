@@ -132,6 +132,8 @@ def gpu(name: str | GPU) -> GPU:
     if isinstance(name, str) and (name.lstrip().startswith("{")
                                   or name.lower().endswith(".json") or Path(name).is_file()):
         return gpu_from_json(name)
+    if isinstance(name, str) and name.lower() in GPUS:          # "H100-80GB" as "h100-80gb"
+        name = name.lower()
     if name not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; use one of {', '.join(GPUS)}, or describe "
                          f"yours as JSON ({JSON_EXAMPLE}, in a .json file or as the text), or "

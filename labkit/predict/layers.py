@@ -197,7 +197,9 @@ class Term:
     from_seq: int = 0         # counted from this sequence length on (a sliding window's mask)
 
     def bytes(self, batch: int, seq: int) -> int:
-        return 0 if seq < self.from_seq else round(self.per_token * batch * seq + self.per_position * seq + self.per_layer
+        if seq < self.from_seq:
+            return 0
+        return round(self.per_token * batch * seq + self.per_position * seq + self.per_layer
                      + self.per_pair * batch * seq * seq)
 
 

@@ -157,3 +157,35 @@ def _qlora_7b_peak():
             "full": full.total / GiB, "full_phase": full.peak_phase,
             "full_opt": full.optimizer / GiB,
             "ratio": full.total / qlora.total}
+
+
+@register(
+    "06-paged-mistral-mib",
+    question="""Section 7's rule: bitsandbytes' paged optimizers put a tensor's state in unified
+memory only from 100,000 numbers. QLoRA on Mistral-7B at rank 16 (all-linear, the lab's
+targets) with paged_adamw_8bit keeps two 1-byte moments per adapter number. How many MiB of
+that state can the driver move to the host when the GPU runs short? Give two decimals.""",
+    unit="MiB", rtol=1e-4,
+    hint="List each adapter's A (r x in) and B (out x r) with "
+         "labkit.predict.layers.lora_weights(cfg, False, 16) over the 32 layers, keep those of "
+         "100,000 numbers or more, 2 bytes per number. labkit.predict.paged.paged_state checks it.",
+    solution="""{paged_tensors} of {tensors} adapter tensors reach 100,000 numbers: in each layer A of
+w_down (16 x {ffn:,}) and B of w_gate and w_up ({ffn:,} x 16), {wide:,} numbers each; the
+attention's adapters and the other halves ({hidden:,} x 16 or less) stay under it. 2 bytes x
+{numbers:,} numbers = {answer:.2f} MiB can move; {resident:.2f} MiB (the smaller adapters'
+moments, every absmax scale, the two maps) stays on the GPU. The same step grows by
+{spike:.2f} GiB from 2,048 to 8,192 tokens (full recompute): paging frees {share:.1%} of that.""",
+)
+def _paged_mistral():
+    from labkit.predict import estimate
+    from labkit.core.recipe import Recipe
+    from labkit.predict.paged import paged_state, trained_numels
+    c = preset("mistral-7b")
+    state = paged_state(trained_numels(c, "lora", 16), bits=8)
+    step = [estimate(c, 1, seq, recipe=Recipe("bf16-master", trainable="lora",
+                                               weight_format="nf4", recompute="full")).total
+            for seq in (2048, 8192)]
+    return {"answer": state.paged / 2**20, "paged_tensors": state.paged_tensors,
+            "tensors": state.tensors, "ffn": c.ffn, "wide": 16 * c.ffn, "hidden": c.hidden,
+            "numbers": state.paged // 2, "resident": state.resident / 2**20,
+            "spike": (step[1] - step[0]) / GiB, "share": state.paged / (step[1] - step[0])}
