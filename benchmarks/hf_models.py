@@ -7,7 +7,8 @@ ratio estimate / measured of the peak and of each category at the peak, and both
 phases. The estimate is ``labkit.estimate(from_hf_config(cfg), ...)``; the measurement is
 ``labkit.measure_step(lambda: AutoModelForCausalLM.from_config(cfg), ...)``: transformers'
 own modules (SDPA attention, its RMSNorm, rotary embedding, loss and MoE), one steady-state
-step on CPU fake tensors. Target: within 5% for the dense models.
+step on CPU fake tensors (every ratio below is from them, not from a GPU). Target: within 5%
+for the dense models.
 
 ``--layers`` explains the differences: for one decoder layer of each model it lists the
 tensors the forward pass keeps alive (saved for backward, plus the layer's output), by the
@@ -23,7 +24,9 @@ labkit's. What it finds (transformers 5.24, bytes per token per layer; h hidden,
 - Mistral v0.1 at seq >= sliding_window: a (B, 1, T, T) mask, copied to a float mask inside
   SDPA per layer (4T in fp32), and keys and values repeated to every head (the GQA path of
   SDPA is off when a mask is given); labkit's windowed layers do the same (0.991-0.996x its
-  peak at 4 x 4096; 0.924-0.948 before they did).
+  peak at 4 x 4096; 0.924-0.948 before they did). On CUDA SDPA converts the mask before it
+  picks a backend too, and the memory-efficient one keeps it for backward, padded to its
+  alignment when T is not a multiple of 8-16 (PyTorch's source; not run on a GPU here).
 - DeepSeek (MLA): v is narrower than q and k and transformers does not pad it, so SDPA on
   CPU runs its math path and keeps the fp32 attention probabilities (4 H T); under autocast
   the routed experts run in fp32 (grouped_mm is not autocast-enabled), with no bf16 weight
@@ -299,7 +302,7 @@ def layers_report(models, B: int = 1, T: int = 4096):
                 theirs = kept(hf, hf.model.layers[index], tokens, precision,
                               lambda m, x: m(input_ids=x, labels=x).loss)
                 mine = kept(ours, ours.blocks[index], tokens, precision, lambda m, x: m(x, x))
-            predicted = layer_saved(cfg, precision, moe=cfg.is_moe)
+            predicted = layer_saved(cfg, precision, moe=cfg.is_moe, layer=index)
 
             def split(d):     # (bytes per token, weight copies in MiB)
                 copies = sum(v[0] for k, v in d.items() if k[0] == "_to_copy of a weight")

@@ -315,9 +315,11 @@ def test_soft_capping_refuses_what_it_cannot_do_and_says_why():
     """Bad soft-capping input: a clear ValueError naming the fix, never a silent uncapped run."""
     with pytest.raises(ValueError, match="attn_softcap must be a number >= 0"):
         lk.preset("tiny").replace(attn_softcap=-1.0)
-    with pytest.raises(ValueError, match="labkit's MLA does not: set attn_softcap=0"):
+    with pytest.raises(ValueError, match="labkit's MLA has none: set attn_softcap=0"):
         lk.preset("tiny-moe").replace(attention="mla", kv_lora_rank=16, qk_nope_dim=16,
                                       qk_rope_dim=8, v_head_dim=16, attn_softcap=50.0)
+    with pytest.raises(ValueError, match="labkit's MLA has none: set sliding_window=0"):
+        lk.preset("tiny-moe").replace(sliding_window=64)
     q = k = v = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="softcap must be a number >= 0"):
         tiled_attention(q, k, v, softcap=-2.0)

@@ -16,6 +16,7 @@ CONFIGS = {                                   # one small model per attention ty
     "MQA": lk.preset("tiny", kv_heads=1),
     "MLA": lk.preset("tiny-moe"),                              # queries straight from hidden
     "MLA, low-rank queries": lk.preset("tiny-moe", q_lora_rank=16),   # as DeepSeek-V2
+    "GQA, sliding window": lk.preset("tiny", sliding_window=4, global_every=2),  # from token 4
 }
 NORMED = {                                    # GQA with q and k norms
     "Qwen3": lk.preset("tiny", qk_norm=True),
@@ -139,8 +140,9 @@ def test_bytes_per_token_of_each_type_on_the_small_models():
     per_token = {kind: cache_bytes_per_token(lk.build_model(cfg)).measured
                  for kind, cfg in CONFIGS.items()}
     # fp32, 2 layers x 2 (k, v) x kv_heads x 16; MLA 3 layers x (32 latent + 8 RoPE key)
+    # (labkit's cache keeps every token of a sliding-window layer too)
     assert per_token == {"GQA": 512, "MHA": 1024, "MQA": 256, "MLA": 480,
-                         "MLA, low-rank queries": 480}
+                         "MLA, low-rank queries": 480, "GQA, sliding window": 512}
 
 
 @pytest.mark.parametrize("name, per_token", [

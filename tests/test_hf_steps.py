@@ -17,8 +17,10 @@ _spec.loader.exec_module(hf)
 # Phi-3 attention keeps a concatenation and a clone around RoPE (24,576 bytes per token and layer
 # in bf16; hf_models.py --layers). Mistral v0.1 at its window (4096) and Gemma 3 past its own
 # (512): a sliding-window mask that SDPA copies in every windowed layer, with k and v repeated to
-# every head, as labkit's windowed layers run (0.996 and 1.002; 0.948 and 0.977 before they did)
+# every head, as labkit's windowed layers run (0.996 and 1.002; 0.948 and 0.977 before they did:
+# they are held to 1.5%, which the old figures miss). All on CPU fake tensors.
 DENSE = [(name, 4096) for name in hf.DENSE]
+WINDOWED = {"mistral-7b": 0.015, "gemma-3-1b": 0.015}
 # MoE in pure bf16 (with master weights their optimizer step holds the peak), each with the
 # tensors that differ named in the benchmark's notes: Mixtral 1.019; Qwen3-MoE 1.071, labkit
 # keeps each token's gate-weighted expert outputs (top_k x hidden), which
@@ -32,7 +34,7 @@ def test_dense_models_within_5_percent_of_the_hugging_face_step(name, seq):
     with hf.grouped_mm_only_for_bf16():
         row, ratio = hf.compare(name, "bf16-master", "foreach", 4, seq)
     print(row)
-    assert ratio == pytest.approx(1, abs=0.05), row
+    assert ratio == pytest.approx(1, abs=WINDOWED.get(name, 0.05)), row
     assert row.split("|")[-1].split()[0] != "optimizer", row           # the activations' peak
 
 

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import labkit as lk
-from labkit.transformer.model import attention_core, document_mask, use_attention
+from labkit.transformer.attention import tiled_attention
+from labkit.transformer.model import attention_core, document_mask, use_attention, window_mask
 
 # Mistral's shape (every layer windowed) and Gemma 3's (every 2nd layer global, here), small
 MISTRAL = lk.ModelConfig(name="mistral-shape", hidden=256, layers=2, heads=4, kv_heads=2,
@@ -18,10 +19,23 @@ def band_attention(q, k, v, window):
     """The definition: query i sees keys i - window + 1 .. i, every matrix in memory."""
     groups, T = q.shape[1] // k.shape[1], q.shape[2]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    i = torch.arange(T)
-    sees = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    sees = band_attention_mask(T, window)
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     return scores.masked_fill(~sees, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("T, window", [(5, 3), (12, 5), (12, 12), (16, 4)])
+def test_the_band_is_transformers_sliding_window_mask(T, window):
+    masking = pytest.importorskip("transformers.masking_utils")
+    i = torch.arange(T)
+    theirs = masking.sliding_window_causal_mask_function(window)(0, 0, i[:, None], i[None, :])
+    assert torch.equal(window_mask(2, T, window, None), theirs.expand(2, 1, T, T))
+    assert torch.equal(band_attention_mask(T, window), theirs)       # the tests' definition
+
+
+def band_attention_mask(T, window):
+    i = torch.arange(T)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
 
 
 def qkv(T=12, B=2, H=4, Hkv=2, d=8):
@@ -30,11 +44,13 @@ def qkv(T=12, B=2, H=4, Hkv=2, d=8):
             for h in (H, Hkv, Hkv)]
 
 
-@pytest.mark.parametrize("core", ["sdpa", "naive"])
-def test_a_windowed_layer_attends_to_its_band_with_the_gradients_of_the_definition(core):
+@pytest.mark.parametrize("core, block", [("sdpa", 0), ("naive", 0), ("tiled", 2), ("tiled", 3),
+                                         ("tiled", 5), ("tiled", 128)])
+def test_a_windowed_layer_attends_to_its_band_with_the_gradients_of_the_definition(core, block):
     q, k, v = qkv()
     with use_attention(core):
-        out = attention_core(q, k, v, window=5)
+        out = (tiled_attention(q, k, v, block=block, window=5) if core == "tiled" else
+               attention_core(q, k, v, window=5))
     ref = band_attention(q, k, v, 5)
     assert torch.allclose(out, ref, atol=1e-12)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -46,15 +62,13 @@ def test_below_the_window_a_layer_is_plain_causal_attention():
     q, k, v = qkv(T=12)
     causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(attention_core(q, k, v, window=13), causal)
-    assert torch.allclose(attention_core(q, k, v, window=12), causal, atol=1e-12)  # a mask
+    at_window = attention_core(q, k, v, window=12)             # a mask, as transformers'
+    assert torch.allclose(at_window, causal, atol=1e-12)
+    assert at_window.grad_fn._saved_attn_mask.shape == (2, 1, 12, 12)
 
 
-def test_past_the_window_the_tiled_core_and_packed_rows_are_refused():
+def test_past_the_window_packed_rows_are_refused():
     q, k, v = qkv(T=12)
-    with use_attention("tiled"), pytest.raises(ValueError, match="use_attention\\('naive'\\)"):
-        attention_core(q, k, v, window=5)
-    with use_attention("tiled"):                           # up to the window it is causal
-        assert torch.allclose(attention_core(q, k, v, window=12), band_attention(q, k, v, 12))
     mask = document_mask(torch.zeros(2, 12, dtype=torch.long), torch.float64)
     with pytest.raises(ValueError, match="packed rows"):
         attention_core(q, k, v, mask, window=5)
@@ -105,3 +119,10 @@ def test_one_kv_head_is_repeated_as_a_view_as_transformers_repeats_it():
     m = lk.measure_step(cfg, batch=2, seq=256, precision="fp32", fake=False)
     assert lk.estimate(cfg, 2, 256, precision="fp32", device=m.device).saved_activations == (
         pytest.approx(m.saved_activations, rel=0.002))
+
+
+def test_context_parallel_refuses_a_row_past_the_window():
+    from labkit.parallel.context.context_parallel import cp_loss
+    tokens = torch.zeros(1, 256, dtype=torch.long)             # 128 a rank over 2: the row
+    with pytest.raises(ValueError, match="no sliding window"):
+        cp_loss(lk.build_model(MISTRAL), tokens, tokens, comm=None)

@@ -229,9 +229,10 @@ def _validate_attention_span(cfg: ModelConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a number >= 0 (0: no soft-capping), got {value!r}")
-    if cfg.attn_softcap and cfg.attention == "mla":
-        raise ValueError("attn_softcap soft-caps grouped-query attention's scores (Gemma 2); "
-                         "labkit's MLA does not: set attn_softcap=0")
+    for name in ("attn_softcap", "sliding_window"):
+        if getattr(cfg, name) and cfg.attention == "mla":
+            raise ValueError(f"{name} applies to grouped-query attention (Gemma 2, Mistral); "
+                             f"labkit's MLA has none: set {name}=0")
     if cfg.global_every and not cfg.sliding_window:
         raise ValueError(f"global_every={cfg.global_every} says which layers attend beyond a "
                          "sliding window: set sliding_window (tokens) too, or global_every=0")

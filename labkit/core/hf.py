@@ -102,9 +102,10 @@ def from_hf_config(hf_config) -> ModelConfig:
         if model_type == "qwen3_moe":
             fields.update(_qwen3_moe_fields(c))
         # Sliding windows (Mistral v0.1, Qwen2's use_sliding_window): below seq = window
-        # transformers runs SDPA causal without a mask, as labkit does; from it on, a mask
-        # that SDPA copies to a float one in every windowed layer, with k and v repeated to
-        # every head, as labkit's windowed layers do (``model.windowed_sdpa``).
+        # transformers runs SDPA causal without a mask on unpadded rows, as labkit does; from
+        # it on (and with padding or packed rows at any length), a mask that SDPA copies to a
+        # float one in every windowed layer, with k and v repeated to every head, as labkit's
+        # windowed layers do from seq = window (``model.windowed_sdpa``).
     return ModelConfig(**fields)
 
 

@@ -211,6 +211,7 @@ class Saved(list):
 
     @property
     def per_token(self) -> float:
+        """Bytes per token, the terms counted from a sequence length on included."""
         return sum(t.per_token for t in self)
 
     @property
@@ -285,10 +286,10 @@ def _window_saved(c: ModelConfig, d: Dtypes, H: int, Hkv: int, attention: str,
     view of one kv head: no bytes)."""
     if not window or attention != "sdpa" or c.attn_softcap:
         return []
-    return [Term("sliding-window mask, SDPA's float copy (T x T)", d.name, per_pair=d.compute,
-                 from_seq=window),
-            Term("k and v repeated to every head (a mask turns SDPA's grouping off)", d.name,
-                 2 * (H - Hkv) * c.head_dim * d.compute * (Hkv > 1), from_seq=window)]
+    repeated = [Term("k and v repeated to every head (transformers' choice with a mask)", d.name,
+                     2 * (H - Hkv) * c.head_dim * d.compute, from_seq=window)] if Hkv > 1 else []
+    return [Term("sliding-window mask, SDPA's float copy (B x T x T)", d.name, per_pair=d.compute,
+                 from_seq=window)] + repeated
 
 
 def _attention_saved(c: ModelConfig, d: Dtypes, tp: int, sp: int, attention: str = "sdpa",
@@ -419,7 +420,7 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     (autocast: ``lora_weight_copies``; "selective": the adapters' matmul outputs too);
     ``first``: it is the model's first block. ``attention``: the core
     (``labkit.transformer.attention``); "naive" keeps its (T, T) probabilities. ``layer``: its
-    index (a sliding-window layer's mask: ``_window_saved``).
+    index, the first by default (a sliding-window layer's mask: ``_window_saved``).
     """
     d, split = Dtypes.of(precision), (tp if sp else 1)
     block_input = Saved([Term("block input (residual stream)", d.stream_name,

@@ -267,10 +267,10 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
             for chunk in chunk_layers(c.layers, L.pp, v)[s]:
                 for i in chunk:
                     moe = c.is_moe and i >= c.dense_layers
-                    key = (moe, f.tp, f.ep, f.cp, k.recipe.recompute)
+                    key = (moe, f.tp, f.ep, f.cp, k.recipe.recompute, c.window_of(i))
                     if key not in memo:
                         memo[key] = layer_saved(c, FULL, moe, f.tp, k.recipe.recompute,
-                                                f.tp > 1, f.ep).bytes(1, seq // f.cp)
+                                                f.tp > 1, f.ep, layer=i).bytes(1, seq // f.cp)
                     acts += memo[key] * k.micro_batch
             acts = int(acts * flight)
         worst = max(worst, params + grads + opt, params + opt + acts)

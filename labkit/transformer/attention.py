@@ -61,9 +61,11 @@ def naive_attention(q, k, v, causal: bool = True, softcap: float = 0.0, mask=Non
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif causal:   # an additive mask: adding keeps nothing for backward (masked_fill keeps it)
-        ninf = torch.full((T, Tk), float("-inf"), dtype=scores.dtype, device=scores.device)
-        band = ninf.triu(1) + (ninf.tril(-window) if window else 0)           # (T, Tk)
-        scores = scores + band
+        future = torch.full((T, Tk), float("-inf"), dtype=scores.dtype,
+                            device=scores.device).triu(1)                     # (T, Tk)
+        if window:                                      # and keys past the window: a band
+            future = future + torch.full_like(future, float("-inf")).tril(-window)
+        scores = scores + future
     # 16-bit scores get an fp32 softmax, as Meta's LLaMA code and transformers' eager
     # attention run it (and CUDA's autocast; CPU's would leave it in bf16): autograd keeps the
     # fp32 probabilities and the 16-bit copy the matmul with v takes
@@ -126,33 +128,41 @@ def _ungroup(x, groups: int):
 
 class Positions:
     """Where each query and key sits in the sequence, for the causal mask: query i sees key j
-    when k_pos[j] <= q_pos[i]. Both ascending (1-D tensors or lists). ``None`` in their place:
-    no mask (every key seen). Kept as lists: a tile's mask is made only where it is needed."""
+    when k_pos[j] <= q_pos[i] (and, with a ``window``, q_pos[i] - k_pos[j] < window). Both
+    ascending (1-D tensors or lists). ``None`` in their place: no mask (every key seen). Kept
+    as lists: a tile's mask is made only where it is needed."""
 
-    def __init__(self, q_pos, k_pos):
+    def __init__(self, q_pos, k_pos, window: int = 0):
         self.device = q_pos.device if isinstance(q_pos, torch.Tensor) else None
         self._q, self._k = (p.tolist() if isinstance(p, torch.Tensor) else list(p)
                             for p in (q_pos, k_pos))
+        self.window = window
 
     @classmethod
-    def top_left(cls, Tq: int, Tk: int, device):
-        """Query i sees keys 0..i, as SDPA's ``is_causal``."""
-        positions = cls([], [])
+    def top_left(cls, Tq: int, Tk: int, device, window: int = 0):
+        """Query i sees keys 0..i, as SDPA's ``is_causal`` (the last ``window`` of them)."""
+        positions = cls([], [], window)
         positions.device, positions._q, positions._k = device, range(Tq), range(Tk)
         return positions
+
+    def stale(self, i: int, j_end: int) -> bool:
+        """True if every key of a tile ending at j_end is past the window of rows i.. ."""
+        return bool(self.window) and self._k[j_end - 1] <= self._q[i] - self.window
 
     def skips(self, i: int, i_end: int, j: int) -> bool:
         """True if no query of rows i..i_end sees the first key of tile j (nor any after it)."""
         return self._k[j] > self._q[i_end - 1]
 
     def future(self, i: int, i_end: int, j: int, j_end: int, groups: int):
-        """(groups * rows, cols) bool, True where a query would see a key past it; None if no
-        query of the tile does."""
-        if self._k[j_end - 1] <= self._q[i]:
+        """(groups * rows, cols) bool, True where a query would see a key past it (or, with a
+        window, too far back); None if no query of the tile would."""
+        near = not self.window or self._k[j] > self._q[i_end - 1] - self.window
+        if self._k[j_end - 1] <= self._q[i] and near:
             return None
         rows = self._positions(self._q, i, i_end).repeat(groups)                  # (groups*rows,)
         cols = self._positions(self._k, j, j_end)                                 # (cols,)
-        return rows[:, None] < cols[None, :]
+        hidden = rows[:, None] < cols[None, :]
+        return hidden if near else hidden | (rows[:, None] - cols[None, :] >= self.window)
 
     def _positions(self, positions, start: int, end: int):
         """positions[start:end] as a tensor: made on the device for a range (no copy from the
@@ -196,6 +206,8 @@ def attend_blocks(q, k, v, out, lse, positions, block: int, softcap: float = 0.0
                 if positions is not None and positions.skips(i, i_end, j):
                     break                                    # causal: no key past the last row
                 j_end = min(j + block, Tk)
+                if positions is not None and positions.stale(i, j_end):
+                    continue                                 # a window: no row reaches back
                 kj = k[:, :, j:j_end].to(work)                             # (B, Hkv, cols, d)
                 vj = v[:, :, j:j_end].to(work)                             # (B, Hkv, cols, dv)
                 s, _ = _cap(qi @ kj.transpose(-2, -1), softcap)            # (B, Hkv, g*rows, cols)
@@ -232,8 +244,9 @@ def attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, block: int,
             vj = v[:, :, j:j_end].to(work)                                 # (B, Hkv, cols, dv)
             for i in range(0, Tq, block):
                 i_end = min(i + block, Tq)
-                if positions is not None and positions.skips(i, i_end, j):
-                    continue                                     # causal: no row sees it
+                if positions is not None and (positions.skips(i, i_end, j)
+                                              or positions.stale(i, j_end)):
+                    continue                             # causal or a window: no row sees it
                 qi = _query_block(q, i, i_end, g, work)                    # (B, Hkv, g*rows, d)
                 doi = _query_block(grad_out, i, i_end, g, work)            # (B, Hkv, g*rows, dv)
                 lse_i = _query_block(lse[..., None], i, i_end, g, work)         # (.., g*rows, 1)
@@ -260,7 +273,7 @@ class TiledAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, block: int, softcap: float = 0.0):
+    def forward(ctx, q, k, v, causal: bool, block: int, softcap: float = 0.0, window: int = 0):
         _check_shapes(q, k, v)
         inputs, shape = (q, k, v), (*q.shape[:-1], v.shape[-1])                # (..., T_q, dv)
         q, k, v = _as_4d(q), _as_4d(k), _as_4d(v)      # (B, H, T_q, d), (B, Hkv, T_k, d or dv)
@@ -268,11 +281,11 @@ class TiledAttention(torch.autograd.Function):
         work = torch.promote_types(q.dtype, torch.float32)           # the blocks' dtype
         out = q.new_empty(B, Tq, H, v.shape[-1])  # (B, T_q, H, dv): wo's layout, so no copy later
         lse = q.new_empty(B, H, Tq, dtype=work)                                  # (B, H, T_q)
-        positions = Positions.top_left(Tq, k.shape[2], q.device) if causal else None
+        positions = Positions.top_left(Tq, k.shape[2], q.device, window) if causal else None
         attend_blocks(q, k, v, out, lse, positions, block, softcap)
         out = out.transpose(1, 2).view(shape)                # (B, H, T_q, dv) as (..., T_q, dv)
         ctx.save_for_backward(*inputs, out, lse)
-        ctx.causal, ctx.block, ctx.softcap = causal, block, softcap
+        ctx.causal, ctx.block, ctx.softcap, ctx.window = causal, block, softcap, window
         return out
 
     @staticmethod
@@ -280,7 +293,8 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shapes = q.shape, k.shape, v.shape
         q, k, v, out, grad_out = (_as_4d(t) for t in (q, k, v, out, grad_out))
-        positions = Positions.top_left(q.shape[2], k.shape[2], q.device) if ctx.causal else None
+        positions = (Positions.top_left(q.shape[2], k.shape[2], q.device, ctx.window)
+                     if ctx.causal else None)
         work = lse.dtype
         with torch.autocast(q.device.type, enabled=False):
             # D = rowsum(dO * O): the softmax's backward needs it once per row
@@ -289,10 +303,11 @@ class TiledAttention(torch.autograd.Function):
         dq, dk, dv = attend_blocks_backward(q, k, v, grad_out, lse, delta, positions, ctx.block,
                                             every_row_sees_a_key=True, softcap=ctx.softcap)
         grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None, None)
+        return (*(grad.view(shape) for grad, shape in zip(grads, shapes)), None, None, None, None)
 
 
-def tiled_attention(q, k, v, causal: bool = True, block: int = 128, softcap: float = 0.0):
+def tiled_attention(q, k, v, causal: bool = True, block: int = 128, softcap: float = 0.0,
+                    window: int = 0):
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)``'s result,
     ``block`` queries by ``block`` keys at a time.
 
@@ -301,11 +316,13 @@ def tiled_attention(q, k, v, causal: bool = True, block: int = 128, softcap: flo
     Causal: query i sees keys 0..i (top-left, as SDPA; FlashAttention-2's kernel: bottom-right).
     ``softcap`` > 0: each tile's scores are capped as ``naive_attention`` caps them, and the
     backward pass recomputes the tanh (FlashAttention-2's ``softcap``): nothing more is kept.
+    ``window`` > 0 (causal): each query sees its last ``window`` keys, tiles beyond skipped
+    (FlashAttention-2's ``window_size``).
     """
     check_positive("block (queries and keys per tile)", block)
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a number >= 0 (0: no soft-capping), got {softcap!r}")
-    return TiledAttention.apply(q, k, v, causal, block, float(softcap))
+    return TiledAttention.apply(q, k, v, causal, block, float(softcap), int(window))
 
 
 # ---- measured: one core's forward + backward ------------------------------------------------

@@ -130,11 +130,22 @@ def causal_mask(T: int, start: int, device=None):
     return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)
 
 
+def window_band(T: int, start: int, window: int, device=None):
+    """(T, start + T) bool, True where query i (at position start + i) sees key j: one of its
+    last ``window`` positions, itself included (a sliding-window layer)."""
+    pos = torch.arange(start, start + T, device=device)[:, None]                # (T, 1)
+    j = torch.arange(start + T, device=device)[None, :]                          # (1, start+T)
+    return (j <= pos) & (j > pos - window)
+
+
 def gqa_attention(attn, x, rotary, mask, cache: KVCache, layer: int):
-    """``GroupedQueryAttention`` on new tokens x (B, T, hidden), attending to the whole cache."""
+    """``GroupedQueryAttention`` on new tokens x (B, T, hidden), attending to the whole cache
+    (a sliding-window layer: to its last ``attn.window`` positions; the cache keeps them all)."""
     B, T, _ = x.shape
     H, Hkv, d = attn.heads, attn.kv_heads, attn.head_dim
     start = cache.length
+    if attn.window and start + T > attn.window:
+        mask = window_band(T, start, attn.window, x.device)
     # q and k normalised as the model does (Qwen3, Gemma 3, OLMo 2)
     q = rotate(attn.heads_of(x, attn.wq, H, attn.q_norm), *rotary)                 # (B, H, T, d)
     if cache.writes(layer):

@@ -135,7 +135,7 @@ def attention_core(q, k, v, mask=None, softcap: float = 0.0, window: int = 0):
     FlexAttention); "naive" keeps the tanh's (T, T) output too, as transformers' eager attention.
     ``window`` > 0: a sliding-window layer, each query sees its last ``window`` keys. From
     T = window on (where transformers starts masking) SDPA runs ``windowed_sdpa``; the naive
-    core adds the band to its causal mask; the tiled core has no band (refused past the window).
+    core adds the band to its causal mask; the tiled core skips the tiles beyond it.
     """
     T = q.shape[2]
     if window and T >= window:
@@ -147,10 +147,7 @@ def attention_core(q, k, v, mask=None, softcap: float = 0.0, window: int = 0):
             return naive_attention(q, k, v, softcap=softcap, window=window)
         if _attention == "sdpa" and not softcap:
             return windowed_sdpa(q, k, v, window)
-        if T > window:
-            raise ValueError(f"labkit's tiled core has no sliding window (window {window}, "
-                             f"{T} tokens): run the naive core (use_attention('naive'), as "
-                             "transformers' eager attention) or a sequence up to the window")
+        return tiled_attention(q, k, v, softcap=softcap, window=window)
     if mask is not None and _attention != "sdpa":
         raise ValueError(f"attention {_attention!r} runs plain causal rows; packed rows (doc_ids) "
                          f"attend through 'sdpa': leave the attention at 'sdpa' for them")

@@ -73,6 +73,10 @@ def cp_loss(model, tokens, targets, comm: CommCounter, kind: str = "ring", block
     passes the same rows); ranks hold equal token counts, so the mean of their losses is the
     whole sequence's. Call ``.backward()`` inside ``context_parallel``."""
     B, T = tokens.shape
+    window = getattr(getattr(model, "cfg", None), "sliding_window", 0)
+    if window and T >= window:                   # each rank sees T / cp: check the whole row
+        raise ValueError(f"the ring and Ulysses cores have no sliding window ({window} tokens, "
+                         f"{T} in the row): use a sequence shorter than the window")
     pos = positions(B, T, comm, kind, tokens.device)
     return model(shard_sequence(tokens, comm, kind), shard_sequence(targets, comm, kind),
                  position_ids=pos)

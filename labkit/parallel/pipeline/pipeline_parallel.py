@@ -361,8 +361,8 @@ def micro_batch_terms(cfg, layers: range, micro_batch: int, seq: int, last: bool
     from labkit.predict.layers import head_saved, layer_saved
     from labkit.core.recipe import state_bytes
     B, T = micro_batch, seq
-    terms = [("layers' saved tensors", sum(layer_saved(cfg, precision, moe=i >= cfg.dense_layers)
-                                           .bytes(B, T) for i in layers), "W")]
+    terms = [("layers' saved tensors", sum(layer_saved(cfg, precision, moe=i >= cfg.dense_layers,
+                                                       layer=i).bytes(B, T) for i in layers), "W")]
     if not last:
         stream = state_bytes(precision).weights                  # the residual stream's dtype
         return terms + [("output kept for the backward", B * T * cfg.hidden * stream, "B")]
