@@ -89,6 +89,26 @@ def test_a_model_may_be_a_hugging_face_config_json(tmp_path, capsys):
         assert printed["total"] == lk.estimate(lk.from_hf_config(qwen2)).total
 
 
+def test_a_hand_written_moe_config_is_estimated_measured_and_planned(tmp_path, capsys):
+    """A Qwen3-MoE that is no preset, its config.json typed by hand, through all three commands."""
+    moe = dict(model_type="qwen3_moe", hidden_size=512, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+               intermediate_size=1536, moe_intermediate_size=256, num_experts=16,
+               num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], vocab_size=4096, max_position_embeddings=4096,
+               tie_word_embeddings=False, torch_dtype="bfloat16")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(moe))
+    assert main(["estimate", "--model", str(path), "--seq", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["total"] == lk.estimate(
+        lk.from_hf_config(moe), seq=512).total
+    assert main(["measure", "--model", str(path), "--seq", "256"]) == 0
+    assert "peak during" in capsys.readouterr().out
+    assert main(["plan", "--model", str(path), "--gpu", "H100-80GB", "--gpus", "8",
+                 "--seq", "512"]) == 0
+    assert "#1" in capsys.readouterr().out
+
+
 def test_a_model_may_be_a_hub_name_in_the_local_hugging_face_cache(tmp_path, capsys,
                                                                    monkeypatch):
     constants = pytest.importorskip("huggingface_hub.constants")
