@@ -22,8 +22,42 @@ def test_a_parameter_is_paged_from_the_threshold_on():
     below, at = paged_state([PAGED_MIN_NUMEL - 1]), paged_state([PAGED_MIN_NUMEL])
     assert (below.paged, below.paged_tensors) == (0, 0)
     assert at.paged == 2 * PAGED_MIN_NUMEL and at.paged_tensors == 1       # two 8-bit moments
-    assert paged_state([4095], bits=8).resident == 8 * 4095 + 2 * 256 * 4  # fp32 m, v; the maps
+    assert paged_state([4095], bits=8).resident == 8 * 4095    # fp32 m, v; no 8-bit: no maps
+    assert paged_state([4096], bits=8).resident == 2 * 4096 + 2 * 4 * 16 + 2 * 256 * 4
     assert paged_state([PAGED_MIN_NUMEL], bits=32).paged == 8 * PAGED_MIN_NUMEL
+    assert paged_state([4096], bits=8, min_8bit_size=8192).resident == 8 * 4096
+
+
+SIZES = [100, 4095, 4096, 99_999, 100_000, 300_000]      # both sides of 4096 and of 100,000
+
+
+@pytest.mark.parametrize("make, bits", [
+    (lambda ps: bnb.optim.PagedAdamW8bit(ps), 8),
+    (lambda ps: bnb.optim.PagedAdamW(ps), 32),
+    (lambda ps: bnb.optim.AdamW(ps, optim_bits=8, is_paged=True), 8),     # HF Trainer's route
+    (lambda ps: bnb.optim.PagedAdamW8bit(ps, min_8bit_size=200_000), 8),
+], ids=["PagedAdamW8bit", "PagedAdamW", "AdamW-paged-8bit", "min_8bit_size"])
+def test_the_paged_split_is_bitsandbytes_own(monkeypatch, make, bits):
+    """bitsandbytes' own init_state on meta parameters (no GPU): what it sends to unified
+    memory (get_paged, recorded) and what it keeps on the device, against the rule."""
+    from bitsandbytes.optim import optimizer
+    paged = []
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        paged.append(torch.empty(*shape, dtype=dtype, device="meta"))
+        return paged[-1]
+    monkeypatch.setattr(optimizer.F, "get_paged", get_paged)
+    monkeypatch.setattr(optimizer.F, "fill", lambda *args, **kwargs: None)
+    params = [torch.nn.Parameter(torch.empty(n, device="meta")) for n in SIZES]
+    opt = make(params)
+    for i, p in enumerate(params):
+        opt.init_state(opt.param_groups[0], p, 0, i)
+    held = {id(t): t.numel() * t.element_size() for p in params for t in opt.state[p].values()
+            if torch.is_tensor(t) and t.numel() > 1}
+    predicted = paged_state(SIZES, bits, opt.args.min_8bit_size)
+    assert sum(t.numel() * t.element_size() for t in paged) == predicted.paged
+    assert len(paged) == 2 * predicted.paged_tensors                       # two moments each
+    assert sum(held.values()) == predicted.total
 
 
 def _state_bytes(optimizer) -> int:
@@ -72,7 +106,16 @@ def test_qloras_8bit_state_at_rank_16_pages_only_the_mlps_wide_adapters():
     assert r64.resident == 0 and r64.paged_tensors == r64.tensors              # all paged
 
 
-def test_moving_the_state_out_and_back_costs_two_crossings():
-    assert paging_seconds(25 * 10**9, pcie_gbps=25.0) == 2.0
-    with pytest.raises(ValueError, match="pcie_gbps"):
-        paging_seconds(1, pcie_gbps=0)
+def test_a_step_moves_out_and_back_what_it_overshoots_up_to_the_paged_state():
+    pcie = 32e9 * 0.8                                               # an A100's link, at 80%
+    assert paging_seconds(10**9, 4 * 10**9) == pytest.approx(2 * 10**9 / pcie)   # all of it
+    assert paging_seconds(10**9, 10**8) == pytest.approx(2 * 10**8 / pcie)      # what it needs
+    assert paging_seconds(10**9, 0) == 0
+    with pytest.raises(ValueError, match="efficiency"):
+        paging_seconds(1, 1, efficiency=0)
+
+
+def test_states_of_two_groups_add_up_with_the_maps_once():
+    a, b = paged_state([200_000], 8), paged_state([300_000, 100], 8)
+    assert (a + b) == paged_state([200_000, 300_000, 100], 8)
+    assert (paged_state([131_072_000], 32) + a).total == 8 * 131_072_000 + a.total

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from labkit.core.config import ModelConfig, preset
+from labkit.core.gpus import GPU, gpu
 from labkit.core.units import check_choice, check_positive
 from labkit.predict.formats import BLOCK, MAP_BYTES, MIN_8BIT_SIZE
 from labkit.predict.layers import (block_weights, embedding_weights, head_weights,
@@ -29,30 +30,42 @@ class PagedState:
     resident: int
     paged_tensors: int
     tensors: int
+    eight_bit: bool = False          # some tensor has 8-bit moments: the two maps are held
 
     @property
     def total(self) -> int:
         return self.paged + self.resident
 
+    def __add__(self, other: "PagedState") -> "PagedState":
+        """One optimizer's state over both groups of parameters (the maps once)."""
+        maps = MAP_BYTES if self.eight_bit and other.eight_bit else 0
+        return PagedState(self.paged + other.paged, self.resident + other.resident - maps,
+                          self.paged_tensors + other.paged_tensors, self.tensors + other.tensors,
+                          self.eight_bit or other.eight_bit)
 
-def paged_state(numels: Iterable[int], bits: int = 8) -> PagedState:
+
+def paged_state(numels: Iterable[int], bits: int = 8,
+                min_8bit_size: int = MIN_8BIT_SIZE) -> PagedState:
     """Where PagedAdamW8bit (``bits`` 8) or PagedAdamW (32) keeps the state of parameters of
-    ``numels`` numbers: 8-bit codes (1 byte) per moment from ``MIN_8BIT_SIZE`` numbers on, with
-    an fp32 absmax per ``BLOCK``; fp32 moments below that and in the 32-bit optimizer."""
+    ``numels`` numbers: 8-bit codes (1 byte) per moment from ``min_8bit_size`` numbers on, with
+    an fp32 absmax per ``BLOCK`` and two shared 256-value maps; fp32 moments below that and in
+    the 32-bit optimizer. Only the moments are ever paged."""
     check_choice("bits", bits, (8, 32))
     paged = resident = paged_tensors = tensors = 0
+    eight_bit = False
     for n in numels:
         check_positive("numel", n)
-        eight_bit = bits == 8 and n >= MIN_8BIT_SIZE
-        moments = 2 * n * (1 if eight_bit else 4)
-        resident += 2 * 4 * math.ceil(n / BLOCK) if eight_bit else 0          # absmax: device
+        codes = bits == 8 and n >= min_8bit_size
+        eight_bit |= codes
+        moments = 2 * n * (1 if codes else 4)
+        resident += 2 * 4 * math.ceil(n / BLOCK) if codes else 0               # absmax: device
         if n >= PAGED_MIN_NUMEL:
             paged, paged_tensors = paged + moments, paged_tensors + 1
         else:
             resident += moments
         tensors += 1
-    return PagedState(paged, resident + (MAP_BYTES if bits == 8 and tensors else 0),
-                      paged_tensors, tensors)
+    return PagedState(paged, resident + (MAP_BYTES if eight_bit else 0), paged_tensors,
+                      tensors, eight_bit)
 
 
 def trained_numels(cfg: ModelConfig | str, trainable: str = "lora", r: int = 16) -> list[int]:
@@ -70,10 +83,14 @@ def trained_numels(cfg: ModelConfig | str, trainable: str = "lora", r: int = 16)
     return [w.numel for w in weights if w.trains]
 
 
-def paging_seconds(nbytes: int, pcie_gbps: float = 25.0) -> float:
-    """Seconds to move ``nbytes`` out to the host and back in, once each, at ``pcie_gbps``
-    GB/s (PCIe 4.0 x16 sustains about 25 of its 32): what a step pays when its state is evicted
-    in the forward and backward passes and fetched again for the update."""
-    if not pcie_gbps > 0:
-        raise ValueError(f"pcie_gbps must be a bandwidth above 0 (GB/s), got {pcie_gbps!r}")
-    return 2 * nbytes / (pcie_gbps * 1e9)
+def paging_seconds(paged: int, overshoot: int, device: GPU | str = "a100-80gb",
+                   efficiency: float = 0.8) -> float:
+    """Seconds a step spends moving state out and back in when its allocations overshoot the
+    GPU by ``overshoot`` bytes: the driver evicts what they need, up to the ``paged`` bytes, and
+    the step brings it back (prefetched tensor by tensor, a sync after each: no overlap), at
+    ``efficiency`` of the GPU's PCIe bandwidth. A ceiling on speed, so a floor on time: migration
+    driven by page faults runs slower. It repeats every step while PyTorch's caching allocator
+    keeps the spike's segments (until they are released, e.g. ``torch.cuda.empty_cache()``)."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    return 2 * min(paged, max(overshoot, 0)) / (gpu(device).pcie_gbps * 1e9 * efficiency)

@@ -114,7 +114,7 @@ def window_mask(batch: int, T: int, window: int, device) -> torch.Tensor:
 
 
 def windowed_sdpa(q, k, v, window: int):
-    """A sliding-window layer through SDPA as transformers runs it (its default on GPUs):
+    """A sliding-window layer through SDPA as transformers runs it (its default attention):
     SDPA copies the bool mask to a float (B, 1, T, T) one and keeps it for backward, and k and
     v are expanded to every head (transformers turns SDPA's grouped heads off with a mask):
     copies, but for one kv head (a view)."""

@@ -163,8 +163,9 @@ def _qlora_7b_peak():
     "06-paged-mistral-mib",
     question="""Section 7's rule: bitsandbytes' paged optimizers put a tensor's state in unified
 memory only from 100,000 numbers. QLoRA on Mistral-7B at rank 16 (all-linear, the lab's
-targets) with paged_adamw_8bit keeps two 1-byte moments per adapter number. How many MiB of
-that state can the driver move to the host when the GPU runs short? Give two decimals.""",
+targets) with paged_adamw_8bit keeps two 1-byte moments per adapter number; only those codes
+are paged (the absmax scales stay on the GPU). How many MiB of state can the driver move to the
+host when the GPU runs short? Give two decimals.""",
     unit="MiB", rtol=1e-4,
     hint="List each adapter's A (r x in) and B (out x r) with "
          "labkit.predict.layers.lora_weights(cfg, False, 16) over the 32 layers, keep those of "
@@ -182,8 +183,9 @@ def _paged_mistral():
     from labkit.predict.paged import paged_state, trained_numels
     c = preset("mistral-7b")
     state = paged_state(trained_numels(c, "lora", 16), bits=8)
-    step = [estimate(c, 1, seq, recipe=Recipe("bf16-master", trainable="lora",
-                                               weight_format="nf4", recompute="full")).total
+    step = [estimate(c, 1, seq, recipe=Recipe("bf16-master", optimizer="adamw-8bit",
+                                               trainable="lora", weight_format="nf4",
+                                               recompute="full")).total
             for seq in (2048, 8192)]
     return {"answer": state.paged / 2**20, "paged_tensors": state.paged_tensors,
             "tensors": state.tensors, "ffn": c.ffn, "wide": 16 * c.ffn, "hidden": c.hidden,
