@@ -11,6 +11,7 @@ from labkit.transformer.paged import (CacheFull, ContiguousKVCache, PagedKVCache
 
 GEOMETRY = dict(layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
 TOKEN_BYTES = 2 * 2 * 2 * 8 * 4          # layers x (k, v) x kv_heads x head_dim x fp32
+GiB = 2**30
 
 
 def kv(T, seed):
@@ -151,3 +152,66 @@ def test_a_preempted_request_is_prefilled_again_with_the_tokens_it_had():
     stream = [Request(0, 1, 40), Request(1, 1, 40)]
     sim = simulate("paged", 4 * 16 * 819200, stream, max_seq=64, block_size=16, watermark=0.0)
     assert sim.finished == 2 and sim.preempted == 1 and sim.recomputed == 1 + 31
+
+
+def test_a_shared_prefix_is_held_once_and_freed_with_its_last_holder():
+    cache = PagedKVCache(num_blocks=8, block_size=4, **GEOMETRY)
+    cache.admit("a")
+    for layer in range(2):
+        cache.append("a", layer, *kv(10, layer))            # 2 full blocks and a partial one
+    assert cache.share("a", "b", 9) == 8                    # the full blocks of 9 tokens only
+    assert cache.tables["b"] == cache.tables["a"][:2] and cache.refs[:3] == [2, 2, 1]
+    assert cache.used_bytes == 10 * TOKEN_BYTES             # the shared tokens once
+    for layer in range(2):
+        cache.append("b", layer, *kv(3, layer + 7))         # b's own tokens: a block of its own
+    assert cache.tables["b"][2] not in cache.tables["a"] and cache.copies == 0
+    for layer in range(2):                                  # b reads the prefix a wrote
+        assert torch.equal(cache.gather("b", layer)[0][:8], cache.gather("a", layer)[0][:8])
+    assert cache.used_bytes == 13 * TOKEN_BYTES and cache.reserved_bytes == 4 * 4 * TOKEN_BYTES
+    cache.free("a")
+    assert cache.used_bytes == 11 * TOKEN_BYTES and len(cache.free_blocks) == 5
+    cache.free("b")
+    assert sorted(cache.free_blocks) == list(range(8)) and cache.used_bytes == 0
+
+
+def test_a_fork_copies_its_shared_last_block_on_the_first_write():
+    cache = PagedKVCache(num_blocks=8, block_size=4, **GEOMETRY)
+    cache.admit("a")
+    for layer in range(2):
+        cache.append("a", layer, *kv(6, layer))
+    cache.fork("a", "b")                                    # parallel sampling: all 2 blocks
+    assert cache.tables["b"] == cache.tables["a"] and cache.used_bytes == 6 * TOKEN_BYTES
+    assert cache.can_hold("b", 7) and not PagedKVCache(2, 4, **GEOMETRY).can_hold(None, 9)
+    for layer in range(2):
+        cache.append("b", layer, *kv(1, 5))                 # the partial block is copied first
+    assert cache.copies == 1 and cache.tables["b"][0] == cache.tables["a"][0]
+    assert cache.tables["b"][1] != cache.tables["a"][1]
+    for layer in range(2):
+        assert torch.equal(cache.gather("b", layer)[0][:6], cache.gather("a", layer)[0])
+        assert not torch.equal(cache.gather("b", layer)[0][6], cache.gather("a", layer)[0][5])
+    assert cache.used_bytes == (6 + 2 + 1) * TOKEN_BYTES   # block 0 once, 2 copied, 1 new
+    for layer in range(2):
+        cache.append("a", layer, *kv(1, 9))                 # a's block is its own again
+    assert cache.copies == 1
+    cache.free("a"), cache.free("b")
+    assert sorted(cache.free_blocks) == list(range(8)) and cache.used_bytes == 0
+
+
+def test_a_cache_out_of_blocks_refuses_the_copy_it_needs():
+    cache = PagedKVCache(num_blocks=2, block_size=4, **GEOMETRY)
+    cache.admit("a")
+    cache.grow("a", 6)
+    cache.fork("a", "b")
+    assert not cache.can_hold("b", 7)                       # its copy needs a third block
+    with pytest.raises(CacheFull):
+        cache.grow("b", 1)
+
+
+def test_prefix_caching_runs_more_requests_at_once_on_the_same_budget():
+    stream = request_stream(60, seed=0)
+    plain, cached = (simulate("paged", 2 * GiB, stream, prefix=512, prefix_caching=caching)
+                     for caching in (False, True))
+    assert plain.finished == cached.finished == 60
+    assert cached.mean_running > plain.mean_running and cached.steps < plain.steps
+    with pytest.raises(ValueError, match="kind='paged'"):
+        simulate("contiguous", 2 * GiB, stream, prefix=16, prefix_caching=True)

@@ -310,6 +310,11 @@ s = decode_step("mistral-7b", answer, 4096)
 print(answer, s.tokens_per_second("a100-80gb") / one.cache_ceiling("a100-80gb"),
       answer <= largest_batch("mistral-7b", 4096, "a100-80gb"))
 
+# %% 07-prefix-shared-mib
+c = lk.preset("llama-2-13b")
+per_token = 2 * c.layers * c.kv_heads * c.head_dim * 2       # k and v, fp16
+answer = 39 * (1000 // 16) * 16 * per_token / 2**20          # 39 copies of the full blocks saved
+
 # %% 07-kv-int8-gib
 from labkit.transformer.kv_quant import QuantisedKVCache
 per_token = 32 * 8 * 2 * (128 + 4)                         # layers x KV heads x (k, v) x (codes + scale)

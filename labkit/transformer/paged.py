@@ -107,7 +107,10 @@ class PagedKVCache(_KVCache):
 
     A request's block table lists its physical blocks in order; every layer uses the same
     table (block b of layer l is ``pools[l][b]``). Reserved bytes are whole blocks, so the
-    only waste is each request's last, partly filled block.
+    only waste is each request's last, partly filled block. Blocks can be shared, counted by
+    reference: a prompt's prefix (``share``, vLLM's prefix caching) or a whole request
+    (``fork``, parallel sampling); a request that writes into a shared block first copies it
+    (copy-on-write). ``used_bytes`` counts a shared block's tokens once.
     """
 
     def __init__(self, num_blocks: int, block_size: int, layers: int, kv_heads: int,
@@ -122,6 +125,9 @@ class PagedKVCache(_KVCache):
         self.free_blocks = list(range(num_blocks - 1, -1, -1))   # pop() hands out block 0 first
         self.tables: dict[object, list[int]] = {}
         self.block_bytes = block_size * layers * self.token_layer_bytes
+        self.refs = [0] * num_blocks            # requests holding each block
+        self.copies = 0                         # blocks copied on a write (copy-on-write)
+        self._duplicated = 0                    # tokens x layers held by a second holder on
 
     @property
     def capacity_bytes(self) -> int:
@@ -134,10 +140,16 @@ class PagedKVCache(_KVCache):
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the tokens held, a shared block's once."""
+        return (self._held - self._duplicated) * self.token_layer_bytes
+
     def can_hold(self, request, tokens: int) -> bool:
         """Whether ``request`` (admitted or not) can grow to ``tokens`` tokens now."""
         held = len(self.tables.get(request, ()))
-        return self.blocks_for(tokens) - held <= len(self.free_blocks)
+        copy = request in self.tables and self._shared_tail(request) is not None
+        return self.blocks_for(tokens) - held + copy <= len(self.free_blocks)
 
     def can_admit(self, tokens: int, watermark: float = 0.0) -> bool:
         """Whether a new request of ``tokens`` fits and leaves ``watermark`` of the blocks
@@ -149,17 +161,69 @@ class PagedKVCache(_KVCache):
         super().admit(request)
         self.tables[request] = []
 
+    def share(self, source, request, tokens: int) -> int:
+        """Admit ``request`` holding the full blocks of ``source``'s first ``tokens`` tokens (a
+        prompt prefix both start with: vLLM shares full blocks only). Returns the tokens shared."""
+        blocks = min(tokens, self.tokens(source)) // self.block_size
+        self.admit(request)
+        self._take(request, self.tables[source][:blocks], blocks * self.block_size)
+        return blocks * self.block_size
+
+    def fork(self, parent, child) -> None:
+        """Admit ``child`` holding every block of ``parent``, its last partly filled one too
+        (parallel sampling): the first of them to write there copies it."""
+        self.admit(child)
+        self._take(child, self.tables[parent], self.tokens(parent))
+
     def free(self, request) -> None:
+        length = self.tokens(request)
         super().free(request)
-        self.free_blocks.extend(reversed(self.tables.pop(request)))
+        table = self.tables.pop(request)
+        for k in reversed(range(len(table))):          # the first block is handed out next
+            b = table[k]
+            if self.refs[b] > 1:               # another holder keeps it: no longer a duplicate
+                self._duplicated -= self._in_block(length, k) * self.layers
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free_blocks.append(b)
+
+    def _take(self, request, blocks: list[int], tokens: int) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+        self.tables[request] = list(blocks)
+        self.lengths[request] = [tokens] * self.layers
+        self._held += tokens * self.layers
+        self._duplicated += tokens * self.layers
+
+    def _in_block(self, length: int, k: int) -> int:
+        """Tokens of a request of ``length`` tokens in its k-th block."""
+        return max(0, min(self.block_size, length - k * self.block_size))
+
+    def _shared_tail(self, request) -> int | None:
+        """Index in the table of the request's partly filled last block if another request
+        holds it too (the next write copies it), else None."""
+        length, table = self.tokens(request), self.tables[request]
+        k = length // self.block_size
+        return k if length % self.block_size and self.refs[table[k]] > 1 else None
 
     def _make_room(self, request, tokens: int) -> None:
         table = self.tables[request]
-        missing = self.blocks_for(tokens) - len(table)
+        k = self._shared_tail(request)
+        missing = self.blocks_for(tokens) - len(table) + (k is not None)
         if missing > len(self.free_blocks):
             raise CacheFull(f"request {request!r} needs {missing} more blocks, "
                             f"{len(self.free_blocks)} free")
-        table.extend(self.free_blocks.pop() for _ in range(missing))
+        if k is not None:                                      # copy-on-write
+            old, new = table[k], self.free_blocks.pop()
+            for pool in self.pools:
+                pool[new] = pool[old]
+            self.refs[old], self.refs[new], table[k] = self.refs[old] - 1, 1, new
+            self._duplicated -= self._in_block(self.tokens(request), k) * self.layers
+            self.copies += 1
+            missing -= 1
+        for _ in range(missing):
+            table.append(self.free_blocks.pop())
+            self.refs[table[-1]] = 1
 
     def _write(self, request, layer, start, kv):
         # token t of a request lives in block table[t // block_size], slot t % block_size
@@ -311,15 +375,21 @@ def make_cache(kind: str, budget_bytes: int, cfg: ModelConfig | str = "llama-2-1
 
 def simulate(kind: str, budget_bytes: int, stream: list[Request],
              cfg: ModelConfig | str = "llama-2-13b", block_size: int = 16,
-             max_seq: int = 2048, dtype: str = "fp16", watermark: float = 0.01) -> Simulation:
+             max_seq: int = 2048, dtype: str = "fp16", watermark: float = 0.01,
+             prefix: int = 0, prefix_caching: bool = False) -> Simulation:
     """Serve ``stream`` first come first served: admit while the cache has room (the prompt
     and the first token), decode one token per running request per step, free finished ones.
     A paged cache admits only while ``watermark`` of its blocks stay free; out of blocks, it
     preempts its newest request, which comes back later with its tokens so far as its prompt
-    (vLLM's preemption by recomputation: it costs compute, not memory)."""
+    (vLLM's preemption by recomputation: it costs compute, not memory). ``prefix``: tokens of a
+    system prompt every prompt starts with; ``prefix_caching`` (paged): a new request shares
+    the full blocks of a running request's prefix (vLLM also keeps finished requests' blocks
+    cached until it needs them: not modelled)."""
     cache = make_cache(kind, budget_bytes, cfg, block_size, max_seq, dtype)
+    if prefix_caching and kind != "paged":
+        raise ValueError("prefix_caching shares blocks: it needs kind='paged'")
     for request in stream:
-        if not cache.can_hold(None, request.prompt + request.output):
+        if not cache.can_hold(None, prefix + request.prompt + request.output):
             raise ValueError(f"request {request.id} ({request.prompt} + {request.output} tokens)"
                              f" cannot fit an empty {kind} cache (max_seq {max_seq}, "
                              f"{budget_bytes} bytes): raise the budget or shorten the stream")
@@ -327,11 +397,19 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
     timeline = {"reserved": [], "used": [], "running": []}
     finished = preempted = recomputed = 0
     while queue or running:
-        while queue and cache.can_admit(queue[0].prompt + 1, watermark if running else 0.0):
+        holder = next(iter(running)).id if prefix_caching and prefix and running else None
+        shared = prefix // block_size * block_size if holder is not None else 0
+        while queue and cache.can_admit(prefix + queue[0].prompt + 1 - shared,
+                                        watermark if running else 0.0):
             request = queue.popleft()
-            cache.admit(request.id)
-            cache.grow(request.id, request.prompt)           # the prefill
+            if holder is not None:
+                cache.share(holder, request.id, prefix)
+            else:
+                cache.admit(request.id)
+            cache.grow(request.id, prefix + request.prompt - shared)     # the prefill
             running[request] = 0
+            if prefix_caching and prefix and holder is None:
+                holder, shared = request.id, prefix // block_size * block_size
         for request in list(running):
             if request not in running:                       # preempted earlier in this step
                 continue

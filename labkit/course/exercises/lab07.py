@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from labkit.core.config import preset
+from labkit.core.units import torch_dtype
 from labkit.course.exercises.core import GiB, register
 from labkit.predict import kv_cache_bytes
 
@@ -238,3 +239,43 @@ def _kv_int8_gib():
     scales = 32 * 8192 * c.layers * c.kv_heads * 2 * 4
     return {"answer": nbytes / GiB, "bytes": nbytes, "bf16": bf16 / GiB, "share": nbytes / bf16,
             "scales": scales / GiB, "scale_share": scales / nbytes}
+
+
+@register(
+    "07-prefix-shared-mib",
+    question="""A server runs 40 requests of LLaMA-2-13B in fp16 (40 layers, 40 KV heads of 128
+numbers), each starting with the same 1,000-token system prompt, in 16-token blocks. Prefix
+caching shares full blocks only, so each request keeps the prompt's last partial block to
+itself. How many MiB of cache does sharing save against every request holding its own copy?""",
+    unit="MiB", rtol=1e-4,
+    hint="Full blocks of 1,000 tokens: 1000 // 16. Shared, they are held once instead of 40 "
+         "times. A token costs 2 x layers x kv_heads x head_dim x 2 bytes. Check with "
+         "paged.PagedKVCache(..., device='meta'): admit one request, grow it, then share it "
+         "39 times and compare reserved_bytes.",
+    solution="""1,000 tokens fill {full} blocks of 16 ({shared} tokens); the last {tail} tokens
+stay in a block of each request's own. Each token takes {per_token:,} bytes, so one copy of the
+shared blocks is {copy:.1f} MiB, and 39 of the 40 copies are saved: {answer:.1f} MiB
+(PagedKVCache on the meta device: {measured:.1f} MiB less reserved).""",
+)
+def _prefix_shared():
+    from labkit.transformer.paged import PagedKVCache
+    c = preset("llama-2-13b")
+    per_token = kv_cache_bytes(c, 1, 1, "fp16")
+    full = 1000 // 16
+    reserved = {}
+    for sharing in (False, True):
+        cache = PagedKVCache(4096, 16, c.layers, c.kv_heads, c.head_dim, torch_dtype("fp16"),
+                             "meta")
+        cache.admit(0)
+        cache.grow(0, 1000)
+        for r in range(1, 40):
+            if sharing:
+                cache.share(0, r, 1000)
+            else:
+                cache.admit(r)
+            cache.grow(r, 1000 - cache.tokens(r))
+        reserved[sharing] = cache.reserved_bytes
+    return {"answer": 39 * full * 16 * per_token / 2**20, "full": full, "shared": full * 16,
+            "tail": 1000 - full * 16, "per_token": per_token,
+            "copy": full * 16 * per_token / 2**20,
+            "measured": (reserved[False] - reserved[True]) / 2**20}
