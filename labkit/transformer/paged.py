@@ -109,8 +109,8 @@ class PagedKVCache(_KVCache):
     table (block b of layer l is ``pools[l][b]``). Reserved bytes are whole blocks, so the
     only waste is each request's last, partly filled block. Blocks can be shared, counted by
     reference: a prompt's prefix (``share``, vLLM's prefix caching) or a whole request
-    (``fork``, parallel sampling); a request that writes into a shared block first copies it
-    (copy-on-write). ``used_bytes`` counts a shared block's tokens once.
+    (``fork``, parallel sampling in the PagedAttention paper); a request that writes into a
+    shared block first copies it (copy-on-write). ``used_bytes`` counts a shared block's tokens once.
     """
 
     def __init__(self, num_blocks: int, block_size: int, layers: int, kv_heads: int,
@@ -164,6 +164,7 @@ class PagedKVCache(_KVCache):
     def share(self, source, request, tokens: int) -> int:
         """Admit ``request`` holding the full blocks of ``source``'s first ``tokens`` tokens (a
         prompt prefix both start with: vLLM shares full blocks only). Returns the tokens shared."""
+        self._check_whole(source)
         blocks = min(tokens, self.tokens(source)) // self.block_size
         self.admit(request)
         self._take(request, self.tables[source][:blocks], blocks * self.block_size)
@@ -171,7 +172,10 @@ class PagedKVCache(_KVCache):
 
     def fork(self, parent, child) -> None:
         """Admit ``child`` holding every block of ``parent``, its last partly filled one too
-        (parallel sampling): the first of them to write there copies it."""
+        (parallel sampling, as the PagedAttention paper and vLLM V0 run it): the first of them to
+        write there copies it. (vLLM V1 runs each sample as a request of its own sharing the
+        prompt's full blocks through prefix caching: no partial block is shared.)"""
+        self._check_whole(parent)
         self.admit(child)
         self._take(child, self.tables[parent], self.tokens(parent))
 
@@ -186,6 +190,13 @@ class PagedKVCache(_KVCache):
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free_blocks.append(b)
+
+    def _check_whole(self, request) -> None:
+        lengths = self._lengths_of(request)
+        if min(lengths) != max(lengths):
+            raise ValueError(f"request {request!r} is part-way through a step (its layers hold "
+                             f"{min(lengths)}-{max(lengths)} tokens): share or fork it once every "
+                             f"layer has its tokens")
 
     def _take(self, request, blocks: list[int], tokens: int) -> None:
         for b in blocks:
@@ -208,7 +219,7 @@ class PagedKVCache(_KVCache):
 
     def _make_room(self, request, tokens: int) -> None:
         table = self.tables[request]
-        k = self._shared_tail(request)
+        k = self._shared_tail(request) if tokens > self.tokens(request) else None
         missing = self.blocks_for(tokens) - len(table) + (k is not None)
         if missing > len(self.free_blocks):
             raise CacheFull(f"request {request!r} needs {missing} more blocks, "
@@ -396,6 +407,7 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
     queue, running = deque(stream), {}                       # running: Request -> generated
     timeline = {"reserved": [], "used": [], "running": []}
     finished = preempted = recomputed = 0
+    requeued = set()                                         # ids sent back, to be prefilled again
     while queue or running:
         holder = next(iter(running)).id if prefix_caching and prefix and running else None
         shared = prefix // block_size * block_size if holder is not None else 0
@@ -407,6 +419,8 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
             else:
                 cache.admit(request.id)
             cache.grow(request.id, prefix + request.prompt - shared)     # the prefill
+            if request.id in requeued:                        # its cache computed again
+                recomputed += prefix + request.prompt - shared
             running[request] = 0
             if prefix_caching and prefix and holder is None:
                 holder, shared = request.id, prefix // block_size * block_size
@@ -419,7 +433,7 @@ def simulate(kind: str, budget_bytes: int, stream: list[Request],
                 cache.free(victim.id)
                 queue.appendleft(Request(victim.id, victim.prompt + done, victim.output - done))
                 preempted += 1
-                recomputed += victim.prompt + done           # its cache is prefilled again
+                requeued.add(victim.id)
                 if victim is request:
                     break
             if request not in running:
