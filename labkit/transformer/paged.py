@@ -127,7 +127,7 @@ class PagedKVCache(_KVCache):
         self.block_bytes = block_size * layers * self.token_layer_bytes
         self.refs = [0] * num_blocks            # requests holding each block
         self.copies = 0                         # blocks copied on a write (copy-on-write)
-        self._duplicated = 0                    # tokens x layers held by a second holder on
+        self._duplicated = 0                    # tokens x layers a block's extra holders count again
 
     @property
     def capacity_bytes(self) -> int:
