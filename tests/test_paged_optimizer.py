@@ -119,3 +119,12 @@ def test_states_of_two_groups_add_up_with_the_maps_once():
     a, b = paged_state([200_000], 8), paged_state([300_000, 100], 8)
     assert (a + b) == paged_state([200_000, 300_000, 100], 8)
     assert (paged_state([131_072_000], 32) + a).total == 8 * 131_072_000 + a.total
+
+
+def test_bad_choices_name_what_is_expected():
+    with pytest.raises(ValueError, match="bits"):
+        paged_state([100_000], bits=4)
+    with pytest.raises(ValueError, match="trainable"):
+        trained_numels("llama-2-7b", "qlora")
+    with pytest.raises(ValueError, match="numel"):
+        paged_state([0])

@@ -121,9 +121,7 @@ class ModelConfig:
     @property
     def windowed_layers(self) -> int:
         """Layers that attend to the last ``sliding_window`` tokens only."""
-        if not self.sliding_window:
-            return 0
-        return self.layers - (self.layers // self.global_every if self.global_every else 0)
+        return sum(1 for layer in range(self.layers) if self.window_of(layer))
 
     @property
     def moe_layers(self) -> int:

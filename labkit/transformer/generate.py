@@ -34,7 +34,8 @@ from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.units import TORCH_DTYPE_NAMES, check_positive, torch_dtype
 from labkit.predict import kv_cache_bytes
 from labkit.transformer.attention import naive_attention, soft_cap
-from labkit.transformer.model import LatentAttention, Transformer, build_model, embed_tokens, rotate
+from labkit.transformer.model import (LatentAttention, Transformer, build_model, embed_tokens,
+                                     rotate, window_band)
 
 
 # ---- caches --------------------------------------------------------------------------------
@@ -128,14 +129,6 @@ def causal_mask(T: int, start: int, device=None):
     if T == 1:
         return None
     return torch.ones(T, start + T, dtype=torch.bool, device=device).tril(diagonal=start)
-
-
-def window_band(T: int, start: int, window: int, device=None):
-    """(T, start + T) bool, True where query i (at position start + i) sees key j: one of its
-    last ``window`` positions, itself included (a sliding-window layer)."""
-    pos = torch.arange(start, start + T, device=device)[:, None]                # (T, 1)
-    j = torch.arange(start + T, device=device)[None, :]                          # (1, start+T)
-    return (j <= pos) & (j > pos - window)
 
 
 def gqa_attention(attn, x, rotary, mask, cache: KVCache, layer: int):

@@ -105,12 +105,17 @@ def use_attention(impl):
         _attention = previous
 
 
+def window_band(T: int, start: int, window: int, device=None) -> torch.Tensor:
+    """(T, start + T) bool, True where query i (at position start + i) sees key j: one of its
+    last ``window`` positions, itself included (a sliding-window layer)."""
+    pos = torch.arange(start, start + T, device=device)[:, None]                # (T, 1)
+    j = torch.arange(start + T, device=device)[None, :]                          # (1, start+T)
+    return (j <= pos) & (j > pos - window)
+
+
 def window_mask(batch: int, T: int, window: int, device) -> torch.Tensor:
-    """(B, 1, T, T) bool, True where query i sees key j: j <= i and i - j < window (one
-    (T, T) matrix, expanded over the batch)."""
-    i = torch.arange(T, device=device)
-    near = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)        # (T, T)
-    return near.expand(batch, 1, T, T)                                          # (B, 1, T, T)
+    """(B, 1, T, T) bool: ``window_band`` of T tokens, one (T, T) matrix expanded over the batch."""
+    return window_band(T, 0, window, device).expand(batch, 1, T, T)
 
 
 def windowed_sdpa(q, k, v, window: int):
