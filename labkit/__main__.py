@@ -1,4 +1,4 @@
-"""Command line: ``python -m labkit estimate|measure|plan|presets|doctor`` (installed as ``labkit``).
+"""Command line: ``python -m labkit estimate|measure|plan|serve|presets|doctor`` (installed as ``labkit``).
 
     python -m labkit estimate --model deepseek-v2-lite --seq 4096 --precision bf16-mixed \\
         --zero-stage 2 --dp 8
@@ -7,6 +7,7 @@
     python -m labkit measure --model tiny --real                # real tensors: the GPU, else the CPU
     python -m labkit presets
     python -m labkit plan --model deepseek-v2-lite --gpu a100-80gb --gpus 8 --seq 4096
+    python -m labkit serve --model llama-2-70b --gpu h100-80gb --tp 4   # a server's KV pool
     python -m labkit doctor                                     # the host, read-only
     python -m labkit doctor --course [--no-smoke]               # does every lab run here?
 
@@ -205,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     _model_option(pla)
     _plan_options(pla)
     _json_option(pla)
+    ser = sub.add_parser("serve", help="the KV-cache pool a vLLM-style server sizes after its "
+                                       "profiling run, per GPU")
+    _model_option(ser)
+    _serve_options(ser)
+    _json_option(ser)
     doc = sub.add_parser("doctor", help="a read-only report of the host: THP, /dev/shm, NUMA, "
                                         "cgroup and memlock limits, allocator settings, GPUs")
     _json_option(doc)
@@ -214,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--no-smoke", action="store_true",
                      help="with --course: skip the smoke run (lab 00 executed, about 20 s)")
     return parser
+
+
+def _serve_options(ser: argparse.ArgumentParser) -> None:
+    """serve's options, named as vLLM's engine arguments."""
+    ser.add_argument("--gpu", type=_gpu, required=True, metavar="GPU", help=GPU_HELP)
+    ser.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel GPUs")
+    ser.add_argument("--gpu-memory-utilization", type=_float, default=0.9,
+                     help="the server's share of each GPU, for weights, activations and cache")
+    ser.add_argument("--max-num-batched-tokens", type=COUNT, default=8192,
+                     help="tokens of the largest step: the profiling run's")
+    ser.add_argument("--max-num-seqs", type=COUNT, default=256, help="requests in a step")
+    ser.add_argument("--block-size", type=COUNT, default=16, help="tokens per block")
+    ser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"), help="the weights'")
+    ser.add_argument("--kv-dtype", choices=("bf16", "fp16", "fp8-e4m3", "fp8-e5m2"),
+                     help="the cache's (default: the weights'); vLLM's fp8 is fp8-e4m3")
+    ser.add_argument("--max-model-len", type=COUNT, help="tokens per request, for concurrency "
+                                                          "(default: the model's max_seq)")
 
 
 def _layout_options(est: argparse.ArgumentParser) -> None:
@@ -302,6 +325,8 @@ def _run(args) -> str:
         return json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.text()
     if args.command == "presets":
         return _presets(args.json)
+    if args.command == "serve":
+        return _served(args)
     recompute = f"every-{args.every}" if args.recompute == "every-k" else args.recompute
     if args.seq > args.model.max_seq:   # as plan does: the RoPE tables cover the sequence asked for
         args.model = args.model.replace(max_seq=args.seq)
@@ -327,6 +352,31 @@ def _presets(as_json: bool) -> str:
     lines += [f"{n:<18}{p.total:>18,}{p.active:>18,}  {preset(n).published}"
               for n, p in rows.items()]
     return "\n".join(lines)
+
+
+def _served(args) -> str:
+    """serve: the pool per GPU, as a table or JSON."""
+    from labkit.training.serving import size_block_pool   # imports torch: here, not at start
+    pool = size_block_pool(args.model, args.gpu, args.gpu_memory_utilization,
+                           args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
+                           args.dtype, args.kv_dtype, tp=args.tp)
+    length = args.max_model_len or args.model.max_seq
+    if args.json:
+        return json.dumps({**dataclasses.asdict(pool), "tokens": pool.tokens, "max_model_len":
+                           length, "concurrency": pool.concurrency(length)}, indent=2)
+    rows = {f"share ({args.gpu_memory_utilization:g} of {fmt_bytes(args.gpu.memory)})": pool.share,
+            "weights": pool.weights, "profiled peak above the weights": pool.activations,
+            "KV-cache pool": pool.kv_bytes}
+    return "\n".join(
+        [f"{args.model.name} on {args.tp} x {args.gpu.name}: a vLLM-style server's memory per GPU",
+         f"(profiling run: {args.max_num_batched_tokens:,} tokens over {args.max_num_seqs} "
+         f"requests, labkit's model on fake tensors)"]
+        + [f"{k:<36}{fmt_bytes(v):>13}" for k, v in rows.items()]
+        + [f"{'blocks':<36}{pool.blocks:>13,} of {pool.block_size} tokens "
+           f"({fmt_bytes(pool.block_bytes)} each)",
+           f"{'tokens the pool holds':<36}{pool.tokens:>13,}",
+           f"{'max concurrency':<36}{pool.concurrency(length):>13.2f} requests of {length:,} "
+           f"tokens"])
 
 
 def _estimated(args, step: dict) -> tuple:

@@ -133,6 +133,30 @@ def check_tracker(budget: float) -> list[dict]:
     return rows
 
 
+# ---- 1b. a server's profiling run -----------------------------------------------------------
+def check_serving(budget: float) -> list[dict]:
+    """labkit.training.serving's profile on real CUDA tensors: the tracker vs torch's peak."""
+    from labkit.training.serving import profile_forward
+    print("\n== 1b. a server's profiling run: tracker vs torch.cuda.max_memory_allocated")
+    rows = []
+    for tokens in (2048, 8192):
+        if elapsed() > budget:
+            break
+        cfg = model(("llama-2-7b", 4))
+        fresh()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        tracked = profile_forward(cfg, tokens, 256, fake=False, device="cuda")
+        cuda = torch.cuda.max_memory_allocated() - base
+        fake = profile_forward(cfg, tokens, 256)
+        rows.append(dict(tokens=tokens, tracker=tracked.weights + tracked.activations, cuda=cuda,
+                         fake=fake.weights + fake.activations))
+        print(f"{tokens:6d} tokens: tracker {lk.fmt_bytes(rows[-1]['tracker'])}, cuda peak "
+              f"{lk.fmt_bytes(cuda)} ({pct(cuda, rows[-1]['tracker'])}), fake "
+              f"{lk.fmt_bytes(rows[-1]['fake'])}")
+    return rows
+
+
 # ---- 2. the allocator model ----------------------------------------------------------------
 def alloc_one(index: int) -> dict:
     """One ALLOC_CASES entry in this process (its settings must be set before CUDA starts)."""
@@ -293,7 +317,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {props.name}, "
           f"{lk.fmt_bytes(props.total_memory)}, labkit from {os.path.dirname(lk.__file__)}")
     report = {"torch": torch.__version__, "gpu": props.name}
-    for name, check, share in (("tracker", check_tracker, 0.55), ("allocator", check_allocator, 0.8),
+    for name, check, share in (("tracker", check_tracker, 0.55), ("serving", check_serving, 0.6),
+                               ("allocator", check_allocator, 0.8),
                                ("triton", check_triton, 1.0)):
         try:
             report[name] = check(share * args.budget)

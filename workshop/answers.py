@@ -118,6 +118,13 @@ from labkit.quantisation.precision import inference_peak
 fp32, half = (inference_peak("small", 2, 256, half=h) for h in (False, True))
 answer = 100 * (1 - half.peak / fp32.peak)
 
+# %% 02-fsdp-autocast-cache-gib
+from labkit.parallel.data.fsdp import fake_fsdp2_peak
+pc = lk.count_params("llama-2-7b")
+answer = 2 * (pc.total - pc.by_component["norms"] - pc.by_component["embedding"]) / 2**30   # whole copies
+rank = fake_fsdp2_peak("llama-2-7b", 8, 1, 4096, precision="bf16-mixed", recompute="full")
+print(f"one rank of 8 holds {rank['by_category']['weight_cache'] / 2**30:.2f} GiB of copies at its peak")
+
 # %% 03-full-recompute-kept
 c = lk.preset("llama-2-7b")
 answer = 4096 * c.hidden * 4 / 2**20                 # one layer's input: the fp32 residual stream
@@ -322,6 +329,14 @@ answer = 32 * 8192 * per_token / 2**30                     # GiB
 one_layer = QuantisedKVCache(lk.preset("llama-3-8b").replace(layers=1), 32, 8192, fmt="int8",
                              device="meta")                 # sizes only, nothing allocated
 print(answer, one_layer.nbytes * 32 / 2**30)
+
+# %% 07-pool-share-tokens
+from labkit.core.gpus import gpu
+from labkit.training import serving
+per_token = 2 * 32 * 8 * 128 * 2                            # k and v of every layer, bf16
+answer = 0.05 * gpu("h100-80gb").memory / per_token         # 5% of the GPU, all from the pool
+print(answer, serving.size_block_pool("llama-3-8b", "h100-80gb", 0.9).tokens
+      - serving.size_block_pool("llama-3-8b", "h100-80gb", 0.85).tokens)
 
 # %% 08-shm-image-loader
 from labkit.host import shm

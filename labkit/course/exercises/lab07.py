@@ -279,3 +279,27 @@ def _prefix_shared():
             "tail": 1000 - full * 16, "per_token": per_token,
             "copy": full * 16 * per_token / 2**20,
             "measured": (reserved[False] - reserved[True]) / 2**20}
+
+
+@register(
+    "07-pool-share-tokens",
+    question="""A vLLM-style server runs LLaMA-3-8B in bf16 (32 layers, 8 KV heads of 128 numbers)
+on one H100-80GB (79.65 GiB) at gpu_memory_utilization 0.9. To leave room for a second process
+you lower it to 0.85. How many fewer tokens does its KV-cache pool hold? (The weights and the
+profiled peak do not change.)""",
+    unit="tokens", rtol=1e-3,
+    hint="The share falls by 5% of the GPU, and all of it comes out of the pool. A token costs "
+         "2 x layers x kv_heads x head_dim x 2 bytes. Check with "
+         "serving.size_block_pool('llama-3-8b', 'h100-80gb', share).tokens for both shares.",
+    solution="""5% of 79.65 GiB is {freed:,} bytes; a token of LLaMA-3-8B's cache is {per_token:,}
+bytes (128 KiB), so the pool holds {answer:,.0f} fewer tokens, in whole blocks of 16 ({at_90:,}
+tokens at 0.9, {at_85:,} at 0.85): {requests:.1f} fewer requests of 8,192 tokens.""",
+)
+def _pool_share_tokens():
+    from labkit.training.serving import size_block_pool
+    pools = {share: size_block_pool("llama-3-8b", "h100-80gb", share) for share in (0.9, 0.85)}
+    at_90, at_85 = pools[0.9].tokens, pools[0.85].tokens
+    return {"answer": at_90 - at_85, "at_90": at_90, "at_85": at_85,
+            "freed": pools[0.9].share - pools[0.85].share,
+            "per_token": kv_cache_bytes("llama-3-8b", 1, 1, "bf16"),
+            "requests": (at_90 - at_85) / 8192}
