@@ -148,6 +148,25 @@ def test_fake_llama_7b_matches_fsdp_mem_tracker():
     assert out["by_category"]["params"] == theirs["Sharded Param"] + theirs["Unsharded Param"]
 
 
+def test_fake_fsdp2_autocast_cache_holds_whole_bf16_copies():
+    """FSDP2 gathers fp32 leaves: under autocast with full recompute the cache holds every
+    matmul weight's whole bf16 copy at the end of the forward pass, not 1/N of it (lab 02's
+    case, where the peak is there); cache_enabled=False drops it; FSDP2's bf16 policy gathers
+    bf16, so nothing is cast."""
+    cfg = lk.preset("llama-2-7b")
+    on = fsdp.fake_fsdp2_peak(cfg, 8, seq=4096, precision="bf16-mixed", recompute="full")
+    pc = lk.count_params(cfg)
+    matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]
+    assert on["by_category"]["weight_cache"] == 2 * matmul and on["peak_phase"] == "forward"
+    assert on["param_bytes"] == 4 * pc.total // 8                       # fp32 shards
+    few = lk.preset("llama-2-7b", layers=2)
+    off, policy = (fsdp.fake_fsdp2_peak(few, 8, seq=256, precision="bf16-mixed",
+                                        recompute="full", **options)
+                   for options in ({"autocast_cache": False}, {"param_dtype": "bf16"}))
+    assert policy["by_category"]["weight_cache"] == 0 and policy["peak"] < off["peak"]
+    assert off["param_bytes"] == policy["param_bytes"] == 4 * lk.count_params(few).total // 8
+
+
 def test_fake_scaling_rows_and_figure():
     rows = fsdp.fake_fsdp2_scaling("tiny", worlds=(2, 4), seq=64)
     assert [r["world_size"] for r in rows] == [2, 4]
@@ -170,7 +189,7 @@ def test_fake_group_refuses_a_second_group():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(precision="bf16-mixed"), "unknown precision"),
+    (dict(precision="fp16-mixed"), "unknown precision"),
     (dict(placement="dim1"), "unknown placement"),
     (dict(seq=4096), "max_seq"),
     (dict(rank=2), "rank"),

@@ -101,3 +101,28 @@ def _half_inference_saving():
     return {"answer": 100 * (1 - half.peak / fp32.peak), "fp32": fmt_bytes(fp32.peak),
             "fp16": fmt_bytes(half.peak), "w32": fmt_bytes(fp32.weights),
             "w16": fmt_bytes(half.weights)}
+
+
+@register(
+    "02-fsdp-autocast-cache-gib",
+    question="""One rank of FSDP2 over 8 GPUs trains LLaMA-2-7B (fp32 shards, no
+MixedPrecisionPolicy) under torch.autocast(bf16) with full recompute. FSDP2 frees each block's
+gathered fp32 weights after its forward. How many GiB of autocast's bf16 copies does the rank
+hold at the end of the forward pass?""",
+    unit="GiB", rtol=0.002,
+    hint="The cache keeps the bf16 cast of every fp32 leaf it casts until autocast exits, and "
+         "FSDP2 gathers each weight whole before its layer runs. lk.count_params('llama-2-7b')"
+         ".by_component names the embedding table and the norms, which no matmul casts.",
+    solution="""Every matmul weight's whole bf16 copy: {matmul:,} weights x 2 B = {answer:.2f} GiB,
+not an eighth of it. FSDP2 frees the gathered fp32 weights, but the cache holds the casts made
+from them until the forward pass leaves autocast. fake_fsdp2_peak on one rank of 8 measures
+{measured:.2f} GiB of weight_cache at its peak, in the forward pass ({rank_peak:.2f} GiB in all);
+cache_enabled=False or MixedPrecisionPolicy(param_dtype=torch.bfloat16) removes it.""",
+)
+def _fsdp_autocast_cache():
+    from labkit.parallel.data.fsdp import fake_fsdp2_peak
+    pc = count_params("llama-2-7b")
+    matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]
+    rank = fake_fsdp2_peak("llama-2-7b", 8, 1, 4096, precision="bf16-mixed", recompute="full")
+    return {"answer": 2 * matmul / GiB, "matmul": matmul,
+            "measured": rank["by_category"]["weight_cache"] / GiB, "rank_peak": rank["peak"] / GiB}

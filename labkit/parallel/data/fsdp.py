@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 
 from labkit.core.config import preset
-from labkit.core.units import CATEGORIES, check_choice
+from labkit.core.units import CATEGORIES, check_choice, torch_dtype
 from labkit.parallel.data.data_parallel import DataParallel
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
@@ -57,7 +57,7 @@ from labkit.transformer.model import Block, build_model
 # labkit's ZeroOptimizer defaults (its inner AdamW is a for-loop), with the lab's learning rate
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, foreach=False)
 WORLDS = tuple(2 ** k for k in range(3, 11))        # 8, 16, ..., 1024 ranks
-FAKE_PRECISIONS = ("fp32", "bf16", "bf16-master")
+FAKE_PRECISIONS = ("fp32", "bf16", "bf16-master", "bf16-mixed")
 
 
 @dataclass
@@ -107,17 +107,22 @@ PLACEMENTS = ("dim0", "even")
 
 
 def shard_blocks(model, mesh: DeviceMesh, reshard_after_forward: bool = True,
-                 placement: str = "dim0") -> list:
+                 placement: str = "dim0", param_dtype: torch.dtype | None = None) -> list:
     """``fully_shard`` each block of ``model.blocks``, then the root (embedding, final norm,
     LM head); returns the FSDP modules, blocks first. A block is one all-gather.
-    ``placement``: "dim0" (FSDP2's default) or "even" (``even_placement``)."""
+    ``placement``: "dim0" (FSDP2's default) or "even" (``even_placement``). ``param_dtype``:
+    FSDP2's ``MixedPrecisionPolicy``, shards cast to it before the all-gather, gradients
+    reduced in fp32."""
     check_choice("placement", placement, PLACEMENTS)
     place = even_placement(mesh.size()) if placement == "even" else None
+    policy = dict(mp_policy=MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None))
     for module in model.blocks:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    shard_placement_fn=place)
+                    shard_placement_fn=place, **policy)
     # the root keeps FSDP2's default: gathered from its forward to its backward
-    fully_shard(model, mesh=mesh, reshard_after_forward=None, shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, shard_placement_fn=place,
+                **policy)
     return [*model.blocks, model]
 
 
@@ -306,7 +311,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
                     precision: str = "bf16-master", reshard_after_forward: bool = True,
                     recompute: str = "none", placement: str = "dim0", rank: int = 0,
                     cross_check: bool = False, trainable: str = "all",
-                    lora_rank: int = 16, weight_format: str | None = None) -> dict:
+                    lora_rank: int = 16, weight_format: str | None = None,
+                    autocast_cache: bool = True, param_dtype: str | None = None) -> dict:
     """One rank's bytes in one steady-state FSDP2 training step of ``cfg_name`` over
     ``world_size`` ranks, on fake tensors with CUDA's defaults (AdamW foreach).
 
@@ -314,6 +320,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
     master and moments of the shards (2 + 2 + 12 bytes per parameter / N). FSDP2's own
     ``MixedPrecisionPolicy`` instead keeps fp32 shards and casts each to bf16 before the
     all-gather (it gathers bf16 too), its gradient shards fp32: 4 + 4 + 8, the same 16.
+    ``bf16-mixed``: fp32 shards under ``torch.autocast`` (``autocast_cache``: its
+    ``cache_enabled``); ``param_dtype`` ("bf16") gives FSDP2 that ``MixedPrecisionPolicy``.
     ``cross_check`` runs one more step under torch's ``FSDPMemTracker`` and returns its peak
     too. Returns a dict: ``peak``, ``by_category``,
     ``peak_phase``, ``param_bytes`` (this rank's shards), ``seconds``.
@@ -336,7 +344,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
         # tensor for each of the N chunks of every parameter), then make this rank's shards
         model = _build(_Setup(cfg, None, "cuda", torch.device("meta")), precision, recompute,
                        trainable=trainable, lora_rank=lora_rank, weight_format=weight_format)
-        tracked_modules = shard_blocks(model, mesh, reshard_after_forward, placement)
+        tracked_modules = shard_blocks(model, mesh, reshard_after_forward, placement,
+                                       param_dtype and torch_dtype(param_dtype))
         with FakeTensorMode(allow_non_fake_inputs=True):    # to_empty reads the meta tensors
             model.to_empty(device="cpu")                    # CPU fake tensors, CUDA's defaults
             tracked = FSDP2Parameters(model, tracked_modules)
@@ -345,7 +354,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
             init_optimizer_state(model, opt)                # a steady-state step
             inputs, targets, step = _batch(model, batch, seq, None, torch.device("cpu"))
             with MemoryTracker(tracked, opt, timeline=False) as mt:
-                train_step(step, opt, inputs, targets, precision, tracker=mt)
+                train_step(step, opt, inputs, targets, precision, tracker=mt,
+                           autocast_cache=autocast_cache)
             out = dict(peak=mt.peak, by_category=dict(mt.peak_by_category),
                        peak_phase=mt.peak_phase, param_bytes=_held_bytes(model.parameters()))
             if cross_check:
