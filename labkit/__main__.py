@@ -93,6 +93,14 @@ def _gbps(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> float:
+    """--other-gib: zero or more GiB."""
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"give GiB as a number >= 0 (e.g. 1.5), not {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """--headroom: a fraction in [0, 1)."""
     value = _float(text)
@@ -237,6 +245,8 @@ def _serve_options(ser: argparse.ArgumentParser) -> None:
                      help="the cache's (default: the weights'); vLLM's fp8 is fp8-e4m3")
     ser.add_argument("--max-model-len", type=COUNT, help="tokens per request, for concurrency "
                                                           "(default: the model's max_seq)")
+    ser.add_argument("--other-gib", type=_gib, default=0.0, help="GiB outside the profile to "
+                     "take from the share: CUDA graphs, NCCL, workspaces (default 0)")
 
 
 def _layout_options(est: argparse.ArgumentParser) -> None:
@@ -357,26 +367,17 @@ def _presets(as_json: bool) -> str:
 def _served(args) -> str:
     """serve: the pool per GPU, as a table or JSON."""
     from labkit.training.serving import size_block_pool   # imports torch: here, not at start
+    length = args.max_model_len or args.model.max_seq
     pool = size_block_pool(args.model, args.gpu, args.gpu_memory_utilization,
                            args.max_num_batched_tokens, args.max_num_seqs, args.block_size,
-                           args.dtype, args.kv_dtype, tp=args.tp)
-    length = args.max_model_len or args.model.max_seq
+                           args.dtype, args.kv_dtype, int(args.other_gib * 2**30), args.tp, length)
     if args.json:
-        return json.dumps({**dataclasses.asdict(pool), "tokens": pool.tokens, "max_model_len":
-                           length, "concurrency": pool.concurrency(length)}, indent=2)
-    rows = {f"share ({args.gpu_memory_utilization:g} of {fmt_bytes(args.gpu.memory)})": pool.share,
-            "weights": pool.weights, "profiled peak above the weights": pool.activations,
-            "KV-cache pool": pool.kv_bytes}
-    return "\n".join(
-        [f"{args.model.name} on {args.tp} x {args.gpu.name}: a vLLM-style server's memory per GPU",
-         f"(profiling run: {args.max_num_batched_tokens:,} tokens over {args.max_num_seqs} "
-         f"requests, labkit's model on fake tensors)"]
-        + [f"{k:<36}{fmt_bytes(v):>13}" for k, v in rows.items()]
-        + [f"{'blocks':<36}{pool.blocks:>13,} of {pool.block_size} tokens "
-           f"({fmt_bytes(pool.block_bytes)} each)",
-           f"{'tokens the pool holds':<36}{pool.tokens:>13,}",
-           f"{'max concurrency':<36}{pool.concurrency(length):>13.2f} requests of {length:,} "
-           f"tokens"])
+        return json.dumps(pool.as_dict(length), indent=2)
+    return (f"{args.model.name} on {args.tp} x {args.gpu.name} ({fmt_bytes(args.gpu.memory)}, "
+            f"the table's; CUDA reports ~0.5 GiB less): a vLLM-style server's memory per GPU\n"
+            f"(profiling run: {args.max_num_batched_tokens:,} tokens over {args.max_num_seqs} "
+            f"requests, labkit's model on fake tensors; vLLM's defaults for these depend on its "
+            f"version and GPU: pass what your server logs)\n" + pool.table(length))
 
 
 def _estimated(args, step: dict) -> tuple:

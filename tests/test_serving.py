@@ -58,6 +58,24 @@ def test_blocks_are_what_the_share_leaves():
     assert fp8.block_bytes * 2 == pool.block_bytes and fp8.blocks == left // fp8.block_bytes
 
 
+def test_concurrency_counts_whole_blocks_per_request():
+    pool = size_block_pool("llama-2-13b", "a100-40gb", max_num_batched_tokens=2048)
+    assert pool.concurrency(1000) == pool.blocks / 63        # 1,000 tokens take 63 blocks
+    assert pool.concurrency(2048) == pool.tokens / 2048
+
+
+def test_tensor_parallel_sampler_sees_the_whole_vocabulary():
+    """vLLM all-gathers a shard's logits before sampling: the sampler's fp32 (requests, vocab)
+    tensors are the whole model's. Here the sampler sets the peak: its logits in bf16, their
+    fp32 copy and the probabilities, 10 bytes per request and token of the vocabulary."""
+    c = TINY.replace(vocab_size=32000)
+    half = rank_shard(c, 2)
+    local, gathered, whole = (profile_forward(m, 64, 64, gathered_vocab=v)
+                              for m, v in ((half, None), (half, 32000), (c, None)))
+    assert gathered.activations == whole.activations
+    assert gathered.activations - local.activations == 10 * 64 * (32000 - 16000)
+
+
 def test_tensor_parallel_rank_holds_its_share():
     c = lk.preset("llama-2-70b")
     shard = rank_shard(c, 4)
@@ -77,8 +95,18 @@ def test_bad_input_names_the_fix():
         size_block_pool("llama-2-70b", "a100-40gb")
     with pytest.raises(ValueError, match="tp=3 does not divide heads"):
         rank_shard("llama-2-70b", 3)
-    with pytest.raises(ValueError, match="exceeds the model's max_seq"):
+    with pytest.raises(ValueError, match="exceeds labkit's RoPE tables"):
         profile_forward(TINY, 4096, 1)
+    with pytest.raises(ValueError, match="below the 256 one request of 4096 tokens needs"):
+        size_block_pool("llama-2-13b", "a100-40gb", 0.69, max_num_batched_tokens=2048,
+                        max_model_len=4096)
+    assert size_block_pool("llama-2-13b", "a100-40gb", 0.7, max_num_batched_tokens=2048,
+                           max_model_len=4096).blocks >= 256
+    with pytest.raises(ValueError, match="max_model_len 8192 exceeds"):
+        size_block_pool("llama-2-7b", "h100-80gb", max_model_len=8192)
+    uneven_kv = TINY.replace(hidden=96, heads=24, kv_heads=8, ffn=192)
+    with pytest.raises(ValueError, match="kv_heads 8"):
+        rank_shard(uneven_kv, 6)                # 8 kv heads neither split nor copied 6 ways
     with pytest.raises(ValueError, match="other is bytes"):
         size_block_pool(TINY, "a100-40gb", other=-1)
 

@@ -107,8 +107,8 @@ def _half_inference_saving():
     "02-fsdp-autocast-cache-gib",
     question="""One rank of FSDP2 over 8 GPUs trains LLaMA-2-7B (fp32 shards, no
 MixedPrecisionPolicy) under torch.autocast(bf16) with full recompute. FSDP2 frees each block's
-gathered fp32 weights after its forward. How many GiB of autocast's bf16 copies does the rank
-hold at the end of the forward pass?""",
+gathered fp32 weights after its forward. How many GiB of autocast's bf16 copies (the LM head's
+included) does the rank hold at the end of the forward pass?""",
     unit="GiB", rtol=0.002,
     hint="The cache keeps the bf16 cast of every fp32 leaf it casts until autocast exits, and "
          "FSDP2 gathers each weight whole before its layer runs. lk.count_params('llama-2-7b')"

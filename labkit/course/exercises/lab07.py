@@ -284,9 +284,9 @@ def _prefix_shared():
 @register(
     "07-pool-share-tokens",
     question="""A vLLM-style server runs LLaMA-3-8B in bf16 (32 layers, 8 KV heads of 128 numbers)
-on one H100-80GB (79.65 GiB) at gpu_memory_utilization 0.9. To leave room for a second process
-you lower it to 0.85. How many fewer tokens does its KV-cache pool hold? (The weights and the
-profiled peak do not change.)""",
+on one H100-80GB (79.65 GiB, the course's table) at gpu_memory_utilization 0.9. To leave room
+for a second process you lower it to 0.85. How many fewer tokens does its KV-cache pool hold?
+(The weights and the profiled peak do not change.)""",
     unit="tokens", rtol=1e-3,
     hint="The share falls by 5% of the GPU, and all of it comes out of the pool. A token costs "
          "2 x layers x kv_heads x head_dim x 2 bytes. Check with "
