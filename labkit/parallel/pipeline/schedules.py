@@ -5,7 +5,9 @@ and ``W`` the weight gradient. Zero-bubble schedules split the backward in two (
 2023): B computes only the gradient of the chunk's input (what the stage before waits for),
 W the weights' gradients later, where the pipeline would idle. A schedule without W ops runs
 both in its B. Stage s of p holds v chunks of the model: chunks s, s + p, s + 2p, ... (chunk
-c of stage s is virtual stage c * p + s); v > 1 only for the interleaved schedule.
+c of stage s is virtual stage c * p + s); v > 1 only for the interleaved schedule. The V-shaped
+schedules torch ships (ZB-V, DualPipeV: ``labkit.parallel.pipeline.torch_orders``) place two
+chunks per stage in a V: stage s holds virtual stages s and 2p - 1 - s.
 
 | schedule        | paper                                    | each stage s runs               |
 | --------------- | ---------------------------------------- | ------------------------------- |
@@ -90,6 +92,7 @@ class Schedule:
     m: int                       # micro-batches
     v: int                       # chunks per stage
     stages: tuple                # stages[s]: tuple of Op
+    placement: str = "loop"      # "v": two chunks, stage s holds virtual stages s and 2p - 1 - s
 
     @property
     def split_backward(self) -> bool:
@@ -97,6 +100,8 @@ class Schedule:
         return any(op.kind == "W" for ops in self.stages for op in ops)
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
+        if self.placement == "v":            # down the stages on chunk 0, back up on chunk 1
+            return stage if chunk == 0 else 2 * self.p - 1 - stage
         return chunk * self.p + stage
 
     def held(self) -> list[list[int]]:
