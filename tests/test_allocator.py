@@ -300,3 +300,53 @@ def test_min_capacity_is_where_a_fragmented_step_stops_running_out():
     from labkit.host.allocator import min_capacity
     assert min_capacity(events, tolerance=1) == 32 * MiB
     assert replay(events, capacity=32 * MiB - 512).oom is not None
+
+
+def _non_monotone_events():
+    """More room, more need: a kept 1 KiB (a 2 MiB small segment), then A (40 MiB) freed and
+    cached, B (50 MiB) new. Under 92 MiB that segment is released for B and M (20 MiB) gets its
+    own: L (60 MiB) then fits once B's is released, from 82 MiB. From 92 MiB A's segment stays
+    cached, M splits it, and L finds room only from 102 MiB."""
+    def alloc(key, nbytes):
+        return Event("alloc", key, nbytes, "activations", "forward")
+
+    def free(key):
+        return Event("free", key, 0, "activations", "forward")
+    return [alloc("t", KiB), alloc("A", 40 * MiB), free("A"), alloc("B", 50 * MiB),
+            alloc("M", 20 * MiB), free("B"), alloc("L", 60 * MiB)]
+
+
+def test_a_replay_can_run_on_a_device_and_fail_on_a_larger_one():
+    from labkit.host.alloc_need import runs_on
+    events, s = _non_monotone_events(), AllocatorSettings()
+    ran = {mib: runs_on(events, s, mib * MiB) for mib in (81, 82, 91, 92, 101, 102)}
+    assert ran == {81: False, 82: True, 91: True, 92: False, 101: False, 102: True}
+    for s in (AllocatorSettings(), AllocatorSettings(expandable_segments=True),
+              AllocatorSettings(max_split_size=30 * MiB)):    # runs_on counts reserved bytes only
+        assert all(runs_on(events, s, c) == (replay(events, s, capacity=c).oom is None)
+                   for c in range(80 * MiB, 104 * MiB, MiB // 2))
+
+
+def test_need_band_finds_the_lowest_device_that_runs_below_the_bisected_one():
+    """Bisection lands on the upper boundary (102 MiB); the scan below it finds the band's low
+    end, which runs, with one step less failing."""
+    from labkit.host.alloc_need import need_band
+    from labkit.host.allocator import min_capacity
+    events = _non_monotone_events()
+    band = need_band(events, step=MiB)
+    assert band.bisected == band.high == min_capacity(events, tolerance=MiB)
+    assert 102 * MiB <= band.high < 103 * MiB and 82 * MiB <= band.low < 83 * MiB
+    assert replay(events, capacity=band.low).oom is None
+    assert replay(events, capacity=band.low - MiB).oom is not None
+    assert band.highest_failure == band.high - MiB
+    assert replay(events, capacity=band.highest_failure).oom is not None
+    assert band.scanned[0] >= replay(events).peak_allocated and band.width == 20 * MiB
+    above = need_band(events, step=MiB, above=4 * MiB)
+    assert (above.low, above.high, above.replays) == (band.low, band.high, band.replays + 4)
+
+
+@pytest.mark.parametrize("kwargs, fix", [({"step": 0}, r"4 \* 2\*\*20"), ({"above": -1}, "0 scans")])
+def test_need_band_names_the_fix_for_a_bad_step_or_range(kwargs, fix):
+    from labkit.host.alloc_need import need_band
+    with pytest.raises(ValueError, match=fix):
+        need_band(_non_monotone_events(), **kwargs)

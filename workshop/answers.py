@@ -357,6 +357,7 @@ for key, mib in enumerate((3, 7, 11)):
 answer = a.stats().reserved_bytes / 2**20
 
 # %% 08-max-split-needs
+from labkit.host.alloc_need import need_band
 from labkit.host.allocator import min_capacity, parse_alloc_conf, replay
 seqs = [1024, 2048, 1536, 4096, 3072, 2560]                # section 3's six steps
 cfg4 = lk.preset("llama-2-7b").replace(layers=4, name="llama-2-7b, 4 layers")
@@ -364,8 +365,10 @@ mv = lk.measure_step(cfg4, 1, seqs[0], precision="bf16-mixed", fake=True, device
                      events=True, then=[(1, s) for s in seqs[1:]])
 for conf in ("", "max_split_size_mb:128"):
     s = parse_alloc_conf(conf)
-    need = min_capacity(mv.events, s, tolerance=4 * 2**20)  # the smallest device it runs on
-    print(f"{conf or 'defaults':22s} needs {need / 2**30:.2f} GiB, reserves "
+    need = min_capacity(mv.events, s, tolerance=4 * 2**20)  # runs there, 4 MiB less fails
+    band = need_band(mv.events, s, step=4 * 2**20)          # and every 4 MiB below it, scanned
+    print(f"{conf or 'defaults':22s} needs {need / 2**30:.2f} GiB bisected, runs from "
+          f"{band.low / 2**30:.2f} GiB; reserves "
           f"{replay(mv.events, s, record_trace=False).peak_reserved / 2**30:.2f} GiB with no pressure")
 answer = need / 2**30                                       # max_split_size_mb:128, the last
 

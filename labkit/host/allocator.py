@@ -59,11 +59,13 @@ class CachingAllocator:
     def _add(self, pool: str, *changes: tuple[str, int]):
         """Move statistics of one pool (and of "all") by (stat, bytes or count) pairs."""
         current, peak = self.current, self.peak
-        for stat, n in changes:
-            for key in ((stat, "all"), (stat, pool)):
-                value = current[key] = current[key] + n
-                if value > peak[key]:
-                    peak[key] = value
+        for stat, n in changes:         # unrolled: the replay's hottest lines
+            value = current[stat, "all"] = current[stat, "all"] + n
+            if value > peak[stat, "all"]:
+                peak[stat, "all"] = value
+            value = current[stat, pool] = current[stat, pool] + n
+            if value > peak[stat, pool]:
+                peak[stat, pool] = value
 
     def _record(self, action: str, addr: int, size: int, context=None):
         if self.trace is not None:
@@ -464,7 +466,8 @@ def min_capacity(events, settings: AllocatorSettings = AllocatorSettings(),
     step needs, as against what an unpressed allocator keeps reserved. Bisection between the
     peak of allocated blocks and the peak reserved with no limit. The allocator is not
     monotonic in memory: with more room it caches segments that can fragment later, so a device
-    a little larger may still fail (lab 08 scans that band); read the answer to its width."""
+    a little larger may still fail, and a smaller one run: ``alloc_need.need_band`` scans that
+    band (lab 08); read the answer to its width."""
     free_run = replay(events, settings, record_trace=False)
     low, high = free_run.peak_allocated, free_run.peak_reserved
     if replay(events, settings, capacity=low, record_trace=False).oom is None:

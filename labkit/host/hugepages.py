@@ -29,7 +29,7 @@ THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 #           kernel must find free, or assemble by compaction);
 #  again:   each later allocation of the same size: faults again, on the 2 MiB blocks just freed;
 #  retouch: the first tensor written again, its pages already mapped: what a buffer that lives
-#           across steps (an offloaded optimizer's states) pays every step.
+#           across steps (an optimizer's moments kept in pageable host memory) pays every step.
 # compact_stall is a host-wide counter of /proc/vmstat, read around `first`.
 _CHILD = r"""
 import json, sys, time, torch

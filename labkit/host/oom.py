@@ -16,8 +16,9 @@ from labkit.core.units import fmt_bytes as _fmt
 
 UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
-# a CUDA context with its loaded kernels takes a few hundred MiB: memory outside PyTorch is to
-# blame only above this (labkit's threshold)
+# a CUDA context with its loaded kernels takes a few hundred MiB (more with many kernels
+# loaded), and cannot be freed: memory outside PyTorch is to blame only above this (labkit's
+# threshold, 1 GiB; verdict() and sufficient() apply it alike)
 CONTEXT = 2**30
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"    # read by every version; 2.13 also reads PYTORCH_ALLOC_CONF
 
@@ -67,10 +68,14 @@ class OomReport:
         return self.allocated - self.private_pools
 
     def sufficient(self) -> dict[str, int]:
-        """Each memory that alone would have covered the shortfall, and its bytes."""
+        """Each memory that alone would have covered the shortfall, and its bytes. Memory outside
+        PyTorch counts only above ``CONTEXT`` (1 GiB), as in verdict(): below, it is mostly the
+        CUDA context, which no fix frees."""
+        outside = self.outside_pytorch or 0
         found = {"CUDA graphs' private pools (free)": self.private_pools,
                  "fragmentation (reserved but unallocated)": self.cached,
-                 "other processes": self.others, "outside PyTorch": self.outside_pytorch or 0}
+                 "other processes": self.others,
+                 "outside PyTorch": outside if outside > CONTEXT else 0}
         return {name: n for name, n in found.items() if n >= self.shortfall and n > 0}
 
     def verdict(self) -> str:

@@ -86,27 +86,41 @@ PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128. How many GiB of device memory doe
 need, and beside what each reserves with no memory pressure.""",
     unit="GiB", rtol=1e-3,
     hint="parse_alloc_conf turns the setting's text into AllocatorSettings; "
-         "min_capacity(mv.events, settings, tolerance=4 * MiB) bisects the smallest device the "
-         "replay runs on; replay(mv.events, settings).peak_reserved is what it keeps with no limit.",
+         "min_capacity(mv.events, settings, tolerance=4 * MiB) bisects a device the replay runs "
+         "on with 4 MiB less failing; replay(mv.events, settings).peak_reserved is what it keeps "
+         "with no limit.",
     solution="""min_capacity(mv.events, parse_alloc_conf("max_split_size_mb:128"), tolerance=4 MiB) =
-{answer:.2f} GiB, against {native:.2f} GiB with the default settings: {saved:.0f} MiB less. Cached
+{answer:.2f} GiB, against {native:.2f} GiB bisected with the default settings. Bisection finds one
+boundary: the default allocator is not monotonic in memory here, and
+labkit.host.alloc_need.need_band, scanning every 4 MiB below, finds it running from
+{native_low:.2f} GiB (and failing on some devices between that and {native:.2f} GiB). So it saves
+{saved_low:.0f}-{saved:.0f} MiB, read to that band; with it, {split_band}. Cached
 blocks of 128 MiB or more are never split, so small requests cannot strand free space inside them.
 With no pressure it reserves {res_split:.2f} GiB against {res_native:.2f} GiB: a large cached block no longer
 serves a smaller request, so more segments are made; nvidia-smi looks worse while the
-out-of-memory comes later. roundup_power2_divisions:4
-needs {power2:.2f} GiB here, {power2_word} than the defaults (each request rounds up to one of four
+out-of-memory comes later. roundup_power2_divisions:4, bisected, needs {power2:.2f} GiB here,
+{power2_gap:.2f} GiB {power2_word} the default's band (each request rounds up to one of four
 sizes per power of two). All from labkit's one-stream replay, not from a GPU.""",
 )
 def _max_split_needs():
+    from labkit.host.alloc_need import need_band
     from labkit.host.allocator import min_capacity, parse_alloc_conf, replay
     MiB, GiB = 2**20, 2**30
     events = _six_varying_steps()
     conf = {name: parse_alloc_conf(text) for name, text in (
         ("native", ""), ("split", "max_split_size_mb:128"), ("power2", "roundup_power2_divisions:4"))}
-    need = {name: min_capacity(events, s, tolerance=4 * MiB) for name, s in conf.items()}
-    return {"answer": need["split"] / GiB, "native": need["native"] / GiB,
-            "saved": (need["native"] - need["split"]) / MiB, "power2": need["power2"] / GiB,
-            "power2_word": "more" if need["power2"] > need["native"] else "less",
+    band = {name: need_band(events, conf[name], step=4 * MiB) for name in ("native", "split")}
+    split, native, power2 = (band["split"].bisected, band["native"],
+                             min_capacity(events, conf["power2"], tolerance=4 * MiB))
+    split_band = ("the scan below its bisected size finds no device that runs"
+                  if band["split"].low == split else
+                  f"it runs from {band['split'].low / GiB:.2f} GiB on some devices")
+    above = power2 > native.high
+    return {"answer": split / GiB, "native": native.high / GiB, "native_low": native.low / GiB,
+            "saved": (native.high - band["split"].low) / MiB,
+            "saved_low": (native.low - split) / MiB, "split_band": split_band,
+            "power2": power2 / GiB, "power2_word": "above" if above else "below",
+            "power2_gap": (power2 - native.high if above else native.low - power2) / GiB,
             "res_split": replay(events, conf["split"], record_trace=False).peak_reserved / GiB,
             "res_native": replay(events, conf["native"], record_trace=False).peak_reserved / GiB}
 
