@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 from torch.distributed.pipelining.schedules import generate_rank_to_stage_mapping
 
-from labkit.parallel.pipeline.schedules import make_schedule, simulate
+from labkit.parallel.pipeline.schedules import dualpipe_bubble, make_schedule, simulate
 from labkit.parallel.pipeline.torch_orders import torch_order, v_schedule
 
 HALF = {kind: Fraction(1, 2) for kind in "FBW"}          # a chunk is half a stage
@@ -19,25 +19,32 @@ def test_each_stage_runs_torchs_ops_on_the_v(name):
     stages_of = generate_rank_to_stage_mapping(p, 2 * p, style="v")
     for s, (actions, ops) in enumerate(zip(torch_order(name, p, m), schedule.stages)):
         assert {schedule.virtual_stage(s, c) for c in (0, 1)} == set(stages_of[s])
-        torch_forwards = [(a.stage_index, a.microbatch_index)
-                          for act in actions for a in (act.sub_actions or [act])
-                          if a.computation_type.value == "F"]
-        ours = [(schedule.virtual_stage(s, op.chunk), op.micro_batch) for op in ops
-                if op.kind == "F"]
-        assert ours == torch_forwards                      # the same order, stage by stage
+        kinds = {"F": "F", "I": "B", "W": "W", "B": "BW"}     # torch's full backward: B then W
+        theirs = [(kind, a.stage_index, a.microbatch_index)
+                  for act in actions for a in (act.sub_actions or [act])
+                  for kind in kinds[a.computation_type.value]]
+        ours = [(op.kind, schedule.virtual_stage(s, op.chunk), op.micro_batch) for op in ops]
+        assert ours == theirs                              # the same ops in the same order
 
 
 @pytest.mark.parametrize("p, m", CASES)
-def test_v_schedules_idle_only_while_the_first_micro_batch_arrives(p, m):
-    """With F = B = W, the last stage waits p - 1 chunk forwards for its first input and then
-    never idles: the lower bound (p - 1) / (6m + p - 1), half of ZB-H1's p - 1 stage-sized ops.
-    ZB-V holds p micro-batches per stage (2p chunks of half a stage), DualPipeV one chunk more."""
+def test_v_schedules_idle_p_minus_1_chunk_ops_per_stage(p, m):
+    """With F = B = W and m >= 2p, each stage idles p - 1 chunk-sized ops in all (the last
+    stage's wait for its first input is the least any can idle): (p - 1) / (6m + p - 1), about
+    half of ZB-H1's p - 1 stage-sized ops. ZB-V holds p micro-batches per stage (2p chunks of
+    half a stage), DualPipeV one chunk more. DualPipeV's pairs run as torch runs them, halves in
+    sequence; run as DeepSeek runs them, its formula gives ZB-H1's bubble."""
     for name, extra in (("zb-v", 0), ("dualpipe-v", 1)):
         timeline = simulate(v_schedule(name, p, m), HALF)
         assert timeline.idle_fraction == Fraction(p - 1, 6 * m + p - 1)
         assert timeline.held == [2 * p + extra] * p
     zb_h1 = simulate(make_schedule("zb-h1", p, m))
     assert zb_h1.idle_fraction == Fraction(p - 1, 3 * m + p - 1)
+    assert dualpipe_bubble(p, m) == pytest.approx(zb_h1.idle_fraction)   # chunk F 1, B 2, W 1
+
+
+def test_below_2p_micro_batches_the_v_idles_more():
+    assert simulate(v_schedule("zb-v", 4, 4), HALF).idle_fraction == Fraction(1, 5)
 
 
 def test_bad_choices_are_named():

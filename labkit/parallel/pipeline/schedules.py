@@ -330,6 +330,16 @@ def zb_h1_bubble(p: int, m: int, t_f=1, t_b=1, t_w=1) -> float:
     return bubble / (m * (t_f + t_b + t_w) + bubble)
 
 
+def dualpipe_bubble(p: int, m: int, t_f=1, t_b=2, t_w=1, t_fb=None):
+    """DualPipeV's idle fraction on p devices (2p chunks) by DeepSeek's formula, run as
+    DeepSeek runs its pairs (both inputs first, both outputs after): each device idles
+    (p - 1)(T_F&B + T_B - 3 T_W) of a step of 2m(T_F + T_B) + that, T_B a full backward and
+    T_F&B an overlapped forward-and-backward pair (default T_F + T_B: nothing hidden)."""
+    t_fb = t_f + t_b if t_fb is None else t_fb
+    bubble = (p - 1) * (t_fb + t_b - 3 * t_w)
+    return bubble / (2 * m * (t_f + t_b) + bubble)
+
+
 def measured_durations(timeline: PipelineTimeline) -> Callable:
     """(stage, op) -> the median duration of that stage's ops of the same kind and chunk in a
     measured timeline: ``simulate(schedule, measured_durations(run.timeline))`` is the

@@ -1,13 +1,15 @@
 """The V-shaped schedules torch ships, as labkit ``Schedule``s: torch.distributed.pipelining's
 own order for each stage, turned into op lists that ``schedules.simulate`` times and counts.
 
-    ``zb-v``        ScheduleZBVZeroBubble (Qi et al., 2024, ZB-V): 1F1B-like, B / W split
-    ``dualpipe-v``  ScheduleDualPipeV (DeepSeek-V3's DualPipe cut to one copy of the weights)
+    ``zb-v``        ScheduleZBVZeroBubble (the Zero Bubble paper's ZB-V): B / W split
+    ``dualpipe-v``  ScheduleDualPipeV (DeepSeek-V3's DualPipe cut in half, after Sea AI Lab)
 
 Each stage holds two chunks in a V (virtual stages s and 2p - 1 - s), so the first stage also
-computes the last chunk and the loss. torch's full backward becomes B then W; DualPipeV's
-overlapped pairs (one chunk's forward beside the other's backward, which hides the expert
-all-to-all on a GPU) run one after the other here: the simulation counts compute, not messages.
+computes the last chunk and the loss. torch's full backward becomes B then W. DualPipeV's
+overlapped pairs (one chunk's forward beside another's backward) run one after the other, each
+half waiting only for its own input: what torch 2.13's runtime does unless an overlap function is
+registered (``register_custom_function(OVERLAP_F_B, ...)``). DeepSeek's own runtime waits for
+both inputs and overlaps the pair with its all-to-all: ``schedules.dualpipe_bubble``.
 """
 from __future__ import annotations
 
