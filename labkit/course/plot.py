@@ -212,7 +212,7 @@ def savings_figure(panels: dict, percents=(40, 50), title: str | None = None,
             pts = sorted((r for r in rows if r.label == label), key=lambda r: r.tokens)
             x, y = [r.tokens for r in pts], [100 * r.saved for r in pts]
             ax.plot(x, y, "-", color=color, label=label, linewidth=1)
-            back = [r.moment != "optimizer step" for r in pts]
+            back = [not r.moment.startswith("optimizer step") for r in pts]   # its phases too
             ax.scatter(x, y, s=22, color=color, zorder=3,
                        facecolors=[color if b else "white" for b in back])
             if any(back) and not all(back):
