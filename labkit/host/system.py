@@ -232,11 +232,11 @@ def _thp(root: Path, environ) -> Finding:
     if mode == "madvise":
         return _finding("thp", mode, "Good default: programs ask for huge pages where they help. "
                         + ("THP_MEM_ALLOC_ENABLE=1 is set: PyTorch's CPU allocator asks for them "
-                           "on large buffers." if torch_thp else "THP_MEM_ALLOC_ENABLE=1 makes "
-                           "PyTorch's CPU allocator ask for them on large buffers: the first "
-                           "allocation can stall on compaction, later ones get faster; memory "
-                           "already faulted in gains little (lab 08, section 5)."),
-                        commands=[] if torch_thp else ["export THP_MEM_ALLOC_ENABLE=1"], data=data)
+                           "on large buffers." if torch_thp else "Optional, measure first: "
+                           "THP_MEM_ALLOC_ENABLE=1 makes PyTorch's CPU allocator ask for them on "
+                           "large buffers: the first allocation can stall on compaction, later "
+                           "ones get faster; memory already faulted in gains little (lab 08, "
+                           "section 5)."), data=data)    # no command: nothing here needs fixing
     return _finding("thp", mode, "'always' gives every large mapping huge pages whether it "
                     "wants them or not: fine for most training, but watch RSS; 'madvise' lets "
                     "programs choose." if mode == "always" else "'never' turns huge pages off "
