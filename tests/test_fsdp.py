@@ -150,21 +150,21 @@ def test_fake_llama_7b_matches_fsdp_mem_tracker():
 
 def test_fake_fsdp2_autocast_cache_holds_whole_bf16_copies():
     """FSDP2 gathers fp32 leaves: under autocast with full recompute the cache holds every
-    matmul weight's whole bf16 copy at the end of the forward pass, not 1/N of it (lab 02's
-    case, where the peak is there); cache_enabled=False drops it; FSDP2's bf16 policy gathers
-    bf16, so nothing is cast."""
-    cfg = lk.preset("llama-2-7b")
+    matmul weight's whole bf16 copy at the end of the forward pass, not 1/N of it (12 of
+    LLaMA-2-7B's blocks are enough for the peak to fall there, as for lab 02's 32);
+    cache_enabled=False drops it; FSDP2's bf16 policy gathers bf16, so nothing is cast."""
+    cfg = lk.preset("llama-2-7b", layers=12)
     on = fsdp.fake_fsdp2_peak(cfg, 8, seq=4096, precision="bf16-mixed", recompute="full")
     pc = lk.count_params(cfg)
     matmul = pc.total - pc.by_component["norms"] - pc.by_component["embedding"]
     assert on["by_category"]["weight_cache"] == 2 * matmul and on["peak_phase"] == "forward"
     assert on["param_bytes"] == 4 * pc.total // 8                       # fp32 shards
     # the estimate less the last block's fp32 all-gather output, which FSDP2 frees only after
-    # the root's forward (where the loss is), and 524 bytes of small tensors
+    # the root's forward (where the loss is), and a few hundred bytes of small tensors
     estimated = lk.estimate(cfg, 1, 4096, layout=lk.Layout(dp=8, zero_stage=3),
                             recipe=lk.Recipe("bf16-mixed", recompute="full")).total
     block = (pc.total - pc.by_component["embedding"] - pc.by_component["lm head"]) // cfg.layers
-    assert 0 <= on["peak"] - estimated - 4 * block < 1024
+    assert abs(on["peak"] - estimated - 4 * block) < 1024
     few = lk.preset("llama-2-7b", layers=2)
     off, policy = (fsdp.fake_fsdp2_peak(few, 8, seq=256, precision="bf16-mixed",
                                         recompute="full", **options)

@@ -171,10 +171,11 @@ def size_block_pool(cfg: ModelConfig | str, device: GPU | str,
     blocks = max(0, share - profile.weights - profile.activations - other) // block_bytes
     needed = -(-(max_model_len or 1) // block_size)
     if blocks < needed:
+        wanted = (f"the {needed} one request of {max_model_len} tokens needs" if max_model_len
+                  else "one")
         raise ValueError(f"{c.name}'s weights ({profile.weights / 2**30:.2f} GiB) and profiled "
                          f"peak ({profile.activations / 2**30:.2f} GiB) leave {blocks} blocks in "
-                         f"{gpu_memory_utilization:.0%} of {g.name}, below the {needed} one "
-                         f"request of {max_model_len or 1} tokens needs: raise "
+                         f"{gpu_memory_utilization:.0%} of {g.name}, below {wanted}: raise "
                          f"gpu_memory_utilization, lower max_model_len or "
                          f"max_num_batched_tokens, or shard the model over more GPUs (tp)")
     return BlockPool(share, profile.weights, profile.activations, other, block_bytes,
