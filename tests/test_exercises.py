@@ -29,8 +29,8 @@ def test_each_lab_notebook_uses_only_exercises_that_exist_and_every_exercise_is_
 # Seven answers take 2-4 s each on one core (replays, tracked steps, fake FSDP2 and serving
 # profiles; the rest a few seconds together, 2026-12-05). Each lab's solution notebook computes
 # every answer twice, its worked one and labkit's inside check(), and prints the solution:
-# tests/test_workshop.py, in the slow run, asserts a ✅ and filled placeholders for each. These seven are checked there (and lab 07's two
-# against their closed forms below).
+# tests/test_workshop.py, in the slow run, asserts a ✅ and filled placeholders for each. These
+# seven are checked there (and lab 07's two against their closed forms below).
 LEFT_TO_THE_SOLUTIONS = {"07-watermark-no-preemption", "03-varlen-saving", "08-max-split-needs",
                          "02-fsdp-autocast-cache-gib", "07-pool-share-tokens",
                          "01-foreach-over-for-loop", "07-tiled-peak-block"}
