@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.host.allocator import (AllocatorSettings, CachingAllocator, OutOfMemory, min_capacity,
-                                   replay)
+from labkit.host.allocator import AllocatorSettings, CachingAllocator, feed, min_capacity, replay
 
 
 @dataclass(frozen=True)
@@ -61,20 +60,7 @@ def need_band(events, settings: AllocatorSettings = AllocatorSettings(), step: i
 def runs_on(events, settings: AllocatorSettings, capacity: int) -> bool:
     """Whether ``replay(events, settings, capacity=capacity)`` runs without running out, keeping
     neither the series replay records nor the statistics (twice as fast: what a scan repeats)."""
-    alloc, skipped = _ReservedOnly(settings, capacity, record_trace=False), set()
-    for e in events:
-        if e.action == "alloc" and (e.category == "host" or e.nbytes == 0):
-            skipped.add(e.storage)
-        elif e.action == "alloc":
-            try:
-                alloc.malloc(e.nbytes, e.storage)
-            except OutOfMemory:
-                return False
-        elif e.storage in skipped:
-            skipped.discard(e.storage)
-        else:
-            alloc.free(e.storage)
-    return True
+    return feed(_ReservedOnly(settings, capacity, record_trace=False), events) is None
 
 
 class _ReservedOnly(CachingAllocator):

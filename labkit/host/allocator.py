@@ -420,13 +420,12 @@ class CachingAllocator:
 
 
 # ------------------------------------------------------------------------------------ replay
-def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: int | None = None,
-           record_trace: bool = True) -> Replay:
-    """Replay ``StorageEvent``-like objects (action, storage, nbytes, category, phase) through a
-    fresh allocator. Host memory and 0-byte storages take no device block and are skipped."""
-    alloc = CachingAllocator(settings, capacity, record_trace)
-    cur, skipped, oom = alloc.current, set(), None
-    allocated, reserved, requested, inactive, phases = [], [], [], [], []
+def feed(alloc: "CachingAllocator", events, after=None):
+    """Send ``StorageEvent``-like objects (action, storage, nbytes, category, phase) to ``alloc``
+    in order, calling ``after(event)`` once each is applied. Host memory and 0-byte storages take
+    no device block and are skipped. Returns (index, event, OutOfMemory) of the first request
+    the allocator could not serve, or None when every one was."""
+    skipped = set()
     for i, e in enumerate(events):
         alloc.clock = i
         if e.action == "alloc":
@@ -436,8 +435,7 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: 
                 try:
                     alloc.malloc(e.nbytes, e.storage, (e.category, e.phase))
                 except OutOfMemory as err:
-                    oom = OomInfo(i, e.nbytes, e.category, e.phase, str(err))
-                    break
+                    return i, e, err
         elif e.action == "free":
             if e.storage in skipped:
                 skipped.discard(e.storage)
@@ -448,11 +446,31 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: 
                 alloc.free(e.storage)
         else:
             raise ValueError(f"event {i} has action {e.action!r}; use 'alloc' or 'free'")
+        if after is not None:
+            after(e)
+    return None
+
+
+def replay(events, settings: AllocatorSettings = AllocatorSettings(), capacity: int | None = None,
+           record_trace: bool = True) -> Replay:
+    """Replay ``StorageEvent``-like objects through a fresh allocator (``feed``), with its
+    allocated, reserved, requested and inactive bytes after each event."""
+    alloc = CachingAllocator(settings, capacity, record_trace)
+    cur = alloc.current
+    allocated, reserved, requested, inactive, phases = [], [], [], [], []
+
+    def record(e):
         allocated.append(cur["allocated_bytes", "all"])
         reserved.append(cur["reserved_bytes", "all"])
         requested.append(cur["requested_bytes", "all"])
         inactive.append(cur["inactive_split_bytes", "all"])
         phases.append(e.phase)
+
+    failed = feed(alloc, events, record)
+    oom = None
+    if failed is not None:
+        i, e, err = failed
+        oom = OomInfo(i, e.nbytes, e.category, e.phase, str(err))
     peak = max(reserved, default=0)
     at = reserved.index(peak) if reserved else -1
     frag = (peak - allocated[at]) / peak if peak else 0.0
