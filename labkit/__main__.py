@@ -266,6 +266,8 @@ def _layout_options(est: argparse.ArgumentParser) -> None:
                      help="expert-parallel degree (divides --dp: the experts split over ep of "
                           "the dp ranks)")
     est.add_argument("--cp", type=COUNT, default=1, help="context-parallel degree")
+    est.add_argument("--replicas", type=COUNT, default=1,
+                     help="HSDP: ZeRO inside dp x cp / replicas ranks, replicated across")
     est.add_argument("--bucket-view", action="store_true",
                      help="DDP's gradient_as_bucket_view (with --zero-stage 0)")
     est.add_argument("--offload", action="store_true",
@@ -385,7 +387,7 @@ def _estimated(args, step: dict) -> tuple:
     chunks = args.virtual_stages or (INTERLEAVED_CHUNKS if args.schedule == "interleaved" else 1)
     layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
                     pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
-                    virtual_stages=chunks, ep=args.ep, cp=args.cp,
+                    virtual_stages=chunks, ep=args.ep, cp=args.cp, replicas=args.replicas,
                     gradient_as_bucket_view=args.bucket_view, offload=args.offload)
     result = estimate(args.model, layout=layout, **step)
     extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON

@@ -708,3 +708,23 @@ def test_family_candidates_given_the_usable_memory_keep_only_layouts_that_fit():
     assert fitting and all(k.estimate.total <= usable for k in fitting)
     assert [k.time.total for k in fitting] == sorted(k.time.total for k in fitting)
     assert {k.label() for k in fitting} < {k.label() for k in timed}
+
+
+def test_hsdp_is_searched_where_the_data_ranks_span_nodes_and_keeps_the_gathers_inside():
+    """Across nodes the planner also tries ZeRO inside a node's data ranks, replicated across
+    (HSDP): a larger shard per GPU, for ZeRO-3's all-gathers on NVLink instead of the network."""
+    from labkit.predict.plan_search import _families
+    from labkit.predict.steptime import step_time
+    families, _ = _families(lk.preset("llama-2-7b"), 32, 8, ("all",), False)
+    hsdp = {(f.zero_stage, f.tp, f.dp, f.replicas) for f in families if f.replicas > 1}
+    assert (3, 1, 32, 4) in hsdp and (3, 2, 16, 4) in hsdp and not any(t == 8 for _, t, *_ in hsdp)
+    shape = dict(gpus=32, gpus_per_node=8, active_params=6.5 * 10**9, hidden=4096, top_k=0,
+                 seq=4096, global_batch=32, micro=1, dp=32, tp=1, pp=1, ep=1, zero_stage=3,
+                 offload=False, schedule="1f1b", v=1, recompute="none", lora=False,
+                 rank_params=6.5 * 10**9, rank_expert_params=0, stage_layers=32,
+                 stage_moe_layers=0)
+    a100 = GPUS["a100-80gb"]
+    assert step_time(a100, **shape, replicas=4).dp < step_time(a100, **shape).dp / 2
+    p = plan("llama-2-7b", "a100-40gb", 32, seq=4096)
+    assert "inside 4 replicas of 8 (HSDP)" in p.fits[0].label()
+    assert p.fits[0].layout.replicas == 4 and p.fits[0].layout.shard_ranks == 8

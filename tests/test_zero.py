@@ -239,3 +239,37 @@ def test_zero_3_of_a_frozen_base_points_to_fsdp2():
     apply_lora(model, 4, 8)
     with pytest.raises(ValueError, match="shard it with FSDP2"):
         ZeroOptimizer(model, None, 3)
+
+
+# ---- HSDP: ZeRO inside a node, replicated across ---------------------------------------------
+@pytest.mark.slow
+def test_hsdp_on_2_x_2_ranks_trains_as_zero_over_4_and_is_the_estimate():
+    """Two nodes of two ranks: each stage trains as ZeRO over all four (the same sums in another
+    order), each rank holds what ZeRO over two holds, and sends what the estimate with
+    ``replicas=2`` says to the byte: the reduce-scatters and all-gathers inside the node, then
+    each gradient shard all-reduced across (2 (R - 1) / R of it)."""
+    cases = [(s, "small", 1, 32, "fp32", False, 0, nodes) for s in STAGES for nodes in (1, 2)]
+    ranks = cluster.run(zero_steps, 4, cases, timeout_s=600)
+    for i in range(0, len(cases), 2):
+        stage = cases[i][0]
+        for steps in ranks:
+            torch.testing.assert_close(steps[i + 1].losses, steps[i].losses, **TOL["fp32"])
+        est = lk.estimate("small", 1, 32, precision="fp32", device="cpu",
+                          layout=lk.Layout(dp=4, zero_stage=stage, replicas=2))
+        assert est.total == _estimate(2, stage, "small", 1, 32, "fp32", False).total
+        for steps in ranks:
+            hsdp = steps[i + 1]
+            assert hsdp.sent["all_reduce"] > 0 and sum(hsdp.sent.values()) == \
+                est.details["bytes sent per step"], stage
+            assert hsdp.peak == pytest.approx(est.total, rel=0.03), stage
+
+
+def test_replicas_are_named_when_they_cannot_be_modelled():
+    for layout, match in ((dict(dp=4, replicas=2), "zero_stage=3 \\(or 1, 2\\)"),
+                          (dict(dp=4, zero_stage=3, replicas=3), "divide dp x cp"),
+                          (dict(dp=4, zero_stage=3, replicas=4), "2 or more ranks"),
+                          (dict(dp=8, zero_stage=3, ep=2, replicas=2), "expert parallelism")):
+        with pytest.raises(ValueError, match=match):
+            lk.Layout(**layout)
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        lk.estimate("small", layout=lk.Layout(dp=4, zero_stage=3, replicas=2), trainable="lora")

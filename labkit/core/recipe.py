@@ -203,7 +203,9 @@ class Layout:
     ``ddp_buckets``: whether data parallelism
     keeps DDP's flat gradient buckets (True) or averages each gradient in place after the
     backward pass (False, as labkit.parallel.expert.expert_parallel's step does at any ep); None:
-    True for plain data parallelism (ep = 1), False with ep > 1.
+    True for plain data parallelism (ep = 1), False with ep > 1. ``replicas``: HSDP (FSDP's
+    hybrid sharding, MiCS): ZeRO shards over ``shard_ranks`` = dp x cp / replicas ranks (a
+    node's) and each gradient shard is all-reduced over the replicas after its reduce-scatter.
     """
 
     dp: int = 1
@@ -219,9 +221,10 @@ class Layout:
     gradient_as_bucket_view: bool = False
     offload: bool = False
     ddp_buckets: bool | None = None
+    replicas: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "replicas"):
             object.__setattr__(self, name, check_positive(name, getattr(self, name)))
         if self.micro_batches is not None:
             object.__setattr__(self, "micro_batches",
@@ -245,6 +248,7 @@ class Layout:
             raise ValueError("sequence parallelism (sp=True) splits activations over the tensor-"
                              "parallel group: it needs tp > 1")
         check_choice("schedule", self.schedule, SCHEDULES)
+        self._check_replicas()
         if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
             raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
                              f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
@@ -252,6 +256,20 @@ class Layout:
         if self.schedule == "interleaved" and self.micro_batch_count % self.pp:
             raise ValueError(f"interleaved 1F1B runs micro-batches in groups of pp={self.pp}: "
                              f"choose micro_batches among the multiples of {self.pp}")
+
+    def _check_replicas(self):
+        if self.replicas == 1:
+            return
+        if not self.zero_stage:
+            raise ValueError(f"replicas={self.replicas} replicates ZeRO's shards (HSDP): set "
+                             "zero_stage=3 (or 1, 2); plain DDP (zero_stage=0) replicates everything")
+        if self.data_ranks % self.replicas or self.data_ranks // self.replicas < 2:
+            raise ValueError(f"replicas={self.replicas} must divide dp x cp = {self.data_ranks} "
+                             "and leave 2 or more ranks per shard group: choose replicas among "
+                             f"the divisors of {self.data_ranks // 2 or 1} (e.g. the nodes)")
+        if self.ep > 1 or self.offload:
+            raise ValueError("replicas (HSDP) is modelled without expert parallelism and "
+                             "without offload: use ep=1, offload=False, or replicas=1")
 
     @property
     def keeps_ddp_buckets(self) -> bool:
@@ -264,6 +282,11 @@ class Layout:
         over them, as Megatron-LM's distributed optimizer and torchtitan's FSDP do with context
         parallelism (each cp rank trains on its own tokens, as a dp rank on its own rows)."""
         return self.dp * self.cp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO shards over: dp x cp, or under HSDP a replica's (one node's)."""
+        return self.data_ranks // self.replicas
 
     @property
     def micro_batch_count(self) -> int:

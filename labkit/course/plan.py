@@ -283,9 +283,10 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
         "(each expert shard's states over its dp / ep copies), ZeRO 0-3 and ZeRO-Offload "
         f"(only when nothing fits without it; not with ep), micro-batch in powers of 2, "
         f"cp (ring attention) in powers of 2 while each rank keeps {CP_MIN_TOKENS:,} tokens or "
-        f"more (full fine-tuning, not with ep), recompute {' / '.join(recompute)}; not "
-        f"searched: Ulysses, gpipe (1f1b's bubble with more memory), HSDP (shard inside a "
-        f"node, replicate across nodes), LoRA's base split and sharded at once",
+        f"more (full fine-tuning, not with ep), HSDP (ZeRO 1-3 inside a node's data ranks, "
+        f"replicated across nodes; full fine-tuning, not with ep or offload), recompute "
+        f"{' / '.join(recompute)}; not searched: Ulysses, gpipe (1f1b's bubble with more "
+        f"memory), LoRA's base split and sharded at once",
         *assumptions(g, gpus_per_node),
     ]
 

@@ -70,6 +70,9 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
                          f"one micro-batch, not with {', '.join(spread)}: drop those (a "
                          f"micro-batch would update the weights each time), or drop "
                          f"optimizer_in_backward (--optimizer-in-backward)")
+    if layout.replicas > 1 and recipe.trainable != "all":
+        raise ValueError(f"replicas={layout.replicas} (HSDP) is modelled for full fine-tuning: "
+                         f"use trainable='all', or replicas=1 for {recipe.trainable}")
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
               for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
     per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()

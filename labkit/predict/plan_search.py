@@ -4,7 +4,7 @@ schedule) with their modelled step times, and the search that estimates them fas
 until enough fit, ruling out what keeps no less than a failure."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from labkit.core.config import ModelConfig
 from labkit.core.gpus import GPU
@@ -16,13 +16,13 @@ from labkit.predict import Estimate, estimate
 from labkit.predict.formats import nf4_bits_per_param
 from labkit.predict.layers import (block_weights, count_params, embedding_weights, head_weights,
                                    layer_saved, lora_targets)
-from labkit.predict.steptime import StepTime, attention_forward_flops, step_time
+from labkit.predict.plan_family import ADAPTERS, FULL, Candidate, Family  # noqa: F401 (re-exported)
+from labkit.predict.steptime import attention_forward_flops, step_time
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 # (schedule, chunks per stage) the search tries; not GPipe: 1F1B's bubble with more memory
 SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 TIE = 0.02           # modelled step times this close (relative) are a tie the model cannot break
-FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
 # context parallelism is searched while each rank keeps this many tokens or more: a practical
 # floor (Llama 3 trained at 128k tokens with cp 16: 8k per rank). Across nodes a grouped-KV
 # model's K/V hop outlasts the attention it hides behind below about this many tokens (Llama-3-8B
@@ -31,82 +31,6 @@ CP_MIN_TOKENS = 4096
 # full fine-tuning's optimizers to try: AdamW (CUDA's default foreach), 8-bit AdamW (its moments
 # in 1 byte each; labkit's AdamW8bit, as bitsandbytes'), fused AdamW (no step temporaries)
 OPTIMIZERS = ("adamw", "adamw-8bit", "adamw-fused")
-OPTIMIZER_LABELS = {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}
-
-
-@dataclass(frozen=True)
-class Family:
-    """What a layout's model states depend on: everything but micro-batch, recompute, schedule."""
-
-    trainable: str
-    dp: int
-    zero_stage: int
-    offload: bool
-    tp: int
-    pp: int
-    ep: int
-    cp: int = 1
-    optimizer: str = "adamw"
-
-    @property
-    def data_ranks(self) -> int:
-        """The ranks ZeRO shards over and gradients are averaged over: dp x cp."""
-        return self.dp * self.cp
-
-    def label(self) -> str:
-        what = {"all": "full", "lora": "LoRA", "qlora": "QLoRA"}[self.trainable]
-        if self.trainable != "all" and self.zero_stage == 3:
-            where = "offloaded to the host" if self.offload else "sharded"
-            return f"{what}, frozen base {where} (FSDP2), dp {self.dp}"
-        if self.trainable != "all" and self.tp * self.pp * self.ep > 1:
-            split = ", ".join(f"{name} {n}" for name, n in
-                              (("tp", self.tp), ("pp", self.pp), ("ep", self.ep)) if n > 1)
-            return f"{what}, base split by {split}, dp {self.dp}"
-        if self.trainable != "all":
-            return f"{what}, one GPU per replica, dp {self.dp}"
-        zero = f"ZeRO-{self.zero_stage}{'-Offload' if self.offload else ''}"
-        if self.offload and self.zero_stage < 3 and self.data_ranks == 1:
-            zero = "optimizer offload"              # nothing to shard over one data rank
-        if self.zero_stage and self.cp > 1:
-            zero += f" over dp x cp = {self.data_ranks}"
-        return (f"{what}, {zero}, dp {self.dp}, tp {self.tp}, pp {self.pp}"
-                + (f", ep {self.ep}" if self.ep > 1 else "")
-                + (f", cp {self.cp}" if self.cp > 1 else "")
-                + OPTIMIZER_LABELS.get(self.optimizer, ""))
-
-    def recipe_fields(self) -> dict:
-        """The Recipe's optimizer and implementation (None: CUDA's default, foreach)."""
-        if self.optimizer == "adamw-fused":
-            return dict(optimizer="adamw", optimizer_impl="fused")
-        return dict(optimizer=self.optimizer)
-
-
-@dataclass
-class Candidate:
-    """One layout: its family, recipe, micro-batch, per-GPU bytes and modelled step time."""
-
-    family: Family
-    layout: Layout
-    recipe: Recipe
-    micro_batch: int
-    micro_batches: int
-    time: StepTime
-    estimate: Estimate | None = None
-
-    def label(self) -> str:
-        sched = (f", {self.layout.schedule}" + (f" v{self.layout.virtual_stages}"
-                                                if self.layout.virtual_stages > 1 else "")
-                 if self.layout.pp > 1 else "")
-        return (f"{self.family.label()}{sched}, mb {self.micro_batch} x {self.micro_batches}, "
-                f"recompute {self.recipe.recompute}")
-
-    def as_dict(self) -> dict:
-        return {"label": self.label(), "family": self.family.label(),
-                "layout": dict(vars(self.layout)), "recipe": dict(vars(self.recipe)),
-                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
-                "time": self.time.as_dict(), "time_dp_overlapped": self.time.dp_overlapped,
-                "time_overlapped": self.time.overlapped,
-                "memory": self.estimate.as_dict() if self.estimate else None}
 
 
 # ---- the search space --------------------------------------------------------------------
@@ -146,6 +70,7 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
                     zeros += [(z, True) for z in ((1, 2, 3) if dp * cp > 1 else (2, 3))
                               ] if offload else []
                     out += [Family("all", dp, z, off, tp, pp, 1, cp) for z, off in zeros]
+                    out += _hybrid(dp, tp, pp, cp, gpus_per_node)
                     # expert parallelism inside dp, with ZeRO 0-3: each expert shard's states
                     # over its dp / ep copies (Megatron's distributed optimizer, FSDP over
                     # experts); not with cp
@@ -165,6 +90,16 @@ def _families(c: ModelConfig, gpus: int, gpus_per_node: int, trainable, offload:
         else:
             families.append(f)
     return families, impossible
+
+
+def _hybrid(dp: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> list[Family]:
+    """HSDP: ZeRO 1-3 sharded over one node's data ranks (gpus_per_node / tp of them) and
+    replicated across nodes, where the data ranks span more than a node."""
+    shard = gpus_per_node // tp
+    if shard < 2 or dp * cp <= shard or (dp * cp) % shard:
+        return []
+    return [Family("all", dp, z, False, tp, pp, 1, cp, replicas=dp * cp // shard)
+            for z in (1, 2, 3)]
 
 
 def _split_adapters(c: ModelConfig, gpus: int, gpus_per_node: int) -> list[Family]:
@@ -188,7 +123,7 @@ def _impossible(c: ModelConfig, f: Family, gpus_per_node: int) -> str | None:
                 f"every layer and must stay inside a node")
     try:
         Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp, pp=f.pp,
-               ep=f.ep, cp=f.cp, sp=f.tp > 1).check(c, 1 << 20)
+               ep=f.ep, cp=f.cp, sp=f.tp > 1, replicas=f.replicas).check(c, 1 << 20)
     except ValueError as error:
         return str(error)
     return None
@@ -235,7 +170,7 @@ def _states(counts: _Counts, f: Family, n: int, experts: int = 0) -> tuple[int, 
 
     def sharded(number: int, state: str) -> int:
         rest = n - experts if f.ep > 1 else n
-        return (per_rank(rest * number, state, f.zero_stage, f.data_ranks)
+        return (per_rank(rest * number, state, f.zero_stage, f.shard_ranks)
                 + (per_rank(experts * number, state, f.zero_stage, f.dp // f.ep)
                    if f.ep > 1 else 0))
     b = state_bytes(FULL, f.recipe_fields()["optimizer"])
@@ -309,7 +244,8 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                 continue
             layout = Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                             sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,
-                            schedule=schedule, virtual_stages=v, ep=f.ep, cp=f.cp)
+                            schedule=schedule, virtual_stages=v, ep=f.ep, cp=f.cp,
+                            replicas=f.replicas)
             for r in recomputes:
                 t = step_time(gpu, gpus=gpus, gpus_per_node=gpus_per_node, active_params=active,
                               hidden=c.hidden, top_k=c.top_k, seq=seq, global_batch=batch,
@@ -320,7 +256,7 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                               rank_expert_params=experts, stage_layers=layers,
                               stage_moe_layers=moe, frozen_params=frozen,
                               frozen_bytes=frozen_bytes,
-                              nf4_params=nf4 if qlora else 0)
+                              nf4_params=nf4 if qlora else 0, replicas=f.replicas)
                 out.append(Candidate(f, layout, Recipe(recompute=r, **recipe_kw), micro, m, t))
     return out
 

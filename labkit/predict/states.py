@@ -56,7 +56,7 @@ class States:
         """Bytes one rank holds of a ``state`` of ``number`` bytes per trained parameter: all of
         them, or from the stage that shards it the rank's share of each unit."""
         if len({r for _, r in self.units}) == 1:
-            return zero.per_rank(self.n_train * number, state, self.L.zero_stage, self.L.data_ranks)
+            return zero.per_rank(self.n_train * number, state, self.L.zero_stage, self.L.shard_ranks)
         if self.L.zero_stage < zero.SHARDED_FROM_STAGE[state]:
             return self.n_train * number
         return sum(zero.shard(n, r) for n, r in self.units) * number
@@ -103,7 +103,7 @@ class States:
         rest = (self.n_local - sum(self.block_params)) * self.bytes.weights
         blocks = sum(zero.shard(n - (k == 0) * t, r) for units, t in
                      zip(self.gathered_units, self.block_trained) for k, (n, r) in enumerate(units))
-        return zero.per_rank(rest, "params", 3, self.L.data_ranks) + blocks * self.bytes.weights
+        return zero.per_rank(rest, "params", 3, self.L.shard_ranks) + blocks * self.bytes.weights
 
     def grads(self) -> int:
         """A rank's finished gradients: all, or from stage 2 its shard of each unit."""
@@ -114,7 +114,7 @@ class States:
         gradients are views of them)."""
         if self.in_buckets or self.in_backward:      # in backward: stepped, then freed
             return 0
-        return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.data_ranks)
+        return zero.per_rank(grad_bytes, "grads", self.L.zero_stage, self.L.shard_ranks)
 
     # ---- ZeRO over dp ranks: buckets, shards, gathered units, collectives ---------------------
     def _zero_optimizer_moments(self, always, temporaries) -> dict:
@@ -203,7 +203,7 @@ class States:
     def _parts(self, unit) -> list[tuple[int, int]]:
         """[(elements, ranks)] of a unit given as its elements (sharded over dp) or its parts
         (a block's replicated weights over dp, its experts over dp / ep)."""
-        return unit if isinstance(unit, list) else [(unit, self.L.data_ranks)]
+        return unit if isinstance(unit, list) else [(unit, self.L.shard_ranks)]
 
     def _bucket(self, what: str, unit) -> Tensor:
         """A unit's full gradients, padded, while its backward runs."""
@@ -268,13 +268,13 @@ class States:
         scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)
         # each unit's gradients reduce-scattered, its weights all-gathered (LoRA under FSDP2:
         # every block's frozen weights too, and the root's)
-        gathered = ([u for b in self.gathered_units for u in b] + [(self.gathered_rest, L.data_ranks)]
+        gathered = ([u for b in self.gathered_units for u in b] + [(self.gathered_rest, L.shard_ranks)]
                     if self.fsdp2 else self.units)
         for kind, units, times, number in (("reduce_scatter", self.units, scatters, grads),
                                            ("all_gather", gathered, gathers, self.bytes.weights)):
             for n, r in units:
                 if r > 1:
-                    key = kind + ("" if r == L.data_ranks else " (experts, dp group)")
+                    key = kind + ("" if r == L.shard_ranks else " (experts, dp group)")
                     out[key] = out.get(key, 0) + times * (r - 1) * zero.shard(n, r) * number
         return out
 

@@ -105,21 +105,21 @@ class _Step(States, Moments, InBackwardMoments):
         experts = [sum(w.local(tp, ep) for w in ws if w.copies > 1) if ep > 1 else 0
                    for ws in self.blocks]
         routed = [0] * len(experts) if self.lora else experts        # LoRA: experts frozen
-        self.block_units = [_split_units(n, e, layout.data_ranks, ep)
+        self.block_units = [_split_units(n, e, layout.shard_ranks, ep)
                             for n, e in zip(self.block_trained, routed)]
         root = 0 if self.lora else rest_params
         if self.zero >= 2:
-            parts = [(root, layout.data_ranks)] * bool(root) + [u for b in self.block_units for u in b]
+            parts = [(root, layout.shard_ranks)] * bool(root) + [u for b in self.block_units for u in b]
         else:
             whole = root + sum(self.block_trained)
-            parts = ([(whole - sum(routed), layout.data_ranks), (sum(routed), layout.data_ranks // ep)]
-                     if sum(routed) and self.zero else [(whole, layout.data_ranks)])
+            parts = ([(whole - sum(routed), layout.shard_ranks), (sum(routed), layout.data_ranks // ep)]
+                     if sum(routed) and self.zero else [(whole, layout.shard_ranks)])
         self.units = parts                 # (elements, the ranks they are sharded over)
         self.rest = rest_params if self.zero >= 2 and rest and not self.lora else 0
         # LoRA's blocks as FSDP2 gathers them, in weight-sized elements (NF4's are fewer bytes),
         # each expert shard's frozen weights over its dp / ep copies
         self.gathered_units = ([_split_units(-(-self._block_stored(m) // self.bytes.weights) + t,
-                                             e, layout.data_ranks, ep)
+                                             e, layout.shard_ranks, ep)
                                 for m, t, e in zip(self.moe, self.block_trained, experts)]
                                if self.lora else self.block_units)
         self.gathered_rest = rest_params if self.zero == 3 else 0
@@ -259,7 +259,7 @@ class _Step(States, Moments, InBackwardMoments):
                                         "optimizer": states["optimizer"]}}
         if self.zero:        # what one collective sends at most: the largest flat unit
             gathered = ([u for b in self.gathered_units for u in b]
-                        + [(self.gathered_rest, self.L.data_ranks)] if self.zero == 3 else [])
+                        + [(self.gathered_rest, self.L.shard_ranks)] if self.zero == 3 else [])
             out.details["largest unit (elements)"] = max(
                 zero.padded(n, r) for n, r in self.units + gathered)
         if self.L.ep > 1:
@@ -279,10 +279,12 @@ class _Step(States, Moments, InBackwardMoments):
                                   + [self.gathered_rest], 3, self.L.data_ranks, 0, self.bytes.weights,
                                   self.L.micro_batch_count))
         elif self.L.data_ranks > 1:
+            numels, L = [n for n, _ in self.units], self.L
             out.details["bytes sent per step"] = zero.bytes_sent(
-                [n for n, _ in self.units], self.zero, self.L.data_ranks, self.bytes.grads,
-                self.bytes.weights,
-                self.L.micro_batch_count)
+                numels, self.zero, L.shard_ranks, self.bytes.grads, self.bytes.weights,
+                L.micro_batch_count) + zero.replica_bytes(
+                numels, self.zero, L.shard_ranks, L.replicas, self.bytes.grads,
+                L.micro_batch_count)
         if self.offload:
             out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
                                              for _, v in moments.values())

@@ -108,6 +108,26 @@ def _data_parallel_bytes(zero_stage: int, m: int, ranks: int, grads: int, frozen
             + gathers * ring(ranks, grads + (frozen if zero_stage == 3 else 0), "all-gather"))
 
 
+def _data_parallel_time(zero_stage: int, m: int, dp: int, cp: int, tp: int, ep: int,
+                        replicas: int, grads: float, expert_grads: float, frozen: float,
+                        gpus_per_node: int, intra: float, inter: float) -> float:
+    """Seconds of data parallel's collectives: every cp rank holds the weights too, so ZeRO
+    shards over dp x cp (under HSDP one replica's share of them, each gradient shard then
+    all-reduced across the replicas); with ep each expert shard over its dp / ep copies."""
+    if dp * cp == 1:
+        return 0.0
+    shard = dp * cp // replicas                     # the ranks ZeRO shards over
+    sent = _data_parallel_bytes(zero_stage, m, shard, grads, frozen)
+    if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
+        sent += _data_parallel_bytes(zero_stage, m, dp // ep, expert_grads)
+    seconds = sent / (intra if tp * shard <= gpus_per_node else inter)
+    if replicas > 1:      # HSDP: each gradient shard all-reduced across, after its reduce-scatter
+        scatters, _ = zero_messages(zero_stage, m)
+        seconds += scatters * ring(replicas, grads / shard, "all-reduce") / (
+            intra if tp * dp * cp <= gpus_per_node else inter)
+    return seconds
+
+
 def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden: int,
               top_k: int, seq: int, global_batch: int, micro: int, dp: int, tp: int, pp: int,
               ep: int, zero_stage: int, offload: bool, schedule: str, v: int,
@@ -115,7 +135,7 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
               stage_layers: int, stage_moe_layers: int, mfu: float = MFU,
               frozen_params: int = 0, frozen_bytes: float = STREAM_BYTES,
               nf4_params: int = 0, cp: int = 1, kv_width: int = 0,
-              attention_flops: float = 0.0) -> StepTime:
+              attention_flops: float = 0.0, replicas: int = 1) -> StepTime:
     """The modelled time of one step. ``rank_params``: trainable parameters one rank of the
     busiest stage holds outside the routed experts, ``rank_expert_params`` inside them;
     ``frozen_params``: those without gradients that ZeRO-3 gathers too (LoRA's base), of
@@ -123,7 +143,8 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     this rank dequantises for every forward, recomputed forward and backward (QLoRA); ``cp``
     context-parallel ranks passing ``kv_width`` numbers of keys and values per token and layer
     round a ring; ``attention_flops``: one sequence's causal attention forward, every layer
-    (``attention_forward_flops``)."""
+    (``attention_forward_flops``); ``replicas``: HSDP, ZeRO inside groups of dp x cp / replicas
+    ranks, each gradient shard all-reduced over the replicas."""
     tokens = global_batch * seq
     m = global_batch // (dp * micro)                    # micro-batches per step on a rank
     passes = (2 if lora else 4) + 2 * RECOMPUTE_EXTRA[recompute]   # LoRA: no weight grads
@@ -141,15 +162,12 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
         bubble = (compute + attention) * idle / (1 - idle)
     intra, inter = gpu.intra_node_gbps * 1e9, gpu.inter_node_gbps * 1e9
     # ranks are placed tp innermost, then cp, then ep inside dp, then pp (Megatron-LM's order)
-    dp_bw = intra if tp * cp * dp <= gpus_per_node else inter
     # without ep the routed experts are replicated like every other weight: their gradients
     # cross the dp group too; with ep each expert shard is averaged over its dp / ep copies
     grads = (rank_params + (rank_expert_params if ep == 1 else 0)) * STREAM_BYTES
-    # every cp rank holds the weights too: gradients averaged (ZeRO sharded) over dp x cp
-    sent = _data_parallel_bytes(zero_stage, m, dp * cp, grads, frozen_params * frozen_bytes)
-    if ep > 1:            # each expert shard over its dp / ep copies, by the same ZeRO stage
-        sent += _data_parallel_bytes(zero_stage, m, dp // ep, rank_expert_params * STREAM_BYTES)
-    dp_time = sent / dp_bw if dp * cp > 1 else 0.0
+    dp_time = _data_parallel_time(zero_stage, m, dp, cp, tp, ep, replicas, grads,
+                                  rank_expert_params * STREAM_BYTES,
+                                  frozen_params * frozen_bytes, gpus_per_node, intra, inter)
     layer_rows = micro * seq // cp * hidden * STREAM_BYTES  # a micro-batch's b s h on this rank
     tp_time = 0.0
     if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
@@ -210,11 +228,12 @@ RANKING = ("the ranking adds compute, bubble and every collective but data paral
            "overlap_comm), DDP and ZeRO-1 reduce in the last micro-batch's backward (DDP's "
            "no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1 overlaps nothing); "
            "times within 2% are ties, ordered by the larger micro-batch, fewer model-parallel "
-           "dimensions, then the smaller peak; the line 'overlap:' re-ranks the layouts found "
-           "with all of dp's, pp's and ep's communication hidden under the compute (DualPipe, "
-           "Megatron's overlap options) and cp's under attention (tp's, offload's and the host "
-           "step stay exposed; Megatron's --tp-comm-overlap would hide some of tp's): what the "
-           "default frameworks do, and the most a framework hides")
+           "dimensions, foreach AdamW before 8-bit or fused AdamW, then the smaller peak; the "
+           "line 'overlap:' re-ranks the layouts found with all of dp's, pp's and ep's "
+           "communication hidden under the compute (DualPipe, Megatron's overlap options) and "
+           "cp's under attention (tp's, offload's and the host step stay exposed; Megatron's "
+           "--tp-comm-overlap would hide some of tp's): what the default frameworks do, and the "
+           "most a framework hides")
 
 
 def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
@@ -250,7 +269,9 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "all-reduced once per step (DDP, ZeRO-0), or reduce-scattered - once per step with "
         "ZeRO-1, once per micro-batch with ZeRO-2/3, which keep only a shard - and the weights "
         "all-gathered once (ZeRO-1/2) or before each micro-batch's forward and backward (ZeRO-3); "
-        "with ep, each expert shard's by the same rule over its dp / ep copies",
+        "with ep, each expert shard's by the same rule over its dp / ep copies; HSDP: the "
+        "reduce-scatters and all-gathers inside a node's group, each gradient shard then "
+        "all-reduced across the replicas (FSDP's HYBRID_SHARD)",
         "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
         "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
         "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "

@@ -48,7 +48,7 @@ from labkit.core.units import CATEGORIES, check_choice, torch_dtype
 from labkit.parallel.data.data_parallel import DataParallel
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
-from labkit.parallel.data.zero_step import train_zero
+from labkit.parallel.data.zero_step import node_groups, train_zero  # noqa: F401 (re-exported)
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.training.step import make_optimizer, train_step
 from labkit.training.track import MemoryTracker
@@ -188,17 +188,6 @@ def labkit_zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, 
     masters = [p for group in opt.inner.param_groups for p in group["params"]]
     return ShardStep(**vars(step), param_bytes=_held_bytes([*model.parameters(), *masters]),
                      state_bytes=_state_bytes(opt.inner))
-
-
-def node_groups(ctx, nodes: int) -> tuple:
-    """(this rank's node, its counterparts in the other nodes): process groups for HSDP over
-    ``nodes`` nodes of world / nodes consecutive ranks. Every rank makes every group."""
-    if nodes < 1 or ctx.world_size % nodes:
-        raise ValueError(f"nodes={nodes} must divide the {ctx.world_size} ranks")
-    per = ctx.world_size // nodes
-    inside = [dist.new_group(list(range(n * per, (n + 1) * per))) for n in range(nodes)]
-    across = [dist.new_group(list(range(i, ctx.world_size, per))) for i in range(per)]
-    return inside[ctx.rank // per], across[ctx.rank % per]
 
 
 def labkit_fsdp_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,

@@ -52,6 +52,15 @@ def bytes_sent(numels: list[int], stage: int, dp: int, grad_bytes: int, weight_b
                for n in numels)
 
 
+def replica_bytes(numels: list[int], stage: int, shard_ranks: int, replicas: int,
+                  grad_bytes: int, micro_batches: int = 1) -> int:
+    """HSDP: bytes one rank sends per step all-reducing its gradient shard of each unit over
+    ``replicas`` copies, after each reduce-scatter: 2 (R - 1) / R of the shard."""
+    scatters, _ = zero_messages(stage, micro_batches)
+    return sum(scatters * (2 * (replicas - 1) * shard(n, shard_ranks) * grad_bytes // replicas)
+               for n in numels)
+
+
 def zero_messages(stage: int, micro_batches: int = 1) -> tuple[int, int]:
     """(reduce-scatters, all-gathers) of each unit per step under ZeRO ``stage`` (1-3)."""
     scatters = micro_batches if stage >= 2 else 1

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.comm import CommCounter as ReplicaComm
 from labkit.parallel.data.zero import shard
 from labkit.parallel.steps import RankStep, measure_rank, rank_tokens
 from labkit.training.track import HOST, on_host, tag_live
@@ -73,6 +74,17 @@ class CommCounter:
         self.sent.clear()
 
 
+def node_groups(ctx, nodes: int) -> tuple:
+    """(this rank's node, its counterparts in the other nodes): process groups for HSDP over
+    ``nodes`` nodes of world / nodes consecutive ranks. Every rank makes every group."""
+    if nodes < 1 or ctx.world_size % nodes:
+        raise ValueError(f"nodes={nodes} must divide the {ctx.world_size} ranks")
+    per = ctx.world_size // nodes
+    inside = [dist.new_group(list(range(n * per, (n + 1) * per))) for n in range(nodes)]
+    across = [dist.new_group(list(range(i, ctx.world_size, per))) for i in range(per)]
+    return inside[ctx.rank // per], across[ctx.rank % per]
+
+
 class OneRank:
     """A group of one rank (an expert shard with no data-parallel copy): nothing is sent."""
 
@@ -98,8 +110,9 @@ class FlatShard:
     by (None: the group's ranks; an expert unit's group is only part of the data-parallel world)."""
 
     def __init__(self, params, comm: CommCounter, rank: int, master_dtype, stage: int,
-                 offload: bool = False, divisor: int | None = None):
+                 offload: bool = False, divisor: int | None = None, replicas=None):
         self.params, self.comm, self.world = params, comm, comm.world
+        self.replicas = replicas       # HSDP: the ranks holding this same shard in other nodes
         self.divisor = divisor or comm.world
         self.numel = sum(p.numel() for p in params)                       # Ψ of this unit
         self.shard_numel = shard(self.numel, self.world)                  # its Ψ/N, rounded up
@@ -173,6 +186,8 @@ class FlatShard:
         tag_live(grad_shard, "grads")
         self.comm.reduce_scatter(grad_shard, full)    # (Ψ + padding,) summed -> my (Ψ/N,)
         del full
+        if self.replicas is not None:  # HSDP: my shard summed over its copies in other nodes
+            self.replicas.all_reduce(grad_shard)
         # average (PREMUL_SUM does not run on gloo), in the master's dtype (fp32 under bf16)
         grad = grad_shard.to(self.home, self.master.dtype).div_(self.divisor)
         if self.offload:               # device -> host: the gradient shard
@@ -195,11 +210,14 @@ class ZeroOptimizer:
     (stage 1: one; from stage 2: one per block), sharded over ``expert_group`` (the data-
     parallel copies of its shard; None: no copy), the rest over ``group``, as Megatron's
     distributed optimizer (DeepSeek-V3's ZeRO-1) and FSDP over experts (torchtitan) do.
+    ``replica_group``: HSDP - shard over ``group`` (a node), and all-reduce each gradient shard
+    over this rank's counterparts in the other nodes after its reduce-scatter.
     """
 
     def __init__(self, model: nn.Module, group, stage: int, precision: str = "fp32",
                  lr: float = 1e-3, weight_decay: float = 0.1, betas=(0.9, 0.999),
-                 eps: float = 1e-8, offload: bool = False, experts=(), expert_group=None):
+                 eps: float = 1e-8, offload: bool = False, experts=(), expert_group=None,
+                 replica_group=None):
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r}: ZeRO has stages {STAGES} (1: optimizer state "
                              "sharded, 2: + gradients, 3: + parameters)")
@@ -225,8 +243,15 @@ class ZeroOptimizer:
             raise ValueError(f"group={group!r} is not a torch.distributed ProcessGroup: pass the "
                              "group explicitly (ctx.group under labkit.parallel.cluster.run)")
         self.stage, self.precision, self.group, self.params = stage, precision, group, params
+        if replica_group is not None and experts:
+            raise ValueError("replica_group (HSDP) with expert units is not modelled: shard the "
+                             "experts over expert_group without replicas, or drop replica_group")
         self.comm = CommCounter(group)
         self.world, self.rank = self.comm.world, dist.get_rank(group=group)
+        self.replicas = None if replica_group is None else ReplicaComm(replica_group)
+        if self.replicas:              # one tally of what this rank sends
+            self.replicas.sent = self.comm.sent
+        copies = self.replicas.world if self.replicas else 1
         # the experts' units: over their own copies, averaged over every rank as the rest
         self.expert_comm = OneRank() if expert_group is None else CommCounter(expert_group)
         master_dtype = torch.float32 if precision == "bf16-master" else dtype
@@ -234,7 +259,7 @@ class ZeroOptimizer:
         for ps, expert, module in self._unit_params(model, {id(p) for p in experts}):
             comm = self.expert_comm if expert else self.comm
             self.units.append(FlatShard(ps, comm, comm.rank, master_dtype, stage, offload,
-                                        divisor=self.world))
+                                        divisor=self.world * copies, replicas=self.replicas))
             self._hook(self.units[-1], module)
         self.numel = sum(u.numel for u in self.units)                      # Ψ
         self.shard_numel = sum(u.shard_numel for u in self.units)          # this rank's share
@@ -334,7 +359,8 @@ class ZeroOptimizer:
             whole.update({id(p): p.detach().clone() for p in unit.params})
             if self.stage == 3:
                 unit.free()
-        self.comm.sent, self.expert_comm.sent = sent, expert_sent
+        _restore(self.comm.sent, sent)
+        _restore(self.expert_comm.sent, expert_sent)
         for unit, m in zip(self.units, moved):
             unit.moved = m
         return [whole[id(p)] for p in self.params]
@@ -352,7 +378,8 @@ class ZeroOptimizer:
             unit.reduce_grads()
             full = unit.flat.new_empty(unit.flat.numel())                  # (Ψ + padding,)
             unit.comm.all_gather(full, unit.master.grad.to(full.dtype))
-            unit.comm.sent, unit.master.grad = sent, None
+            _restore(unit.comm.sent, sent)
+            unit.master.grad = None
             out |= {id(p): full[o:o + p.numel()].view_as(p)
                     for p, o in zip(unit.params, unit.offsets)}
         return out
@@ -388,20 +415,27 @@ class ZeroOptimizer:
             unit.bucket, unit.ready, unit.master.grad = None, 0, None
 
 
+def _restore(counter: Counter, saved: Counter):
+    """Put back a tally in place (the replicas' counter shares it)."""
+    counter.clear()
+    counter.update(saved)
+
+
 def zero_step(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
               steps: int = 3, precision: str = "fp32", offload: bool = False,
-              lr: float = 1e-2, lora_rank: int = 0) -> RankStep:
+              lr: float = 1e-2, lora_rank: int = 0, nodes: int = 1) -> RankStep:
     """Train ``steps`` steps of the course model under ZeRO ``stage`` on this rank's rows
     (``batch`` x ``seq`` per rank); the tracker's figures for the last step, and the bytes sent
     (and, offloaded, copied between host and device) in it. ``lora_rank`` > 0: rank-r LoRA
-    adapters on the frozen model, the only parameters ZeRO shards (the base stays whole)."""
+    adapters on the frozen model, the only parameters ZeRO shards (the base stays whole).
+    ``nodes`` > 1: HSDP, sharded inside each node of consecutive ranks, replicated across."""
     return train_zero(ctx, stage, model_name, batch, seq, steps, precision, offload, lr,
-                      lora_rank)[0]
+                      lora_rank, nodes)[0]
 
 
 def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: int = 32,
                steps: int = 3, precision: str = "fp32", offload: bool = False,
-               lr: float = 1e-2, lora_rank: int = 0) -> tuple:
+               lr: float = 1e-2, lora_rank: int = 0, nodes: int = 1) -> tuple:
     """``zero_step``'s run, with the model and the ``ZeroOptimizer`` it trained: (step, model,
     optimizer), for callers that read what the rank holds afterwards."""
     from labkit.core.config import preset
@@ -412,7 +446,9 @@ def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: i
     model = build_model(preset(model_name), dtype=PRECISIONS[precision]).to(ctx.device)
     if lora_rank:
         apply_lora(model, lora_rank)
-    opt = ZeroOptimizer(model, ctx.group, stage, precision, lr=lr, offload=offload)
+    group, replicas = node_groups(ctx, nodes) if nodes > 1 else (ctx.group, None)
+    opt = ZeroOptimizer(model, group, stage, precision, lr=lr, offload=offload,
+                        replica_group=replicas)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
 
     def sent():
@@ -424,16 +460,16 @@ def train_zero(ctx, stage: int, model_name: str = "tiny", batch: int = 1, seq: i
 
 def zero_steps(ctx, cases) -> list:
     """``zero_step`` for each case ``(stage, model, batch, seq[, precision[, offload[,
-    lora_rank]]])`` on this rank, in one process group (one start-up for all); stage 0 is DDP
-    (``ddp.ddp_step``)."""
+    lora_rank[, nodes]]]])`` on this rank, in one process group (one start-up for all); stage 0
+    is DDP (``ddp.ddp_step``)."""
     from labkit.parallel.data.ddp import ddp_step
 
     out = []
     for stage, model, batch, seq, *more in cases:
-        precision, offload, lora_rank = more + ["fp32", False, 0][len(more):]
+        precision, offload, lora_rank, nodes = more + ["fp32", False, 0, 1][len(more):]
         out.append(ddp_step(ctx, model, batch, seq, precision=precision,
                             trainable="lora" if lora_rank else "all", lora_rank=lora_rank or 16)
                    if stage == 0 else
                    zero_step(ctx, stage, model, batch, seq, 3, precision, offload,
-                             lora_rank=lora_rank))
+                             lora_rank=lora_rank, nodes=nodes))
     return out
