@@ -7,8 +7,9 @@ the op lists of ``labkit.parallel.pipeline.schedules`` (GPipe, 1F1B, interleaved
 ranks of a ``labkit.parallel.cluster`` for the labkit model cut by ``stage_layers``: stage 0
 holds the embedding, the last stage the final norm, the LM head and the loss. Each rank
 notes when each op ran and what the ``MemoryTracker`` saw; ``measure_schedules`` puts the
-ranks together, ``predicted_held`` says what each stage should hold, and ``torch_pipelining``
-runs torch.distributed.pipelining's schedules on the same chunks for comparison.
+ranks together, ``predicted_held`` says what each stage should hold, and ``compare_with_torch``
+runs torch.distributed.pipelining's schedules on the same chunks beside it
+(``labkit.parallel.pipeline.torch_runtime``).
 
 Messages are ``batch_isend_irecv`` ops tagged by (kind, micro-batch, virtual stage): with
 interleaving, activations and gradients cross the same pair of ranks in orders that differ
@@ -70,11 +71,11 @@ class PipelineChunk(nn.Module):
 
 
 def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0,
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, placement: str = "loop"):
     """Stage ``stage``'s v chunks of the model that one process would build from ``seed``,
     and {parameter: its name in that model} (to compare gradients with one process).
     ``lora_rank`` > 0: the model frozen under rank-r LoRA adapters
-    (``labkit.quantisation.lora``)."""
+    (``labkit.quantisation.lora``). ``placement``: "loop" or "v" (``chunk_layers``)."""
     from labkit.quantisation.lora import apply_lora
     from labkit.transformer.model import build_model
     if cfg.tie_embeddings and p > 1:
@@ -85,9 +86,10 @@ def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0
     if lora_rank:
         apply_lora(model, lora_rank)
     names = {param: name for name, param in model.named_parameters()}
-    chunks = [PipelineChunk(model, layers, first=stage == 0 and c == 0,
-                            last=stage == p - 1 and c == v - 1)
-              for c, layers in enumerate(chunk_layers(cfg.layers, p, v)[stage])]
+    where = Schedule("", p, 1, v, (), placement)
+    chunks = [PipelineChunk(model, layers, first=where.virtual_stage(stage, c) == 0,
+                            last=where.virtual_stage(stage, c) == p * v - 1)
+              for c, layers in enumerate(chunk_layers(cfg.layers, p, v, placement)[stage])]
     return chunks, {q: names[q] for chunk in chunks for q in chunk.parameters()}
 
 
@@ -384,7 +386,8 @@ def predicted_held(schedule: Schedule, cfg, micro_batch: int, seq: int) -> list[
     for s, ops in enumerate(schedule.stages):
         chunks = [micro_batch_terms(cfg, layers, micro_batch, seq,
                                     last=schedule.virtual_stage(s, c) == p * v - 1)
-                  for c, layers in enumerate(chunk_layers(cfg.layers, p, v)[s])]
+                  for c, layers in enumerate(chunk_layers(cfg.layers, p, v,
+                                                          schedule.placement)[s])]
         frees = [{kind: sum(b for _, b, until in terms
                             if (freed_by_w if until == "W" else "B") == kind) for kind in "BW"}
                  for terms in chunks]
@@ -399,89 +402,12 @@ def predicted_held(schedule: Schedule, cfg, micro_batch: int, seq: int) -> list[
     return out
 
 
-# ---- torch.distributed.pipelining on the same model ------------------------------------------
-def torch_pipelining(ctx, cfg, cases: list, micro_batch: int = 1, seq: int = 16,
-                     seed: int = 0) -> list[StageRun]:
-    """torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B
-    on the chunks, weights and micro-batches of ``run_schedules``: this rank's losses,
-    gradients and tracker peak for each (schedule, m, v) of ``cases`` (no op timeline)."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-
-    from labkit.training.track import MemoryTracker
-    torch.set_num_threads(1)
-    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-               "interleaved": ScheduleInterleaved1F1B}
-    cfg = preset(cfg) if isinstance(cfg, str) else cfg
-    p, out = ctx.world_size, []
-    for name, m, v in cases:
-        if name not in classes:
-            raise ValueError(f"torch.distributed.pipelining is compared on {', '.join(classes)};"
-                             f" {name!r} has no counterpart here")
-        chunks, names = build_chunks(cfg, ctx.rank, p, v, seed)
-        stages = [PipelineStage(chunk, c * p + ctx.rank, p * v, ctx.device, group=ctx.group)
-                  for c, chunk in enumerate(chunks)]
-        batches = micro_batches(cfg, m, micro_batch, seq, seed)
-        inputs = torch.cat([i for i, _ in batches])                   # (m * B, T)
-        targets = torch.cat([t for _, t in batches])                  # (m * B, T)
-        stage = nn.ModuleList(chunks)
-        dist.barrier(group=ctx.group)
-        with MemoryTracker(stage, timeline=False) as mt:
-            mt.tag(inputs, "other")
-            mt.tag(targets, "other")
-            forward = _ForwardPhase(mt)          # chunks' forwards and the loss: activations
-            hooks = [h for chunk in chunks for h in (chunk.register_forward_pre_hook(forward.enter),
-                                                     chunk.register_forward_hook(forward.leave))]
-
-            def loss_fn(logits, target):
-                forward.enter()
-                loss = mean_loss(logits, target)
-                forward.leave()
-                return loss
-            schedule = classes[name](stages if name == "interleaved" else stages[0], m,
-                                     loss_fn=loss_fn)
-            losses = []
-            with mt.phase("backward"):
-                schedule.step(*([inputs] if ctx.rank == 0 else []), return_outputs=False,
-                              target=targets if ctx.rank == p - 1 else None, losses=losses)
-            for hook in hooks:
-                hook.remove()
-        held = forward.held
-        grads = {names[q]: q.grad for q in stage.parameters() if q.grad is not None}
-        out.append(StageRun(ctx.rank, [], [x.item() for x in losses], grads, mt.peak,
-                            dict(mt.peak_by_category), held))
-        dist.barrier(group=ctx.group)
-    return out
-
-
-class _ForwardPhase:
-    """Puts what runs between ``enter`` and ``leave`` in the tracker's "forward" phase (as our
-    executor's F ops) and notes the activations held after each forward, as ours does."""
-
-    def __init__(self, tracker):
-        self.tracker, self.phases = tracker, []
-        self.start = tracker.by_category["activations"]
-        self.held = 0
-
-    def enter(self, *hook_args):
-        self.phases.append(self.tracker.phase("forward"))
-        self.phases[-1].__enter__()
-
-    def leave(self, *hook_args):
-        self.phases.pop().__exit__(None, None, None)
-        self.held = max(self.held, self.tracker.by_category["activations"] - self.start)
-
-
-def _ours_and_torch(ctx, cfg, cases, micro_batch, seq, seed):
-    return (run_schedules(ctx, cfg, cases, micro_batch, seq, True, seed),
-            torch_pipelining(ctx, cfg, cases, micro_batch, seq, seed))
-
-
 def compare_with_torch(cfg, p: int, cases: list, micro_batch: int = 1, seq: int = 16,
                        seed: int = 0, timeout_s: float = 300) -> list[tuple]:
     """Each (schedule, m, v) of ``cases`` run by labkit's executor and by torch.distributed.
     pipelining on the same p processes: (our ScheduleRun, torch's StageRun per stage)."""
     from labkit.parallel.cluster import run
-    ranks = run(_ours_and_torch, p, cfg, cases, micro_batch, seq, seed, timeout_s=timeout_s)
+    from labkit.parallel.pipeline.torch_runtime import ours_and_torch
+    ranks = run(ours_and_torch, p, cfg, cases, micro_batch, seq, seed, timeout_s=timeout_s)
     ours = _assemble([r[0] for r in ranks], cases, p)
     return [(run_, [r[1][i] for r in ranks]) for i, run_ in enumerate(ours)]

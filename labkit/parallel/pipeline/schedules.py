@@ -59,13 +59,18 @@ def in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b",
     return Fraction(min(m, pp - stage))
 
 
-def chunk_layers(layers: int, p: int, v: int = 1) -> list[list[range]]:
+def chunk_layers(layers: int, p: int, v: int = 1, placement: str = "loop") -> list[list[range]]:
     """Per stage, the layers of each of its ``v`` chunks: the model cut into p * v chunks by
-    ``stage_layers``, stage s holding chunks s, s + p, s + 2p, ... (virtual stages)."""
+    ``stage_layers``, stage s holding chunks s, s + p, s + 2p, ... (virtual stages), or with
+    ``placement="v"`` (two chunks) s and 2p - 1 - s."""
     if v > 1 and p * v > layers:
         raise ValueError(f"{p} stages x {v} chunks need at least {p * v} layers (got {layers}): "
                          f"use fewer chunks per stage or a deeper model")
+    if placement == "v" and v != 2:
+        raise ValueError(f"a V holds two chunks per stage, got v={v}")
     chunks = stage_layers(layers, p * v)
+    if placement == "v":
+        return [[chunks[s], chunks[2 * p - 1 - s]] for s in range(p)]
     return [[chunks[c * p + s] for c in range(v)] for s in range(p)]
 
 
