@@ -12,7 +12,7 @@ FROM python:3.11-slim
 # The PyTorch wheel index with the CPU-only build (~200 MB instead of several GB of CUDA
 # libraries). An empty value uses pip's configured index: `--build-arg TORCH_INDEX_URL=`.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# The torch the course is checked with (PLATFORM.md); the project accepts torch>=2.5.
+# The torch the course is checked with; pyproject.toml requires torch>=2.13 (labs 04-05).
 ARG TORCH_VERSION=2.13.0
 # labkit's extras: dev = JupyterLab, papermill and the test tools; add ",hf" for transformers.
 ARG EXTRAS=dev
@@ -28,7 +28,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 # the course's folder: the notebooks, labkit and its data
 WORKDIR /labs
 
-# torch first, from its CPU index: labkit's `torch>=2.5` is then already met, so the next
+# torch first, from its CPU index: labkit's `torch>=2.13` is then already met, so the next
 # step cannot pull a CUDA build from PyPI.
 RUN python -m pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
         "torch==${TORCH_VERSION}"
