@@ -127,8 +127,8 @@ def _adamw8bit_state():
     "06-qlora-7b-peak",
     question="""QLoRA fine-tunes LLaMA-2-7B: its block linear weights frozen in NF4 (double
 quantised), rank-16 LoRA adapters on all of them trained with AdamW, bf16 weights with fp32
-master copies of the adapters (bf16-master), batch 1 x 2048 tokens, no recomputation. What is
-the estimated peak memory of one training step? Give two decimals.""",
+master copies of the adapters (bf16-master), no LoRA dropout, batch 1 x 2048 tokens, no
+recomputation. What is the estimated peak memory of one training step? Give two decimals.""",
     unit="GiB",
     hint="lk.estimate('llama-2-7b', 1, 2048, recipe=lk.Recipe('bf16-master', trainable='lora', "
          "weight_format='nf4')).total; .explain() lists what is alive at the peak.",
@@ -140,10 +140,16 @@ weights, are most of the peak. The same step on a bf16 base (LoRA without NF4): 
 full fine-tuning (every weight trained, same precision): {full:.2f} GiB during {full_phase},
 {ratio:.1f}x the QLoRA peak, {full_opt:.2f} GiB of it AdamW moments and fp32 master weights for
 every weight. LoRA keeps those for the adapters only; NF4 then takes the weights from
-{bf16_params:.2f} to {params:.2f} GiB.""",
+{bf16_params:.2f} to {params:.2f} GiB. The estimate has no LoRA dropout (PEFT's default,
+an nn.Identity); qlora.py's LLaMA-2-7B script passes --lora_dropout 0.1. Then each adapted
+linear saves its own dropped bf16 copy of its input and, on CUDA, a bool mask: 3 bytes per
+input feature ({feats:,} per layer over the {targets} targets), less the 2-byte inputs only
+the adapters kept (the two norms' outputs and w_down's input, which no frozen layer saves):
++{dropout:.2f} GiB at 1 x 2048 without recomputation, one layer's worth with full recompute.""",
 )
 def _qlora_7b_peak():
     from labkit.predict import estimate
+    from labkit.predict.layers import lora_targets
     from labkit.core.recipe import Recipe
 
     def step(trainable, weight_format=None):
@@ -151,12 +157,18 @@ def _qlora_7b_peak():
                         recipe=Recipe("bf16-master", trainable=trainable,
                                       weight_format=weight_format))
     qlora, lora, full = step("lora", "nf4"), step("lora"), step("all")
+    c = preset("llama-2-7b")
+    targets = lora_targets(c, False)
+    feats = sum(w.fan_in for w in targets)
+    kept_by_adapters_only = 2 * c.hidden + c.ffn       # attention and MLP inputs, w_down's input
+    dropout = (3 * feats - 2 * kept_by_adapters_only) * 2048 * c.layers
     return {"answer": qlora.total / GiB, "phase": qlora.peak_phase, "params": qlora.params / GiB,
             "optimizer": qlora.optimizer / GiB, "acts": qlora.saved_activations / GiB,
             "lora": lora.total / GiB, "bf16_params": lora.params / GiB,
             "full": full.total / GiB, "full_phase": full.peak_phase,
             "full_opt": full.optimizer / GiB,
-            "ratio": full.total / qlora.total}
+            "ratio": full.total / qlora.total,
+            "feats": feats, "targets": len(targets), "dropout": dropout / GiB}
 
 
 @register(
