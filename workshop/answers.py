@@ -397,16 +397,28 @@ room = min(40.10, 38.00 - reserved)                        # the fraction's cap,
 answer = 2.00 - room                                       # GiB the request lacked
 print(answer, parse_oom(OOM_MESSAGE).verdict())
 
-# %% 09-fewest-a100s-7b
+# %% 09-fewest-a100s-13b
+import itertools
+import labkit as lk
 from labkit.course.plan import plan
-answer = next(gpus for gpus in (1, 2, 4, 8, 16)
-              if plan("llama-2-7b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
+states = 16 * lk.count_params("llama-2-13b").total / 2**30    # GiB: 16 bytes per parameter
+print(f"paper bound: {states:.1f} GiB / 72 GiB usable = {states / 72:.2f} cards")
+answer = next(gpus for gpus in itertools.count(1)          # one more GPU at a time
+              if plan("llama-2-13b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
 
 # %% 09-no-p2p-link
 import dataclasses
 from labkit.core.gpus import GPUS
 from labkit.course.plan import plan
-no_p2p = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=8)   # through host memory
-p = plan("deepseek-v2-lite", no_p2p, 2, seq=2048, trainable=("all", "lora", "qlora"), top=3)
-answer = p.fits[0].time.dp_overlapped                  # seconds, as the planner ranks
-print(p.fits[0].label())
+
+def first(gbps):                                           # the planner's first layout
+    gpu = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=gbps)
+    return plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
+                top=1, advice=False).fits[0]
+
+lo, hi = 1.0, 32.0                                         # tp 2 first at 32 GB/s, not at 1
+while hi - lo > 0.05:
+    mid = (lo + hi) / 2
+    lo, hi = (lo, mid) if first(mid).layout.tp == 2 else (mid, hi)
+answer = hi                                                # GB/s per direction
+print(first(hi).label(), "|", first(lo).label())

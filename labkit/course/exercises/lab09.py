@@ -6,43 +6,67 @@ from labkit.predict.layers import count_params
 
 
 @register(
-    "09-fewest-a100s-7b",
-    question="""Full fine-tuning of LLaMA-2-7B (bf16 weights and gradients, fp32 master weights
+    "09-fewest-a100s-13b",
+    question="""Full fine-tuning of LLaMA-2-13B (bf16 weights and gradients, fp32 master weights
 and AdamW state), sequences of 4096 tokens, one sequence per GPU per step, no offload: on how
-few A100-80GB GPUs (1, 2, 4, 8, ...) does the planner find a layout that fits its usable
-memory (the card less 10% headroom)?""",
+few A100-80GB GPUs does the planner find a layout that fits its usable memory (the card less
+10% headroom)?""",
     unit="GPUs", rtol=0,
     hint="First the paper bound: the states take 16 bytes per parameter, and ZeRO or tensor "
-         "parallelism splits them; then ask labkit.course.plan.plan(..., offload=False) whether "
-         "that many GPUs also hold the activations.",
-    solution="""the model states alone are 16 B x {params:,} = {states:.1f} GiB, more than the
-{usable:.1f} GiB one card may use, so at least two GPUs are needed. On {answer} GPUs the
-fastest layout that fits is "{best}" at {total:.1f} GiB per GPU
+         "parallelism splits them over the GPUs. Then ask labkit.course.plan.plan(..., "
+         "offload=False) whether that many GPUs also hold the activations and the optimizer "
+         "step's temporaries; if not, try one more.",
+    solution="""the model states alone are 16 B x {params:,} = {states:.1f} GiB: over the
+{usable:.1f} GiB one card may use, that is at least {bound} GPUs. On {bound} the planner finds
+nothing: ZeRO-3 over the {bound} peaks at {z3:.1f} GiB per GPU even with full recomputation
+({z3_fused:.1f} GiB with fused AdamW), because the activations and the optimizer step's
+temporaries come on top of the sharded states. On {answer} GPUs the first layout is
+"{best}", {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
 (labkit.course.plan.plan(..., offload=False)).""",
 )
-def _fewest_a100s_7b():
+def _fewest_a100s_13b():
+    import math
+
+    from labkit.core.gpus import GPUS
     from labkit.course.plan import plan
+    from labkit.core.config import preset
+    from labkit.predict import estimate
+    from labkit.predict.plan_search import Family, family_candidates
     GiB_, n = 2**30, 1
-    while not (p := plan("llama-2-7b", "a100-80gb", n, seq=4096, offload=False, top=1)).fits:
-        n *= 2
-    params = count_params("llama-2-7b").total
+    while not (p := plan("llama-2-13b", "a100-80gb", n, seq=4096, offload=False, top=1)).fits:
+        n += 1
+    params = count_params("llama-2-13b").total
+    bound = math.ceil(16 * params / p.usable)
+
+    def zero3(optimizer):                  # ZeRO-3 over the bound, full recomputation, mb 1
+        f = Family("all", bound, 3, False, 1, 1, 1, optimizer=optimizer)
+        k = family_candidates(preset("llama-2-13b"), GPUS["a100-80gb"], bound, f, seq=4096,
+                              recompute=("full",))[0]
+        return estimate("llama-2-13b", 1, 4096, recipe=k.recipe, layout=k.layout).total / GiB_
     best = p.fits[0]
-    return {"answer": n, "params": params, "states": 16 * params / GiB_,
-            "usable": p.usable / GiB_, "best": best.label(), "total": best.estimate.total / GiB_}
+    return {"answer": n, "params": params, "states": 16 * params / GiB_, "bound": bound,
+            "usable": p.usable / GiB_, "z3": zero3("adamw"), "z3_fused": zero3("adamw-fused"),
+            "best": best.label(), "total": best.estimate.total / GiB_,
+            "margin": best.estimate.total / p.usable}
 
 
 @register(
     "09-no-p2p-link",
     question="""The RTX 4090 has no peer-to-peer transfers: two of them talk through host
-memory, far below the 32 GB/s the planner assumes. Plan DeepSeek-V2-Lite at 2048 tokens on two
-RTX 4090s (full fine-tuning, LoRA and QLoRA allowed) with their link at 8 GB/s per direction:
-what is the modelled step time of the first layout, in seconds?""",
-    unit="s", rtol=0.01,
-    hint="dataclasses.replace(labkit.core.gpus.GPUS['rtx-4090-24gb'], intra_node_gbps=8) is a "
-         "GPU of your own; pass it to plan(...) and read .fits[0].time.dp_overlapped.",
-    solution="""at 8 GB/s the first layout is still "{best}", {answer:.2f} s a step (at 32 GB/s
-{fast:.2f} s), but only {lead:.0%} ahead of "{second}" ({second_time:.2f} s); FSDP's layouts,
-which gather the frozen base every pass, go from {fsdp_fast:.2f} s to {fsdp:.2f} s.""",
+memory, far below the 32 GB/s the planner assumes (measure yours with nccl-tests'
+all_reduce_perf: its busbw). Plan DeepSeek-V2-Lite at 2048 tokens on two RTX 4090s (full
+fine-tuning, LoRA and QLoRA allowed): below what GPU-to-GPU bandwidth, per direction, does the
+planner stop putting a tp 2 layout first?""",
+    unit="GB/s", rtol=0.05,
+    hint="dataclasses.replace(labkit.core.gpus.GPUS['rtx-4090-24gb'], intra_node_gbps=g) is a "
+         "GPU of your own; pass it to plan(..., top=1) and read .fits[0].layout.tp. Bisect g "
+         "between 1 and 32 GB/s.",
+    solution="""below about {answer:.1f} GB/s per direction tp 2 is no longer first. At
+{high:g} GB/s the first layout is "{best_high}", {t_high:.2f} s a step; at {low:g} GB/s it is
+"{best_low}", {t_low:.2f} s, and tp 2 takes {tp_low:.2f} s. Just below the crossover the two
+are within 2% of each other: a tie, which the planner breaks by the smaller peak ({peak_low:.1f}
+GiB against tp 2's {peak_tp:.1f} GiB). Below it, pp's one hop of activations per micro-batch
+costs less than tp's all-reduces in every layer.""",
 )
 def _no_p2p_link():
     import dataclasses
@@ -50,18 +74,20 @@ def _no_p2p_link():
     from labkit.core.gpus import GPUS
     from labkit.course.plan import plan
 
-    def firsts(gbps):
+    def fits(gbps, top=1):
         gpu = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=gbps)
-        p = plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
-                 top=None, advice=False)
-        out = {}
-        for k in p.fits:                           # each family's fastest, fastest first
-            out.setdefault(k.family.label(), k)
-        return list(out.values())
-    slow, fast = firsts(8), firsts(32)
-    fsdp = lambda ks: next(k for k in ks if "sharded" in k.label()).time.dp_overlapped
-    return {"answer": slow[0].time.dp_overlapped, "best": slow[0].label(),
-            "fast": fast[0].time.dp_overlapped, "second": slow[1].label(),
-            "second_time": slow[1].time.dp_overlapped,
-            "lead": slow[1].time.dp_overlapped / slow[0].time.dp_overlapped - 1,
-            "fsdp_fast": fsdp(fast), "fsdp": fsdp(slow)}
+        return plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
+                    top=top, advice=False).fits
+    lo, hi = 1.0, 32.0
+    while hi - lo > 0.05:                  # tp 2 first at hi, not at lo
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid)[0].layout.tp == 2 else (mid, hi)
+    high, low = fits(8)[0], fits(6, top=None)
+    tp_low = next(k for k in low if k.layout.tp == 2)
+    below = fits(lo, top=None)
+    tp_below = next(k for k in below if k.layout.tp == 2)
+    GiB_ = 2**30
+    return {"answer": hi, "high": 8, "low": 6, "best_high": high.label(),
+            "t_high": high.time.dp_overlapped, "best_low": low[0].label(),
+            "t_low": low[0].time.dp_overlapped, "tp_low": tp_low.time.dp_overlapped,
+            "peak_low": below[0].estimate.total / GiB_, "peak_tp": tp_below.estimate.total / GiB_}
