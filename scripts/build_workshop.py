@@ -447,7 +447,7 @@ def landing(labs: list[Lab]) -> dict[Path, bytes]:
              "below (the link opens it in JupyterLab), run it from the top (*Run ▸ Run All "
              "Cells*), read the prose between the cells, then change the parameters and move the "
              "panel's controls. Take them in order: each lab builds on the ones before, and lab 09 "
-             "puts them together. The exercises at the end of each lab check your answer at once. "
+             "puts them together. The exercises at the end of labs 01-09 check your answer at once. "
              + GPU_NOTE)
     rows = [f"| [{lab.label}](notebooks/{lab.notebook.name}) | {lab.minutes} min | {lab.needs} |"
             if lab.notebook else f"| {lab.label} (not yet written) | {lab.minutes} min | |"
