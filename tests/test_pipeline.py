@@ -12,12 +12,11 @@ from matplotlib.colors import to_rgba
 from labkit.core.config import preset
 from labkit.course.plot import OP_COLORS, gantt_figure
 from labkit.parallel.cluster import RankContext
-from labkit.parallel.pipeline.pipeline_parallel import (build_chunks, chunk_layers,
-                                                        compare_with_torch, in_flight,
+from labkit.parallel.pipeline.pipeline_parallel import (build_chunks, chunk_layers, in_flight,
                                                         measure_schedules, micro_batch_terms,
                                                         micro_batches, one_process_step,
                                                         predicted_held, run_schedules)
-from labkit.parallel.pipeline.torch_runtime import torch_pipelining
+from labkit.parallel.pipeline.torch_runtime import compare_with_torch, torch_pipelining
 from labkit.parallel.pipeline.schedules import (Op, Schedule, make_schedule, measured_durations,
                                                 simulate, validate, zb_h1_bubble)
 from labkit.predict.layers import head_saved, layer_saved
@@ -314,12 +313,13 @@ def test_the_papers_zb_h1_bubble_is_the_equal_durations_case(p, m):
 
 
 @pytest.mark.slow
-def test_torchs_zb_v_and_dualpipe_v_run_as_one_process_holding_what_their_op_lists_say():
+def test_torchs_zb_v_and_dualpipe_v_run_as_one_process_and_hold_what_the_estimate_says():
     """torch's ScheduleZBVZeroBubble and ScheduleDualPipeV on 2 gloo ranks, the chunks in a V:
     one process's losses and gradients, and each stage holding the activations its op list
     (``torch_orders.v_schedule``) says, within 5%: torch's runtime keeps or frees a
     (B, T, hidden) buffer here and there differently from labkit's count (+4.4%, +2.7% and
     -1.9% of it measured, every run alike)."""
+    import labkit as lk
     from labkit.parallel import cluster
     from labkit.parallel.pipeline.torch_orders import v_schedule
     cases = [("zb-v", M, 2), ("dualpipe-v", M, 2)]
@@ -333,3 +333,15 @@ def test_torchs_zb_v_and_dualpipe_v_run_as_one_process_holding_what_their_op_lis
             torch.testing.assert_close(got, grad, **TOL, msg=key)
         predicted = predicted_held(v_schedule(name, 2, m), CFG, B, T)
         assert [r.held for r in runs] == pytest.approx(predicted, rel=0.05), name
+        # the estimate (SGD: torch's runtime steps nothing) of each stage's peak: a bound more
+        # than a prediction for the V. It takes ZB-H1's worst moment, a W with the stage's
+        # gradients formed while other W's wait, which torch's V order does not reach: up to
+        # 8% high on the stage without the loss (measured here 1.015, 1.024; `small` with 8
+        # layers, 1 x 128 tokens: 1.069, 1.078), low on the loss's stage by about the logits
+        # torch keeps there (0.970, 1.028 here; 0.952, 1.046 on `small`)
+        est = lk.estimate(CFG, B, T, precision="fp32", device="cpu", optimizer="sgd",
+                          layout=lk.Layout(pp=2, micro_batches=m, schedule=name))
+        logits = B * T * CFG.vocab_size * 4
+        for s, (stage, run) in enumerate(zip(est.details["stages"], runs)):
+            low = 0.03 * run.peak + logits * (s == 0)
+            assert run.peak - low <= stage["total"] <= 1.08 * run.peak, name

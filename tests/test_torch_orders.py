@@ -52,3 +52,38 @@ def test_bad_choices_are_named():
         v_schedule("dualpipe-v", 4, 6)
     with pytest.raises(ValueError, match="unknown schedule"):
         v_schedule("dualpipe", 4, 8)
+
+
+# ---- what the estimate and the planner take from them (torch-free closed forms) ----------------
+def _pending(schedule) -> list[Fraction]:
+    """Per stage, the most micro-batches (of the stage's layers) with B run and W not yet."""
+    out = []
+    for ops in schedule.stages:
+        live = most = 0
+        for op in ops:
+            live += (op.kind == "B") - (op.kind == "W")
+            most = max(most, live)
+        out.append(Fraction(most, schedule.v))
+    return out
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipe-v"])
+def test_the_estimates_closed_forms_are_torchs_orders(name):
+    """in_flight, pending_w and pipeline_bubble for every (p, m) torch builds, p up to 8."""
+    from labkit.parallel.pipeline.schedules import in_flight, pending_w
+    from labkit.predict.papers import pipeline_bubble
+    for p in (2, 3, 4, 6, 8):
+        for m in range(2 * p if name == "dualpipe-v" else 1, 3 * p + 1):
+            schedule = v_schedule(name, p, m)
+            assert [in_flight(s, p, m, name) for s in range(p)] == [
+                Fraction(h, 2) for h in schedule.peak_held()], (p, m)
+            bound, exact = [pending_w(s, p, m, name) for s in range(p)], _pending(schedule)
+            if name == "zb-v" and p < m < 2 * p - 1:      # torch defers fewer W's: a bound
+                assert all(b >= e for b, e in zip(bound, exact)), (p, m)
+            else:
+                assert bound == exact, (p, m)
+            if m >= 2 * p and name == "zb-v":
+                assert pipeline_bubble(p, m, name) == pytest.approx(
+                    float(simulate(schedule, HALF).idle_fraction)), (p, m)
+    with pytest.raises(ValueError, match="simulate torch's order"):
+        pipeline_bubble(4, 7, name)

@@ -26,7 +26,9 @@ OPTIMIZERS = ("adamw", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
 DEVICES = ("cuda", "cpu")
 TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")      # the pipeline schedules modelled
+# the pipeline schedules modelled; ZB-V and DualPipeV put two chunks per stage in a V
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+V_SCHEDULES = ("zb-v", "dualpipe-v")
 WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
 FINE_TUNING = ("all", "lora", "qlora")   # what a user asks for: the planner's and CLI's words
 
@@ -253,6 +255,12 @@ class Layout:
             raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
                              f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
                              "(model chunks per stage), every other schedule 1")
+        if self.schedule in V_SCHEDULES and self.pp == 1:
+            raise ValueError(f"schedule={self.schedule!r} places two chunks per stage in a V "
+                             "over pipeline stages: it needs pp >= 2")
+        if self.schedule == "dualpipe-v" and self.micro_batch_count < 2 * self.pp:
+            raise ValueError(f"DualPipeV needs micro_batches >= 2 x pp = {2 * self.pp} (torch's "
+                             f"ScheduleDualPipeV refuses fewer): choose micro_batches={2 * self.pp}")
         if self.schedule == "interleaved" and self.micro_batch_count % self.pp:
             raise ValueError(f"interleaved 1F1B runs micro-batches in groups of pp={self.pp}: "
                              f"choose micro_batches among the multiples of {self.pp}")
@@ -292,6 +300,16 @@ class Layout:
     def micro_batch_count(self) -> int:
         return self.micro_batches or self.pp
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline stage: ``virtual_stages``, two in a V, else one."""
+        return 2 if self.schedule in V_SCHEDULES else self.virtual_stages
+
+    @property
+    def placement(self) -> str:
+        """"v" (stage s holds chunks s and 2 pp - 1 - s: stage 0 also ends the model) or "loop"."""
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
     def check(self, cfg, seq: int) -> None:
         """ValueError naming the fix when this layout cannot split ``cfg`` at ``seq`` tokens."""
         if cfg.heads % self.tp:
@@ -302,9 +320,11 @@ class Layout:
                              "the last stage's LM head, a copy the estimate does not count "
                              "(Megatron-LM keeps one and all-reduces its gradient); use pp=1, "
                              "or untie them (tie_embeddings=False)")
-        if self.pp * self.virtual_stages > cfg.layers:
-            raise ValueError(f"pp={self.pp} x virtual_stages={self.virtual_stages} is larger than "
-                             f"layers={cfg.layers}; a pipeline chunk needs at least one layer")
+        if self.pp * self.chunks > cfg.layers:
+            chunks = ("2 chunks (a V)" if self.placement == "v"
+                      else f"virtual_stages={self.virtual_stages}")
+            raise ValueError(f"pp={self.pp} x {chunks} is larger than layers={cfg.layers}; a "
+                             "pipeline chunk needs at least one layer")
         if self.ep > 1 and (not cfg.is_moe or cfg.routed_experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide the routed experts "
                              f"({cfg.routed_experts}); use ep=1 for a dense model")

@@ -74,7 +74,8 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
         raise ValueError(f"replicas={layout.replicas} (HSDP) is modelled for full fine-tuning: "
                          f"use trainable='all', or replicas=1 for {recipe.trainable}")
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
-              for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.virtual_stages)]
+              for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.chunks,
+                                                   layout.placement)]
     per_stage = [_Step(c, batch, seq, recipe, layout, device, s, layers).estimate()
                  for s, layers in enumerate(stages)]
     busiest = max(per_stage, key=lambda e: e.total)

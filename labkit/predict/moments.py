@@ -9,6 +9,7 @@ from fractions import Fraction
 
 from labkit.core.recipe import compute_bytes
 from labkit.core.units import HOST
+from labkit.parallel.pipeline import schedules
 from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights,
                                    embedding_weights, head_weights, lora_targets)
 from labkit.predict.naive import naive_backward_alive
@@ -257,7 +258,7 @@ class Moments:
             return {}
         if self.zero:        # ZeRO's buckets or shards stand in the ordinary moments already
             return self._weight_gradient_moment(always, saved, label, self._grads_in_backward(
-                range(len(self.layers))), flight) if self.L.schedule == "zb-h1" else {}
+                range(len(self.layers))), flight) if self.split else {}
         later = flight if flight < m else flight - 1
         grads = Tensor("gradients of every layer of the stage (earlier micro-batches)", "grads",
                        self.wdt, self.grads())
@@ -283,7 +284,7 @@ class Moments:
                            wide * compute_bytes(self.recipe.precision))])
         # the embedding's backward forms a whole new (V, h) gradient (LoRA: frozen, none)
         if self.first and not self.lora:
-            others = later - Fraction(1, self.L.virtual_stages)     # this one's chunk 0 is done
+            others = later - Fraction(1, self.L.chunks)     # this one's chunk 0 is done
             out["backward: embedding, a later micro-batch"] = ("backward", always + (
                 self.tensors_of(saved, others, "other micro-batches in flight")
                 if others > 0 else []) + self._sent_outputs(later) + [grads,
@@ -303,15 +304,30 @@ class Moments:
                 worst = (i, tensors)
         out[f"backward: layer {self.layers[worst[0]]}, a later micro-batch"] = ("backward",
                                                                                 worst[1])
-        if self.L.schedule == "zb-h1":
-            # stage s runs s W's late: their output gradients are alive at every later moment
+        if self.split:
+            # stage s runs its W's late: their output gradients are alive at every later moment
             for _, tensors in out.values():
-                tensors.append(self._kept_for_w(min(self.stage, m)))
+                tensors.append(self._kept_for_w(self._pending_w(at_w=False)))
             # ... and at a W, beside the micro-batches in flight, whole
             out.update(self._weight_gradient_moment(always, saved, label, [grads], flight))
         return out
 
-    def _kept_for_w(self, pending: int) -> Tensor:
+    @property
+    def split(self) -> bool:                   # B and W apart: ZB-H1, ZB-V, DualPipeV
+        return self.L.schedule in ("zb-h1", "zb-v", "dualpipe-v")
+
+    def _pending_w(self, at_w: bool) -> Fraction:
+        """Micro-batches whose W is pending here (``schedules.pending_w``): at a W, or at any
+        other moment (one chunk fewer; ZB-H1: min(s, m))."""
+        L = self.L
+        at = schedules.pending_w(self.stage, L.pp, L.micro_batch_count, L.schedule)
+        if at_w:
+            return at
+        if L.schedule == "zb-h1":
+            return Fraction(min(self.stage, L.micro_batch_count))
+        return max(Fraction(0), at - Fraction(1, L.chunks))
+
+    def _kept_for_w(self, pending) -> Tensor:
         """ZB-H1's split backward (B) leaves the gradient of each weight's output until W forms
         the weights' gradients from it: ``pending`` micro-batches' of them (LoRA: only the
         adapted linears' outputs, the rest is frozen)."""
@@ -321,14 +337,14 @@ class Moments:
         per_micro_batch = self.N * (width[True] * compute_bytes(self.recipe.precision)
                                     + width[False] * self.bytes.weights)
         return Tensor(f"output gradients kept for W ({pending} micro-batches)", "other",
-                      self.cdt, pending * per_micro_batch)
+                      self.cdt, int(pending * per_micro_batch))
 
     def _weight_gradient_moment(self, always, saved, label: str, grads: list[Tensor],
                                 flight) -> dict:
         """ZB-H1's W of a later micro-batch: it keeps the micro-batch's saved tensors (the graph)
         until then. Stage s defers s W's: s + 1 micro-batches' output gradients alive at a W,
         beside the ``flight`` micro-batches in flight, whole."""
-        pending = min(self.stage + 1, self.L.micro_batch_count)
+        pending = self._pending_w(at_w=True)
         largest = max(w.local(self.L.tp, self.L.ep) for w in self.trained) * self.bytes.grads
         kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
         name = "backward: weight gradients (W), a later micro-batch"

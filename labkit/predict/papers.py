@@ -70,8 +70,10 @@ def megatron_activation_bytes(seq, batch, hidden, heads, layers=1, tp=1, sp=Fals
 def pipeline_bubble(p, m, schedule="1f1b", v=1) -> float:
     """Fraction of the schedule a device idles: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1)
     interleaved, (p-1)/(3m+p-1) for ZB-H1 (Qi et al., 2023; forward, input-gradient and
-    weight-gradient passes of equal time, m >= p). Papers often quote the ratio (p-1)/m,
-    bubble over ideal time: ``pipeline_bubble_ratio``."""
+    weight-gradient passes of equal time, m >= p); in a V of two chunks a stage, ZB-V
+    (p-1)/(6m+p-1) (torch's order, m >= 2p) and DualPipeV by DeepSeek's formula (its pairs
+    hiding no communication: ZB-H1's). Papers often quote the ratio (p-1)/m, bubble over
+    ideal time: ``pipeline_bubble_ratio``."""
     _check_pipeline(p, m, schedule, v)
     return (p - 1) / (_ideal(m, schedule, v) + p - 1)
 
@@ -85,8 +87,9 @@ def pipeline_bubble_ratio(p, m, schedule="1f1b", v=1) -> float:
 
 def _ideal(m, schedule, v):
     """A stage's busy time in units of its bubble per step of the pipeline's depth: m
-    micro-batches, v m chunks interleaved; ZB-H1 fills two thirds of each such gap (F = B = W)."""
-    return 3 * m if schedule == "zb-h1" else v * m
+    micro-batches, v m chunks interleaved; ZB-H1 fills two thirds of each such gap (F = B = W),
+    ZB-V five sixths (its chunks are half a stage)."""
+    return {"zb-h1": 3 * m, "dualpipe-v": 3 * m, "zb-v": 6 * m}.get(schedule, v * m)
 
 
 def _check_pipeline(p, m, schedule, v):
@@ -96,6 +99,9 @@ def _check_pipeline(p, m, schedule, v):
     check_choice("schedule", schedule, SCHEDULES)
     if v > 1 and schedule != "interleaved":
         raise ValueError(f"v={v} virtual stages needs schedule='interleaved'; use v=1 with {schedule!r}")
+    if schedule in ("zb-v", "dualpipe-v") and m < 2 * p:
+        raise ValueError(f"{schedule}'s closed form holds from m = 2p = {2 * p} micro-batches; "
+                         f"for m={m} simulate torch's order (labkit.parallel.pipeline.torch_orders)")
 
 
 def megatron_params(layers, hidden, vocab, seq) -> int:

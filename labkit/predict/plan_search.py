@@ -21,7 +21,7 @@ from labkit.predict.steptime import attention_forward_flops, step_time
 
 RECOMPUTE = ("none", "selective", "full")          # full recomputation keeps the least
 # (schedule, chunks per stage) the search tries; not GPipe: 1F1B's bubble with more memory
-SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1))
 TIE = 0.02           # modelled step times this close (relative) are a tie the model cannot break
 # context parallelism is searched while each rank keeps this many tokens or more: a practical
 # floor (Llama 3 trained at 128k tokens with cp 16: 8k per rank). Across nodes a grouped-KV
@@ -138,19 +138,20 @@ class _Counts:
         # what the step time's compute counts: active parameters less the input embedding
         self.active = count_params(c).active - c.vocab_size * c.hidden
 
-    def stages(self, tp: int, pp: int, ep: int,
-               v: int = 1) -> list[tuple[int, int, int, int, int]]:
+    def stages(self, tp: int, pp: int, ep: int, v: int = 1,
+               placement: str = "loop") -> list[tuple[int, int, int, int, int]]:
         """Per stage: (parameters, routed-expert parameters, layers, MoE layers, the blocks'
-        linears QLoRA stores in NF4) on one rank."""
-        key = (tp, pp, ep, v)
+        linears QLoRA stores in NF4) on one rank; in a V (``placement``) stage 0 ends the model."""
+        key = (tp, pp, ep, v, placement)
         if key not in self.memo:
             c, out = self.c, []
             blocks = {m: block_weights(c, m) for m in (False, True)}
             targets = {m: sum(w.local(tp, ep) for w in lora_targets(c, m)) for m in (False, True)}
-            for s, chunks in enumerate(chunk_layers(c.layers, pp, v)):
+            last = 0 if placement == "v" else pp - 1
+            for s, chunks in enumerate(chunk_layers(c.layers, pp, v, placement)):
                 layers = [i for chunk in chunks for i in chunk]
                 ws = [w for i in layers for w in blocks[c.is_moe and i >= c.dense_layers]]
-                ws += (embedding_weights(c) if s == 0 else []) + (head_weights(c) if s == pp - 1 else [])
+                ws += (embedding_weights(c) if s == 0 else []) + (head_weights(c) if s == last else [])
                 n = sum(w.local(tp, ep) for w in ws)
                 experts = sum(w.local(tp, ep) for w in ws if w.copies > 1)
                 moe = sum(c.is_moe and i >= c.dense_layers for i in layers)
@@ -192,14 +193,14 @@ def _bound(c, k: Candidate, counts: _Counts, seq: int, memo: dict) -> int:
     """A lower bound on a candidate's peak without ``estimate``: the model states (the optimizer
     step), or the weights and optimizer state with every saved activation (backward's start)."""
     f, L = k.family, k.layout
-    v = L.virtual_stages
+    v = L.chunks
     worst = 0
-    for s, (n, experts, *_) in enumerate(counts.stages(f.tp, f.pp, f.ep, v)):
+    for s, (n, experts, *_) in enumerate(counts.stages(f.tp, f.pp, f.ep, v, L.placement)):
         params, grads, opt = _states(counts, f, n, experts)
         acts = 0
         if f.trainable == "all":
             flight = in_flight(s, L.pp, L.micro_batch_count, L.schedule, v)
-            for chunk in chunk_layers(c.layers, L.pp, v)[s]:
+            for chunk in chunk_layers(c.layers, L.pp, v, L.placement)[s]:
                 for i in chunk:
                     moe = c.is_moe and i >= c.dense_layers
                     key = (moe, f.tp, f.ep, f.cp, k.recipe.recompute, c.window_of(i))
@@ -220,15 +221,16 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
     recipe_kw = dict(precision=ADAPTERS if lora else FULL, **f.recipe_fields(),
                      **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
-    if lora:      # ZB-H1 fills its bubble with weight-gradient work a frozen base does not have
-        schedules = tuple(s for s in schedules if s[0] != "zb-h1")
+    if lora:      # ZB-H1 and ZB-V fill their bubbles with weight-gradient work a frozen base
+        schedules = tuple(s for s in schedules if not s[0].startswith("zb"))    # does not have
     active = counts.active
     attention = attention_forward_flops(c, seq)
     out = []
     for schedule, v in schedules:
-        if f.pp * v > c.layers:
+        chunks, placement = (2, "v") if schedule == "zb-v" else (v, "loop")
+        if f.pp * chunks > c.layers:
             continue
-        stages = counts.stages(f.tp, f.pp, f.ep, v)
+        stages = counts.stages(f.tp, f.pp, f.ep, chunks, placement)
         # the busiest stage for each kind of work: DeepSeek's first stage has the most layers
         # (its dense ones) but the fewest experts
         n, experts, *_, nf4 = max(stages, key=lambda s: s[0])
@@ -240,7 +242,8 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                 frozen_bytes = (nf4 * nf4_bits_per_param() / 8 + (frozen - nf4) * 2) / frozen
         for micro in _powers_of_two(per_rank_batch):
             m = per_rank_batch // micro
-            if per_rank_batch % micro or (schedule == "interleaved" and m % f.pp):
+            if (per_rank_batch % micro or (schedule == "interleaved" and m % f.pp)
+                    or (schedule == "zb-v" and m < 2 * f.pp)):    # its closed form's range
                 continue
             layout = Layout(dp=f.dp, zero_stage=f.zero_stage, offload=f.offload, tp=f.tp,
                             sp=f.tp > 1, pp=f.pp, micro_batches=m if f.pp > 1 else None,

@@ -37,7 +37,9 @@ class _Step(States, Moments, InBackwardMoments):
         self.N = self.B * self.T
         self._names: dict = {}        # id(Saved) -> (it, its bytes by name): see _by_name
         self.layers = list(layers)
-        self.stage, self.first, self.last = stage, stage == 0, stage == layout.pp - 1
+        # in a V (ZB-V, DualPipeV) stage 0 holds the first chunk and the last, with the head
+        ends_on = 0 if layout.placement == "v" else layout.pp - 1
+        self.stage, self.first, self.last = stage, stage == 0, stage == ends_on
         self.in_flight = schedules.in_flight(stage, layout.pp, layout.micro_batch_count,
                                             layout.schedule, layout.virtual_stages)
         # AdamW's implementation: the device's default; offloaded, the step runs on the host,
@@ -193,7 +195,7 @@ class _Step(States, Moments, InBackwardMoments):
         the data once sent): one per chunk in flight, but the model's last."""
         if self.L.pp == 1:
             return []
-        v = self.L.virtual_stages
+        v = self.L.chunks
         chunks = (self.in_flight if flight is None else flight) * (v if not self.last else v - 1)
         return [Tensor("stage outputs sent, kept until their backward", "activations",
                        self.wdt, int(self.N * self.c.hidden * self.bytes.weights * chunks))]
@@ -225,9 +227,9 @@ class _Step(States, Moments, InBackwardMoments):
                    **self._dequantise_moment(always, saved, full, unit_start)}
         if self.zero == 3:
             moments.update(self._gather_moments(always, saved, kept + head))
-        if self.zero and self.L.schedule == "zb-h1" and self.L.micro_batch_count > 1:
-            # ZeRO's moments stand for a later micro-batch: stage s's s late W's are pending
-            pending = self._kept_for_w(min(self.stage, self.L.micro_batch_count))
+        if self.zero and self.split and self.L.micro_batch_count > 1:
+            # ZeRO's moments stand for a later micro-batch: stage s's late W's are pending
+            pending = self._kept_for_w(self._pending_w(at_w=False))
             for phase, tensors in moments.values():
                 if phase != "optimizer":
                     tensors.append(pending)

@@ -173,9 +173,10 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     if tp > 1:            # 2 all-reduces per forward (attention, MLP), 2 per backward
         tp_time = (2 * forwards + 2) * stage_layers * m * ring(tp, layer_rows, "all-reduce") / intra
     pp_time = 0.0
-    if pp > 1:            # one activation out and one gradient back per micro-batch
+    if pp > 1:            # one activation out and one gradient back per micro-batch and chunk
         pp_bw = inter if gpus // pp >= gpus_per_node else intra
-        pp_time = 2 * m * layer_rows / tp / pp_bw
+        chunks = 2 if schedule in ("zb-v", "dualpipe-v") else v
+        pp_time = 2 * m * chunks * layer_rows / tp / pp_bw
     ep_time = 0.0
     if ep > 1:            # dispatch and combine, forward (and recomputed) and backward
         ep_bw = intra if tp * ep <= gpus_per_node else inter
@@ -193,8 +194,9 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     # where dp's traffic hides: ZeRO-3's gathers are prefetched under the forward and its
     # reduce-scatters run in every backward (FSDP), so under all the compute; ZeRO-2
     # reduce-scatters in every backward (FSDP's SHARD_GRAD_OP; DeepSpeed with overlap_comm,
-    # off by default at stage 2); DDP and ZeRO-1 reduce once, in the last micro-batch's
-    # backward (DDP's no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1: none)
+    # off by default below stage 3); DDP and ZeRO-1 reduce once, in the last micro-batch's
+    # backward (DDP's no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1 only with
+    # overlap_comm, like DDP)
     backward = (compute + attention) * passes / (2 + passes)       # every micro-batch's
     window = -1.0 if zero_stage == 3 else backward if zero_stage == 2 else backward / m
     return StepTime(compute, bubble, dp_time, tp_time, pp_time, ep_time, offload_time, host_time,
@@ -224,9 +226,10 @@ def attention_forward_flops(c, seq: int) -> float:
 RANKING = ("the ranking adds compute, bubble and every collective but data parallel's, which "
            "hides as the frameworks run it: ZeRO-3 (FSDP) prefetches its gathers and "
            "reduce-scatters in every backward (hidden under all the compute), ZeRO-2 "
-           "reduce-scatters in every backward (FSDP's SHARD_GRAD_OP; DeepSpeed only with "
-           "overlap_comm), DDP and ZeRO-1 reduce in the last micro-batch's backward (DDP's "
-           "no_sync, Megatron's --overlap-grad-reduce; DeepSpeed's stage 1 overlaps nothing); "
+           "reduce-scatters in every backward (FSDP's SHARD_GRAD_OP), DDP and ZeRO-1 reduce in "
+           "the last micro-batch's backward (DDP's no_sync, Megatron's --overlap-grad-reduce); "
+           "DeepSpeed's stages 1 and 2 overlap only with overlap_comm: true (default false "
+           "below stage 3), stage 1 then reducing in the last micro-batch's backward, like DDP; "
            "times within 2% are ties, ordered by the larger micro-batch, fewer model-parallel "
            "dimensions, foreach AdamW before 8-bit or fused AdamW, then the smaller peak; the "
            "line 'overlap:' re-ranks the layouts found with all of dp's, pp's and ep's "
@@ -275,7 +278,8 @@ def assumptions(gpu, gpus_per_node: int, mfu: float = MFU) -> list[str]:
         "tensor parallel (Megatron-LM, with sequence parallelism: same bytes): 4 all-reduces "
         "of b s h per layer and micro-batch (6 with full recompute), inside a node only",
         "pipeline: idle fraction from labkit.pipeline_bubble; one activation and one gradient "
-        "of b s h / tp per micro-batch between stages",
+        "of b s h / tp per micro-batch and chunk between stages (interleaved: v chunks, ZB-V: "
+        "2 in a V)",
         "expert parallel: all_to_all of tokens x top_k x hidden out and back per MoE layer, in "
         "the forward and the backward (again with full recompute), balanced routing",
         "context parallel (ring attention, labkit.parallel.context): each layer passes its "

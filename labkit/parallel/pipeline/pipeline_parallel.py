@@ -7,9 +7,9 @@ the op lists of ``labkit.parallel.pipeline.schedules`` (GPipe, 1F1B, interleaved
 ranks of a ``labkit.parallel.cluster`` for the labkit model cut by ``stage_layers``: stage 0
 holds the embedding, the last stage the final norm, the LM head and the loss. Each rank
 notes when each op ran and what the ``MemoryTracker`` saw; ``measure_schedules`` puts the
-ranks together, ``predicted_held`` says what each stage should hold, and ``compare_with_torch``
-runs torch.distributed.pipelining's schedules on the same chunks beside it
-(``labkit.parallel.pipeline.torch_runtime``).
+ranks together, and ``predicted_held`` says what each stage should hold;
+``labkit.parallel.pipeline.torch_runtime`` runs torch.distributed.pipelining's schedules on the
+same chunks beside it.
 
 Messages are ``batch_isend_irecv`` ops tagged by (kind, micro-batch, virtual stage): with
 interleaving, activations and gradients cross the same pair of ranks in orders that differ
@@ -320,10 +320,10 @@ def measure_schedules(cfg, p: int, cases: list, micro_batch: int = 1, seq: int =
     from labkit.parallel.cluster import run
     ranks = run(run_schedules, p, cfg, cases, micro_batch, seq, track, seed, lora_rank,
                 timeout_s=timeout_s)
-    return _assemble(ranks, cases, p)
+    return assemble_ranks(ranks, cases, p)
 
 
-def _assemble(ranks: list, cases: list, p: int) -> list[ScheduleRun]:
+def assemble_ranks(ranks: list, cases: list, p: int) -> list[ScheduleRun]:
     """Each rank's list of StageRuns -> one ScheduleRun per case, timed from its first op."""
     out = []
     for i, (name, m, v) in enumerate(cases):
@@ -400,14 +400,3 @@ def predicted_held(schedule: Schedule, cfg, micro_batch: int, seq: int) -> list[
                 live -= frees[op.chunk][op.kind]
         out.append(peak)
     return out
-
-
-def compare_with_torch(cfg, p: int, cases: list, micro_batch: int = 1, seq: int = 16,
-                       seed: int = 0, timeout_s: float = 300) -> list[tuple]:
-    """Each (schedule, m, v) of ``cases`` run by labkit's executor and by torch.distributed.
-    pipelining on the same p processes: (our ScheduleRun, torch's StageRun per stage)."""
-    from labkit.parallel.cluster import run
-    from labkit.parallel.pipeline.torch_runtime import ours_and_torch
-    ranks = run(ours_and_torch, p, cfg, cases, micro_batch, seq, seed, timeout_s=timeout_s)
-    ours = _assemble([r[0] for r in ranks], cases, p)
-    return [(run_, [r[1][i] for r in ranks]) for i, run_ in enumerate(ours)]

@@ -30,6 +30,20 @@ from labkit.core.recipe import SCHEDULES  # noqa: F401 - the vocabulary, named h
 from labkit.core.units import check_choice, check_positive
 
 
+def pending_w(stage: int, pp: int, micro_batches: int, schedule: str) -> Fraction:
+    """Micro-batches (of the stage's layers) whose B has run and W not yet, at most, at a W:
+    ZB-H1 defers s W's (s + 1 at the W); in a V (``torch_orders``) ZB-V 1/2 up to m = p and
+    s + 1/2 from m = 2p - 1 (between, torch's order defers fewer: a bound), DualPipeV
+    (s + 1) / 2. 0 for schedules with a whole backward."""
+    if schedule == "zb-h1":
+        return Fraction(min(stage + 1, micro_batches))
+    if schedule == "zb-v":
+        return Fraction(2 * stage + 1, 2) if micro_batches > pp else Fraction(1, 2)
+    if schedule == "dualpipe-v":
+        return Fraction(stage + 1, 2)
+    return Fraction(0)
+
+
 def stage_layers(layers: int, pp: int) -> list[range]:
     """Layer indices of each of ``pp`` stages: contiguous, non-empty, sizes differing by at
     most one (the first stages take the extra layers). 32 layers over pp=6: 6,6,5,5,5,5."""
@@ -48,10 +62,16 @@ def in_flight(stage: int, pp: int, micro_batches: int, schedule: str = "1f1b",
     """Micro-batches whose activations stage ``stage`` holds at once: GPipe runs every
     forward first (all ``micro_batches``); 1F1B starts backward after ``pp - stage``; ZB-H1
     defers the weight gradients, which keep their inputs: ``pp`` on every stage. Interleaved
-    1F1B holds min(m v, 2 (p - s - 1) + (v - 1) p + 1) chunks of 1/v of the stage's layers."""
+    1F1B holds min(m v, 2 (p - s - 1) + (v - 1) p + 1) chunks of 1/v of the stage's layers.
+    In a V (two equal chunks a stage, ``torch_orders``): ZB-V min(p, m, (m + 1 + s) / 2), p on
+    every stage from m = 2p; DualPipeV p + 1/2 (m >= 2p)."""
     m = micro_batches
     if schedule == "gpipe":
         return Fraction(m)
+    if schedule == "zb-v":
+        return min(Fraction(pp), Fraction(m), Fraction(m + 1 + stage, 2))
+    if schedule == "dualpipe-v":
+        return Fraction(2 * pp + 1, 2)
     if schedule == "zb-h1":
         return Fraction(min(m, pp))
     if schedule == "interleaved":

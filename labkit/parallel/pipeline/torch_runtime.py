@@ -1,6 +1,6 @@
 """torch.distributed.pipelining's own runtime on the chunks, weights and micro-batches of
 labkit's executor (``pipeline_parallel.run_schedules``): its losses, gradients and each stage's
-peak, beside ours (``pipeline_parallel.compare_with_torch``). ZB-V and DualPipeV run here only:
+peak, beside ours (``compare_with_torch``). ZB-V and DualPipeV run here only:
 their chunks sit in a V (stage s holds virtual stages s and 2p - 1 - s, so rank 0 computes the
 loss), an order labkit's executor does not route.
 """
@@ -12,8 +12,10 @@ import torch.nn as nn
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from labkit.core.config import preset
-from labkit.parallel.pipeline.pipeline_parallel import (StageRun, build_chunks, mean_loss,
-                                                        micro_batches, run_schedules)
+from labkit.parallel.cluster import run
+from labkit.parallel.pipeline.pipeline_parallel import (StageRun, assemble_ranks,
+                                                        build_chunks, mean_loss, micro_batches,
+                                                        run_schedules)
 from labkit.parallel.pipeline.schedules import Schedule
 from labkit.training.track import MemoryTracker
 
@@ -105,3 +107,12 @@ def ours_and_torch(ctx, cfg, cases, micro_batch, seq, seed):
     """labkit's executor, then torch's runtime, on this rank (``compare_with_torch``)."""
     return (run_schedules(ctx, cfg, cases, micro_batch, seq, True, seed),
             torch_pipelining(ctx, cfg, cases, micro_batch, seq, seed))
+
+
+def compare_with_torch(cfg, p: int, cases: list, micro_batch: int = 1, seq: int = 16,
+                       seed: int = 0, timeout_s: float = 300) -> list[tuple]:
+    """Each (schedule, m, v) of ``cases`` run by labkit's executor and by torch.distributed.
+    pipelining on the same p processes: (our ScheduleRun, torch's StageRun per stage)."""
+    ranks = run(ours_and_torch, p, cfg, cases, micro_batch, seq, seed, timeout_s=timeout_s)
+    ours = assemble_ranks([r[0] for r in ranks], cases, p)
+    return [(run_, [r[1][i] for r in ranks]) for i, run_ in enumerate(ours)]
