@@ -326,6 +326,9 @@ def tiled_attention(q, k, v, causal: bool = True, block: int = 128, softcap: flo
 
 
 # ---- measured: one core's forward + backward ------------------------------------------------
+CORE_LAYOUTS = ("bhnd", "model")   # q, k, v (1, H, T, d)-contiguous, or views of (1, T, H, d)
+
+
 def core(impl: str, block: int = 128):
     """The causal attention function ``impl`` names: q, k, v (B, H, T, d) -> (B, H, T, d)."""
     check_choice("attention implementation", impl, ATTENTION_IMPLS)
@@ -338,21 +341,31 @@ def core(impl: str, block: int = 128):
 
 
 def core_inputs(seq: int, heads: int = 8, head_dim: int = 64, dtype=torch.float32,
-                device="cpu"):
-    """q, k, v (1, H, T, d) leaves and the output's gradient, seeded."""
+                device="cpu", layout: str = "bhnd"):
+    """q, k, v (1, H, T, d) leaves and the output's gradient, seeded. ``layout="bhnd"``: each
+    (1, H, T, d)-contiguous; ``"model"``: the same numbers lying in memory as (1, T, H, d), as a
+    model's projections (and o_proj's backward) leave them: SDPA's CPU gradients need no copy
+    (the tiled core's, (1, H, T, d)-contiguous, then do)."""
+    check_choice("input layout", layout, CORE_LAYOUTS)
     g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(1, heads, seq, head_dim, generator=g).to(device, dtype)
-                     for _ in range(4))
+    tensors = [torch.randn(1, heads, seq, head_dim, generator=g).to(device, dtype)
+               for _ in range(4)]
+    if layout == "model":                       # (1, T, H, d) in memory, viewed as (1, H, T, d)
+        tensors = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    q, k, v, grad = tensors
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), grad
 
 
 def core_peak_bytes(impl: str, seq: int, heads: int = 8, head_dim: int = 64,
-                    dtype=torch.float32, device="cpu", block: int = 128) -> int:
+                    dtype=torch.float32, device="cpu", block: int = 128,
+                    layout: str = "bhnd") -> int:
     """Peak bytes one forward + backward of ``impl`` adds to its inputs (q, k, v and the
-    output's gradient), measured by ``labkit.training.track.MemoryTracker``; exact on the CPU."""
+    output's gradient), measured by ``labkit.training.track.MemoryTracker``; exact on the CPU.
+    ``layout`` as in ``core_inputs``: SDPA's CPU backward writes gradients (1, T, H, d)-major,
+    so "bhnd" leaves have one copied into their layout at the peak, "model" ones none."""
     from labkit.training.track import MemoryTracker
 
-    q, k, v, grad = core_inputs(seq, heads, head_dim, dtype, device)
+    q, k, v, grad = core_inputs(seq, heads, head_dim, dtype, device, layout)
     with MemoryTracker(timeline=False) as mt:
         for t in (q, k, v, grad):        # counted from the start: a view of an untracked
             mt.tag(t, "other")            # input (as tiling takes) would count it later

@@ -73,7 +73,9 @@ The tiles, 5 x 8 x b^2 x 4 B, pass it from b^2 > {b2:,.0f}, b > {b_min:.0f}: the
 list is {answer}. Measured (core_peak_bytes, N = 2048): {table}; SDPA {sdpa:.2f} MiB. The tiles
 do not grow with N: at N = 4096 the crossing moves to b > {b_min_4096:.0f}, since SDPA's extra
 tensor doubles. A GPU kernel keeps its tiles in on-chip memory (SRAM), not in GPU memory: the
-tile term is the cost of labkit's PyTorch loop, which makes each tile a tensor.""",
+tile term is the cost of labkit's PyTorch loop, which makes each tile a tensor. SDPA's fifth
+tensor is one gradient copied into these (B, H, N, d)-contiguous leaves: it disappears when q, k
+and v are views of a model's projections (core_peak_bytes(..., layout="model")).""",
 )
 def _tiled_peak_block():
     from labkit.transformer.attention import core_peak_bytes
