@@ -405,6 +405,8 @@ states = 16 * lk.count_params("llama-2-13b").total / 2**30    # GiB: 16 bytes pe
 print(f"paper bound: {states:.1f} GiB / 72 GiB usable = {states / 72:.2f} cards")
 answer = next(gpus for gpus in itertools.count(1)          # one more GPU at a time
               if plan("llama-2-13b", "a100-80gb", gpus, seq=4096, offload=False, top=1).fits)
+# plan() searches fused AdamW too where foreach fits nowhere: the label names it when it is used
+print(plan("llama-2-13b", "a100-80gb", answer, seq=4096, offload=False, top=1).fits[0].label())
 
 # %% 09-no-p2p-link
 import dataclasses

@@ -8,9 +8,9 @@ from labkit.predict.layers import count_params
 @register(
     "09-fewest-a100s-13b",
     question="""Full fine-tuning of LLaMA-2-13B (bf16 weights and gradients, fp32 master weights
-and AdamW state), sequences of 4096 tokens, one sequence per GPU per step, no offload: on how
-few A100-80GB GPUs does the planner find a layout that fits its usable memory (the card less
-10% headroom)?""",
+and AdamW state, with torch's default AdamW: foreach), sequences of 4096 tokens, one sequence
+per GPU per step, no offload: on how few A100-80GB GPUs does the planner find a layout that fits
+its usable memory (the card less 10% headroom)?""",
     unit="GPUs", rtol=0,
     hint="First the paper bound: the states take 16 bytes per parameter, and ZeRO or tensor "
          "parallelism splits them over the GPUs. Then ask labkit.course.plan.plan(..., "
@@ -18,13 +18,18 @@ few A100-80GB GPUs does the planner find a layout that fits its usable memory (t
          "step's temporaries; if not, try one more.",
     solution="""the model states alone are 16 B x {params:,} = {states:.1f} GiB: over the
 {usable:.1f} GiB one card may use, that is at least {bound} GPUs. On {bound} the planner finds
-nothing: ZeRO-3 over the {bound} peaks at {z3:.1f} GiB per GPU even with full recomputation
-({z3_fused:.1f} GiB with fused AdamW), because the activations and the optimizer step's
-temporaries come on top of the sharded states. On {answer} GPUs the first layout is
-"{best}", {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
+nothing. With foreach AdamW, ZeRO-3 over the {bound} peaks in the optimizer step at {z3:.1f}
+GiB per GPU even with full recomputation: foreach's temporaries come on top of the sharded
+states. FSDP2's MixedPrecisionPolicy keeps fp32 shards as the master (16 bytes per parameter;
+labkit's bf16-master keeps a bf16 shard beside it): {z3_fsdp2:.1f} GiB, over too. Fused AdamW
+has no step temporaries: under FSDP2's policy ZeRO-3 over {bound} would fit ({z3_fsdp2_fused:.2f}
+GiB), but labkit's layout peaks in the backward at {z3_fused:.1f} GiB, so the planner's fused
+search fails too. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
+{total:.1f} GiB per GPU: {margin:.0%} of the usable memory
 (labkit.course.plan.plan(..., offload=False)).""",
 )
 def _fewest_a100s_13b():
+    import dataclasses
     import math
 
     from labkit.core.gpus import GPUS
@@ -34,18 +39,22 @@ def _fewest_a100s_13b():
     from labkit.predict.plan_search import Family, family_candidates
     GiB_, n = 2**30, 1
     while not (p := plan("llama-2-13b", "a100-80gb", n, seq=4096, offload=False, top=1)).fits:
-        n += 1
+        n += 1                             # plan() also tries fused AdamW when foreach fits nowhere
     params = count_params("llama-2-13b").total
     bound = math.ceil(16 * params / p.usable)
 
-    def zero3(optimizer):                  # ZeRO-3 over the bound, full recomputation, mb 1
+    def zero3(optimizer, fsdp2=False):     # ZeRO-3 over the bound, full recomputation, mb 1
         f = Family("all", bound, 3, False, 1, 1, 1, optimizer=optimizer)
         k = family_candidates(preset("llama-2-13b"), GPUS["a100-80gb"], bound, f, seq=4096,
                               recompute=("full",))[0]
-        return estimate("llama-2-13b", 1, 4096, recipe=k.recipe, layout=k.layout).total / GiB_
+        recipe = (dataclasses.replace(k.recipe, precision="bf16-mixed", autocast_cache=False)
+                  if fsdp2 else k.recipe)  # FSDP2's policy: fp32 shards, no autocast copies
+        return estimate("llama-2-13b", 1, 4096, recipe=recipe, layout=k.layout).total / GiB_
     best = p.fits[0]
+    assert best.recipe.optimizer_impl in (None, "foreach"), best.label()
     return {"answer": n, "params": params, "states": 16 * params / GiB_, "bound": bound,
             "usable": p.usable / GiB_, "z3": zero3("adamw"), "z3_fused": zero3("adamw-fused"),
+            "z3_fsdp2": zero3("adamw", True), "z3_fsdp2_fused": zero3("adamw-fused", True),
             "best": best.label(), "total": best.estimate.total / GiB_,
             "margin": best.estimate.total / p.usable}
 
@@ -63,10 +72,12 @@ planner stop putting a tp 2 layout first?""",
          "between 1 and 32 GB/s.",
     solution="""below about {answer:.1f} GB/s per direction tp 2 is no longer first. At
 {high:g} GB/s the first layout is "{best_high}", {t_high:.2f} s a step; at {low:g} GB/s it is
-"{best_low}", {t_low:.2f} s, and tp 2 takes {tp_low:.2f} s. Just below the crossover the two
-are within 2% of each other: a tie, which the planner breaks by the smaller peak ({peak_low:.1f}
-GiB against tp 2's {peak_tp:.1f} GiB). Below it, pp's one hop of activations per micro-batch
-costs less than tp's all-reduces in every layer.""",
+"{best_low}", {t_low:.2f} s, and tp 2 takes {tp_low:.2f} s. The modelled times cross at
+{cross:.1f} GB/s: that is the number to compare with your measured busbw. The planner flips a
+little higher, because between the two the times are within 2% of each other: a tie, which
+the planner breaks by the smaller peak ({peak_low:.1f} GiB against tp 2's {peak_tp:.1f} GiB).
+Below it, pp's few hops of activations per micro-batch (one per model chunk) cost less than
+tp's all-reduces in every layer.""",
 )
 def _no_p2p_link():
     import dataclasses
@@ -78,10 +89,20 @@ def _no_p2p_link():
         gpu = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=gbps)
         return plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
                     top=top, advice=False).fits
-    lo, hi = 1.0, 32.0
-    while hi - lo > 0.05:                  # tp 2 first at hi, not at lo
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid)[0].layout.tp == 2 else (mid, hi)
+
+    def gap(gbps):                         # fastest tp 2 layout's time less the fastest other's
+        every = fits(gbps, top=None)
+        return (min(k.time.dp_overlapped for k in every if k.layout.tp == 2)
+                - min(k.time.dp_overlapped for k in every if k.layout.tp != 2))
+
+    def bisect(tp_first):                  # the bandwidth where tp_first(g) turns true
+        lo, hi = 1.0, 32.0
+        while hi - lo > 0.05:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if tp_first(mid) else (mid, hi)
+        return lo, hi
+    lo, hi = bisect(lambda g: fits(g)[0].layout.tp == 2)
+    cross = sum(bisect(lambda g: gap(g) < 0)) / 2
     high, low = fits(8)[0], fits(6, top=None)
     tp_low = next(k for k in low if k.layout.tp == 2)
     below = fits(lo, top=None)
@@ -90,4 +111,5 @@ def _no_p2p_link():
     return {"answer": hi, "high": 8, "low": 6, "best_high": high.label(),
             "t_high": high.time.dp_overlapped, "best_low": low[0].label(),
             "t_low": low[0].time.dp_overlapped, "tp_low": tp_low.time.dp_overlapped,
-            "peak_low": below[0].estimate.total / GiB_, "peak_tp": tp_below.estimate.total / GiB_}
+            "cross": cross, "peak_low": below[0].estimate.total / GiB_,
+            "peak_tp": tp_below.estimate.total / GiB_}
