@@ -1,11 +1,13 @@
 """torch's V-shaped pipeline schedules (ZB-V, DualPipeV) as labkit op lists: every op once, on
 the V's virtual stages, and their bubble and memory from labkit's simulator."""
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 from torch.distributed.pipelining.schedules import generate_rank_to_stage_mapping
 
-from labkit.parallel.pipeline.schedules import dualpipe_bubble, make_schedule, simulate
+from labkit.parallel.pipeline.schedules import (Op, Schedule, dualpipe_bubble, make_schedule,
+                                                simulate)
 from labkit.parallel.pipeline.torch_orders import torch_order, v_schedule
 
 HALF = {kind: Fraction(1, 2) for kind in "FBW"}          # a chunk is half a stage
@@ -29,18 +31,33 @@ def test_each_stage_runs_torchs_ops_on_the_v(name):
 
 @pytest.mark.parametrize("p, m", CASES)
 def test_v_schedules_idle_p_minus_1_chunk_ops_per_stage(p, m):
-    """With F = B = W and m >= 2p, each stage idles p - 1 chunk-sized ops in all (the last
-    stage's wait for its first input is the least any can idle): (p - 1) / (6m + p - 1), about
-    half of ZB-H1's p - 1 stage-sized ops. ZB-V holds p micro-batches per stage (2p chunks of
-    half a stage), DualPipeV one chunk more. DualPipeV's pairs run as torch runs them, halves in
-    sequence; run as DeepSeek runs them, its formula gives ZB-H1's bubble."""
-    for name, extra in (("zb-v", 0), ("dualpipe-v", 1)):
-        timeline = simulate(v_schedule(name, p, m), HALF)
-        assert timeline.idle_fraction == Fraction(p - 1, 6 * m + p - 1)
-        assert timeline.held == [2 * p + extra] * p
+    """With F = B = W and m >= 2p, ZB-V's stages each idle p - 1 chunk-sized ops in all (the
+    last stage's wait for its first input is the least any can idle): (p - 1) / (6m + p - 1),
+    about half of ZB-H1's p - 1 stage-sized ops. DualPipeV's overlapped pairs send both halves'
+    outputs after the pair, in torch's runtime (``_add_send_recv``) as in DeepSeek's: the next
+    stage waits for the whole pair, and it idles as ZB-H1 does, DeepSeek's formula with nothing
+    hidden. ZB-V holds p micro-batches per stage (2p chunks of half a stage), DualPipeV one
+    chunk more."""
     zb_h1 = simulate(make_schedule("zb-h1", p, m))
     assert zb_h1.idle_fraction == Fraction(p - 1, 3 * m + p - 1)
+    for name, extra, idle in (("zb-v", 0, Fraction(p - 1, 6 * m + p - 1)),
+                              ("dualpipe-v", 1, zb_h1.idle_fraction)):
+        timeline = simulate(v_schedule(name, p, m), HALF)
+        assert timeline.idle_fraction == idle, name
+        assert timeline.held == [2 * p + extra] * p
     assert dualpipe_bubble(p, m) == pytest.approx(zb_h1.idle_fraction)   # chunk F 1, B 2, W 1
+
+
+def test_a_pairs_outputs_leave_with_the_pair():
+    """An action run as several ops (torch's full backward, an overlapped pair) publishes its
+    outputs at its end: a stage waiting on the first half waits for the whole action."""
+    ops = (Op("F", 0), Op("B", 0), Op("W", 0))
+    two = Schedule("toy", 2, 1, 1, (ops, ops))
+    grouped = replace(two, groups=(((1, 3),), ()))         # stage 0's B and W as one action
+    assert [span.end for span in simulate(two).stages[0]] == [1, 4, 5]
+    assert [span.end for span in simulate(grouped).stages[0]] == [1, 4, 5]   # its own W waits not
+    late = replace(two, groups=((), ((1, 3),)))             # stage 1's B leaves after its W
+    assert simulate(late).stages[0][1].start == simulate(two).stages[0][1].start + 1
 
 
 def test_below_2p_micro_batches_the_v_idles_more():
@@ -82,7 +99,7 @@ def test_the_estimates_closed_forms_are_torchs_orders(name):
                 assert all(b >= e for b, e in zip(bound, exact)), (p, m)
             else:
                 assert bound == exact, (p, m)
-            if m >= 2 * p and name == "zb-v":
+            if m >= 2 * p:
                 assert pipeline_bubble(p, m, name) == pytest.approx(
                     float(simulate(schedule, HALF).idle_fraction)), (p, m)
     with pytest.raises(ValueError, match="simulate torch's order"):

@@ -118,6 +118,9 @@ class Schedule:
     v: int                       # chunks per stage
     stages: tuple                # stages[s]: tuple of Op
     placement: str = "loop"      # "v": two chunks, stage s holds virtual stages s and 2p - 1 - s
+    # per stage, (start, stop) index ranges of ops run as one action: their outputs leave together
+    # at the last one's end (torch's full backward, DualPipeV's overlapped pairs)
+    groups: tuple = ()
 
     @property
     def split_backward(self) -> bool:
@@ -312,12 +315,15 @@ def simulate(schedule: Schedule, durations=None) -> PipelineTimeline:
     ``durations``: {"F", "B", "W": time per op} (default 1 each, so a full backward costs 2:
     T_F = T_B = T_W as Qi et al. assume), or a function (stage, op) -> time (measured).
     An F needs the previous virtual stage's F of its micro-batch; a B the next one's B (the
-    last virtual stage, its own F); a W its own B. Integers give exact Fractions.
+    last virtual stage, its own F); a W its own B. Integers give exact Fractions. Ops of one
+    of ``schedule.groups`` reach other stages at the group's end.
     """
     p, v = schedule.p, schedule.v
     cost = _cost(durations, full_backward=not schedule.split_backward)
     last = p * v - 1
-    done: dict = {}                                   # (kind, mb, virtual stage) -> end time
+    done: dict = {}                                   # (kind, mb, virtual stage) -> when others see it
+    ran: dict = {}                                    # ... -> when it ended, for its own stage
+    ends = _group_ends(schedule)
     stages = [[] for _ in range(p)]
     next_op, free = [0] * p, [0] * p
     remaining = sum(len(ops) for ops in schedule.stages)
@@ -331,12 +337,18 @@ def simulate(schedule: Schedule, durations=None) -> PipelineTimeline:
                          "B": [("F", op.micro_batch, k)]
                          + ([("B", op.micro_batch, k + 1)] if k < last else []),
                          "W": [("B", op.micro_batch, k)]}[op.kind]
-                if any(n not in done for n in needs):
+                here = [n for n in needs if n in ran and schedule_stage(schedule, n[2]) == s]
+                if any(n not in done and n not in here for n in needs):
                     break
-                start = max([free[s]] + [done[n] for n in needs])
+                start = max([free[s]] + [ran[n] if n in here else done[n] for n in needs])
                 end = start + cost(s, op)
-                done[(op.kind, op.micro_batch, k)] = free[s] = end
+                ran[(op.kind, op.micro_batch, k)] = free[s] = end
                 stages[s].append(OpSpan(op, start, end))
+                start_i, stop = ends.get((s, next_op[s]), (next_op[s], next_op[s] + 1))
+                if next_op[s] == stop - 1:     # the action is over: its outputs leave
+                    for span in stages[s][start_i - stop:]:
+                        o = span.op
+                        done[(o.kind, o.micro_batch, schedule.virtual_stage(s, o.chunk))] = end
                 next_op[s] += 1
                 remaining -= 1
                 progressed = True
@@ -346,6 +358,20 @@ def simulate(schedule: Schedule, durations=None) -> PipelineTimeline:
             raise ValueError(f"schedule {schedule.name!r} deadlocks: each stage waits for an op "
                              f"another stage has not run (next ops {stuck}); reorder the lists")
     return PipelineTimeline(schedule.name, p, schedule.m, v, stages, schedule.peak_held())
+
+
+def _group_ends(schedule: Schedule) -> dict:
+    """(stage, op index) -> (start, stop) of the group it belongs to (ops outside groups: none)."""
+    return {(s, i): (start, stop) for s, groups in enumerate(schedule.groups)
+            for start, stop in groups for i in range(start, stop)}
+
+
+def schedule_stage(schedule: Schedule, virtual: int) -> int:
+    """The stage (device) that runs virtual stage ``virtual``."""
+    p = schedule.p
+    if schedule.placement == "v":
+        return virtual if virtual < p else 2 * p - 1 - virtual
+    return virtual % p
 
 
 def zb_h1_bubble(p: int, m: int, t_f=1, t_b=1, t_w=1) -> float:

@@ -6,10 +6,13 @@ own order for each stage, turned into op lists that ``schedules.simulate`` times
 
 Each stage holds two chunks in a V (virtual stages s and 2p - 1 - s), so the first stage also
 computes the last chunk and the loss. torch's full backward becomes B then W. DualPipeV's
-overlapped pairs (one chunk's forward beside another's backward) run one after the other, each
-half waiting only for its own input: what torch 2.13's runtime does unless an overlap function is
-registered (``register_custom_function(OVERLAP_F_B, ...)``). DeepSeek's own runtime waits for
-both inputs and overlaps the pair with its all-to-all: ``schedules.dualpipe_bubble``.
+overlapped pairs (one chunk's forward beside another's backward) run their halves one after the
+other, as torch 2.13's runtime does unless an overlap function is registered
+(``register_custom_function(OVERLAP_F_B, ...)``). An action that becomes several ops (a pair, a
+full backward) is one of the Schedule's ``groups``: torch posts its sends after the whole action
+(``_add_send_recv``), so ``schedules.simulate`` lets its outputs leave at the action's end. That
+is DeepSeek's rule too: without communication to hide, DualPipeV idles as ZB-H1 does
+(``schedules.dualpipe_bubble``).
 """
 from __future__ import annotations
 
@@ -51,9 +54,18 @@ def _ops(action, stage: int) -> list[Op]:
 
 
 def v_schedule(name: str, p: int, m: int) -> Schedule:
-    """torch's ZB-V or DualPipeV order for p stages and m micro-batches, checked."""
-    stages = tuple(tuple(op for action in actions for op in _ops(action, s))
-                   for s, actions in enumerate(torch_order(name, p, m)))
-    schedule = Schedule(name, p, m, 2, stages, placement="v")
+    """torch's ZB-V or DualPipeV order for p stages and m micro-batches, checked; an action
+    that becomes several ops (a full backward, an overlapped pair) is one of ``groups``."""
+    stages, groups = [], []
+    for s, actions in enumerate(torch_order(name, p, m)):
+        ops, ranges = [], []
+        for action in actions:
+            new = _ops(action, s)
+            if len(new) > 1:
+                ranges.append((len(ops), len(ops) + len(new)))
+            ops += new
+        stages.append(tuple(ops))
+        groups.append(tuple(ranges))
+    schedule = Schedule(name, p, m, 2, tuple(stages), placement="v", groups=tuple(groups))
     validate(schedule)
     return schedule
