@@ -438,17 +438,20 @@ def guide(labs: list[Lab]) -> dict[Path, bytes]:
 
 def landing(labs: list[Lab]) -> dict[Path, bytes]:
     intro = ("# GPU Memory Labs: start here\n\n"
-             "Runnable labs on where GPU memory goes when you train and fine-tune large "
-             "language models. Each lab predicts a training step's memory with a formula, measures "
-             "it, and explains the difference tensor by tensor. It measures real PyTorch steps of "
-             "small models on this machine (on its GPU when there is one), and full-size models' "
-             "steps on fake tensors (shapes without memory), with what a CUDA run does by default. "
-             "Open a lab "
-             "below (the link opens it in JupyterLab), run it from the top (*Run ▸ Run All "
-             "Cells*), read the prose between the cells, then change the parameters and move the "
-             "panel's controls. Take them in order: each lab builds on the ones before, and lab 09 "
-             "puts them together. The exercises at the end of labs 01-09 check your answer at once. "
-             + GPU_NOTE)
+             "**Runnable labs on where GPU memory goes when you train and fine-tune large language "
+             "models.**\n\n"
+             "- **What a lab does**: it predicts a training step's memory with a formula, measures "
+             "it, and explains the difference tensor by tensor. Small models' steps are real "
+             "PyTorch steps on this machine. Full-size models' steps run on fake tensors (shapes "
+             "without memory), with what a CUDA run does by default.\n"
+             "- **How to run one**: open a lab below (the link opens it in JupyterLab) and run it "
+             "from the top (*Run ▸ Run All Cells*). Read the prose between the cells, then change "
+             "the parameters and move the panel's controls.\n"
+             "- **The order**: take them in order, as each lab builds on the ones before; lab 09 "
+             "puts them together. The exercises at the end of labs 01-09 check your answer at "
+             "once.\n"
+             "- **CPU or GPU**: " + GPU_NOTE + " The small models' steps run on this machine's "
+             "GPU when there is one.")
     rows = [f"| [{lab.label}](notebooks/{lab.notebook.name}) | {lab.minutes} min | {lab.needs} |"
             if lab.notebook else f"| {lab.label} (not yet written) | {lab.minutes} min | |"
             for lab in labs]

@@ -33,6 +33,7 @@ STARTED = time.perf_counter()
 
 # (label, model, batch, seq, step keywords): one real GPU step each, smallest first
 TRACKER_CASES = [
+    ("lab 00: small, fp32", ("small", None), 1, 512, dict(precision="fp32")),
     ("7B-wide x 4 layers, fp32", ("llama-2-7b", 4), 1, 2048, dict(precision="fp32")),
     ("7B-wide x 4 layers, bf16-mixed", ("llama-2-7b", 4), 1, 2048, dict(precision="bf16-mixed")),
     ("7B-wide x 4 layers, fp16-mixed", ("llama-2-7b", 4), 1, 2048, dict(precision="fp16-mixed")),
