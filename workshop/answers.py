@@ -106,12 +106,15 @@ answer = P.quantize_fp8(w, fmt="fp8-e4m3", granularity="block").nbytes     # val
 print(f"7168^2 x 1 B + (7168 / 128)^2 x 4 B = {7168**2 + (7168 // 128) ** 2 * 4:,} B")
 
 # %% 02-mixed-saves-a-quarter
-def saves_a_quarter(seq):
-    mixed, fp32 = (lk.estimate("llama-2-7b", 1, seq, precision=p, device="cuda").total
+def saves_a_quarter(batch):
+    mixed, fp32 = (lk.estimate("llama-2-7b", batch, 4096, precision=p, device="cuda").total
                    for p in ("bf16-mixed", "fp32"))
     return mixed <= 0.75 * fp32
 
-answer = next(seq for seq in range(512, 2**17, 512) if saves_a_quarter(seq))
+batch = next(b for b in range(1, 65) if saves_a_quarter(b))
+answer = batch * 4096                                 # tokens per step
+mixed_peak = lk.estimate("llama-2-7b", batch, 4096, precision="bf16-mixed", device="cuda").total
+print(f"batch {batch}: peak {mixed_peak / 2**30:.0f} GiB, more than any single GPU holds")
 
 # %% 02-half-inference-saving
 from labkit.quantisation.precision import inference_peak
@@ -207,7 +210,7 @@ answer = lk.model_state_bytes(n, "bf16-master", "adamw", zero_stage=2, dp=8) / n
 
 # %% 04-bucket-view-saves
 def peak(view):
-    return lk.estimate("llama-2-7b", 1, 16, precision="fp32",
+    return lk.estimate("llama-2-13b", 1, 16, precision="fp32",
                        layout=lk.Layout(dp=8, gradient_as_bucket_view=view)).total
 
 answer = (peak(False) - peak(True)) / 2**30

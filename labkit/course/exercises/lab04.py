@@ -26,23 +26,25 @@ def _zero2_bytes_per_parameter():
 
 @register(
     "04-bucket-view-saves",
-    question="""LLaMA-2-7B trains in fp32 with AdamW under DDP over 8 GPUs, 1 x 16 tokens per GPU
+    question="""LLaMA-2-13B trains in fp32 with AdamW under DDP over 8 GPUs, 1 x 16 tokens per GPU
 (CUDA defaults). How many GiB per GPU does `gradient_as_bucket_view=True` save at the peak?""",
     unit="GiB",
     hint="DDP's buckets hold a flat copy of every gradient for the whole run; with bucket views "
          "the .grad tensors are views of them instead of a second copy. Compare "
          "lk.estimate(..., layout=lk.Layout(dp=8, gradient_as_bucket_view=...)).",
     solution="""{answer:.2f} GiB: one fp32 copy of the gradients, 4 x {n:,} bytes. Peak per GPU
-{off:.2f} GiB with DDP's default, {on:.2f} GiB with bucket views (during {phase}).""",
+{off:.2f} GiB with DDP's default, {on:.2f} GiB with bucket views, both during {phase}:
+.grad is still alive there, so the saving is whole.""",
 )
 def _bucket_view_saves():
     from labkit.predict import estimate
     from labkit.core.recipe import Layout
     step = dict(batch=1, seq=16, precision="fp32")
-    off, on = (estimate("llama-2-7b", **step, layout=Layout(dp=8, gradient_as_bucket_view=v))
+    off, on = (estimate("llama-2-13b", **step, layout=Layout(dp=8, gradient_as_bucket_view=v))
                for v in (False, True))
-    return {"answer": (off.total - on.total) / GiB, "n": count_params("llama-2-7b").total,
-            "off": off.total / GiB, "on": on.total / GiB, "phase": on.peak_phase}
+    assert off.peak_phase == on.peak_phase == "optimizer", (off.peak_phase, on.peak_phase)
+    return {"answer": (off.total - on.total) / GiB, "n": count_params("llama-2-13b").total,
+            "off": off.total / GiB, "on": on.total / GiB, "phase": "the optimizer step"}
 
 
 @register(
