@@ -23,8 +23,8 @@ GiB per GPU even with full recomputation: foreach's temporaries come on top of t
 states. FSDP2's MixedPrecisionPolicy keeps fp32 shards as the master (16 bytes per parameter;
 labkit's bf16-master keeps a bf16 shard beside it): {z3_fsdp2:.1f} GiB, over too. Fused AdamW
 has no step temporaries: under FSDP2's policy ZeRO-3 over {bound} would fit ({z3_fsdp2_fused:.2f}
-GiB), but labkit's layout peaks in the backward at {z3_fused:.1f} GiB, so the planner's fused
-search fails too. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
+GiB, {fused_margin:.0%} of the usable), but labkit's layout peaks in the backward at
+{z3_fused:.1f} GiB, so the planner's fused search fails too. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
 {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
 (labkit.course.plan.plan(..., offload=False)).""",
 )
@@ -50,13 +50,14 @@ def _fewest_a100s_13b():
         recipe = (dataclasses.replace(k.recipe, precision="bf16-mixed", autocast_cache=False)
                   if fsdp2 else k.recipe)  # FSDP2's policy: fp32 shards, no autocast copies
         return estimate("llama-2-13b", 1, 4096, recipe=recipe, layout=k.layout).total / GiB_
-    best = p.fits[0]
+    best, fsdp2_fused = p.fits[0], zero3("adamw-fused", True)
     assert best.recipe.optimizer_impl in (None, "foreach"), best.label()
     return {"answer": n, "params": params, "states": 16 * params / GiB_, "bound": bound,
             "usable": p.usable / GiB_, "z3": zero3("adamw"), "z3_fused": zero3("adamw-fused"),
-            "z3_fsdp2": zero3("adamw", True), "z3_fsdp2_fused": zero3("adamw-fused", True),
+            "z3_fsdp2": zero3("adamw", True), "z3_fsdp2_fused": fsdp2_fused,
             "best": best.label(), "total": best.estimate.total / GiB_,
-            "margin": best.estimate.total / p.usable}
+            "margin": best.estimate.total / p.usable,
+            "fused_margin": fsdp2_fused * GiB_ / p.usable}
 
 
 @register(
