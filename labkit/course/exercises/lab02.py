@@ -67,11 +67,13 @@ bring the peak 25% below fp32's? Search over the batch with the estimate.""",
     solution="""The smallest batch with 100 x peak <= 75 x fp32's peak (labkit.predict.sweep.first, a
 bisection over lk.estimate) is {batch}: {answer:,} tokens per step, peak {peak} against {fp32} in
 fp32, the peak at "{moment}" (batch {below}: {below_saved:.1f}% saved). No single GPU holds that
-peak: autocast saves a quarter only in regimes that need ZeRO or context parallelism to fit at
-all (section 7 sweeps them). At batch 1 it saves {one_saved:.1f}%: the optimizer step, where its
-states are fp32's, sets the peak.""",
+peak, and {activations} of it are activations: autocast saves a quarter only at token counts per
+GPU that need context or sequence parallelism to fit; ZeRO shards the states, not these
+activations. At batch 1 it saves {one_saved:.1f}%: the optimizer step, where its states are
+fp32's, sets the peak.""",
 )
 def _mixed_saves_a_quarter():
+    from labkit.predict import estimate
     from labkit.predict.sweep import first, saving
     from labkit.core.units import fmt_bytes
 
@@ -81,7 +83,9 @@ def _mixed_saves_a_quarter():
     s, below = autocast(batch), autocast(batch - 1)
     return {"answer": batch * 4096, "batch": batch, "peak": fmt_bytes(s.peak),
             "fp32": fmt_bytes(s.baseline_peak), "moment": s.moment, "below": batch - 1,
-            "below_saved": 100 * below.saved, "one_saved": 100 * autocast(1).saved}
+            "below_saved": 100 * below.saved, "one_saved": 100 * autocast(1).saved,
+            "activations": fmt_bytes(estimate("llama-2-7b", batch, 4096, precision="bf16-mixed")
+                                     .saved_activations)}
 
 
 @register(
