@@ -125,7 +125,8 @@ routed expert of every MoE layer per GPU. How many routed-expert parameters does
 (attention, the {dense} dense MLPs, shared experts, routers, norms, embedding, head:
 {replicated:.2f} billion) adds {replicated_gib:.1f} GiB. From ep = 64 on the replicated rest is most
 of a GPU's model states, and no ep divides it: DeepSeek-V3 (on 80 GB H800s) pairs 64-way expert
-parallelism with 16 pipeline stages, which split every layer's weights, and ZeRO-1.""",
+parallelism with 16 pipeline stages, which split the layers, and so the replicated rest, 16 ways
+(DualPipe keeps two stages per GPU), and ZeRO-1.""",
 )
 def _v3_experts_per_gpu():
     from labkit.parallel.expert.expert_parallel import experts_per_rank, rank_params
