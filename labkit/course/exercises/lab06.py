@@ -187,7 +187,8 @@ w_down (16 x {ffn:,}) and B of w_gate and w_up ({ffn:,} x 16), {wide:,} numbers 
 attention's adapters and the other halves ({hidden:,} x 16 or less) stay under it. 2 bytes x
 {numbers:,} numbers = {answer:.2f} MiB can move; {resident:.2f} MiB (the smaller adapters'
 moments, every absmax scale, the two maps) stays on the GPU. The same step grows by
-{spike:.2f} GiB from 2,048 to 8,192 tokens (full recompute): paging frees {share:.1%} of that.""",
+{spike:.2f} GiB from 1 x 2,048 to 2 x 4,096 tokens (full recompute): paging frees {share:.1%} of
+that.""",
 )
 def _paged_mistral():
     from labkit.predict import estimate
@@ -195,10 +196,10 @@ def _paged_mistral():
     from labkit.predict.paged import paged_state, trained_numels
     c = preset("mistral-7b")
     state = paged_state(trained_numels(c, "lora", 16), bits=8)
-    step = [estimate(c, 1, seq, recipe=Recipe("bf16-master", optimizer="adamw-8bit",
-                                               trainable="lora", weight_format="nf4",
-                                               recompute="full")).total
-            for seq in (2048, 8192)]
+    step = [estimate(c, batch, seq, recipe=Recipe("bf16-master", optimizer="adamw-8bit",
+                                                   trainable="lora", weight_format="nf4",
+                                                   recompute="full")).total
+            for batch, seq in ((1, 2048), (2, 4096))]
     return {"answer": state.paged / 2**20, "paged_tensors": state.paged_tensors,
             "tensors": state.tensors, "ffn": c.ffn, "wide": 16 * c.ffn, "hidden": c.hidden,
             "numbers": state.paged // 2, "resident": state.resident / 2**20,
