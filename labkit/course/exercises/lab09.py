@@ -63,10 +63,10 @@ def _fewest_a100s_13b():
 @register(
     "09-no-p2p-link",
     question="""The RTX 4090 has no peer-to-peer transfers: two of them talk through host
-memory, far below the 32 GB/s the planner assumes (measure yours with nccl-tests'
-all_reduce_perf: its busbw). Plan DeepSeek-V2-Lite at 2048 tokens on two RTX 4090s (full
-fine-tuning, LoRA and QLoRA allowed): below what GPU-to-GPU bandwidth, per direction, does the
-planner stop putting a tp 2 layout first?""",
+memory, below the 32 GB/s the planner assumes (measure yours with nccl-tests:
+all_reduce_perf's busbw for tp's traffic, sendrecv_perf's for pp's). Plan DeepSeek-V2-Lite at
+2048 tokens on two RTX 4090s (full fine-tuning, LoRA and QLoRA allowed): below what
+GPU-to-GPU bandwidth, per direction, does the planner stop putting a tp 2 layout first?""",
     unit="GB/s", rtol=0.05,
     hint="dataclasses.replace(labkit.core.gpus.GPUS['rtx-4090-24gb'], intra_node_gbps=g) is a "
          "GPU of your own; pass it to plan(..., top=1) and read .fits[0].layout.tp. Bisect g "
