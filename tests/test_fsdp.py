@@ -87,6 +87,18 @@ def test_zero_redundancy_optimizer_splits_whole_parameters(two_ranks):
     assert abs(steps[0].state_bytes - steps[1].state_bytes) <= max(sizes)
 
 
+def test_zero_redundancy_optimizer_under_ddp_holds_the_buckets_more(two_ranks):
+    """Under torch's DDP (its normal use) the same training, and each rank holds DDP's buckets,
+    a copy of the gradients (G), beside the ``.grad`` the bare setup holds: G more at the peak."""
+    torch.testing.assert_close(losses(two_ranks, "ZeroRedundancyOptimizer under DDP"),
+                               losses(two_ranks, "ZeroRedundancyOptimizer"), **TOL)
+    grads = sum(p.nbytes for p in tiny_params())
+    for ranks in two_ranks:
+        bare, ddp = ranks["ZeroRedundancyOptimizer"], ranks["ZeroRedundancyOptimizer under DDP"]
+        assert ddp.peak_by_category["grads"] == bare.peak_by_category["grads"] + grads
+        assert ddp.peak - bare.peak == pytest.approx(grads, rel=0.05)
+
+
 def test_tracker_counts_fsdp2_local_shards(two_ranks):
     """The tracker sees a DTensor's local shard, not its global size: AdamW's state at the peak
     is this rank's moments and step counters; the parameters are the shards plus at most the

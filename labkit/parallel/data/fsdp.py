@@ -5,6 +5,7 @@ rank's ``ShardStep`` (losses, the tracker's peak by category, what the rank hold
 ``side_by_side`` runs them all on one cluster:
 
     zero_redundancy_step   torch's ZeroRedundancyOptimizer (stage 1), gradients all-reduced
+                           in place, or (``under_ddp``) by torch's DDP, in buckets
     fsdp2_step             torch's FSDP2, ``fully_shard`` on each block, then on the root
     labkit_zero_step       labkit's ``ZeroOptimizer``, stage 1, 2 or 3 (``zero_step``)
     labkit_fsdp_step       labkit's ``FullyShardedDataParallel`` (``fully_sharded``), a unit per
@@ -42,10 +43,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel
 
 from labkit.core.config import preset
 from labkit.core.units import CATEGORIES, check_choice, torch_dtype
 from labkit.parallel.data.data_parallel import DataParallel
+from labkit.parallel.data.ddp import BucketLog, allreduce_and_tag
 from labkit.parallel.data.fully_sharded import FullyShardedDataParallel
 from labkit.parallel.data.sharded_optimizer import ShardedOptimizer
 from labkit.parallel.data.zero_step import node_groups, train_zero  # noqa: F401 (re-exported)
@@ -149,16 +152,24 @@ class FSDP2Parameters:
 
 # ---- the rank functions ---------------------------------------------------------------------
 def zero_redundancy_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32,
-                         steps: int = 3) -> ShardStep:
+                         steps: int = 3, under_ddp: bool = False) -> ShardStep:
     """torch's ``ZeroRedundancyOptimizer`` (stage 1): each rank steps AdamW on the whole
     parameters it owns, then broadcasts them. Gradients are averaged by labkit's
-    ``DataParallel`` without buckets (an all-reduce per parameter, in place), not torch's DDP,
-    whose buckets would add a copy of them."""
+    ``DataParallel`` without buckets (an all-reduce per parameter, in place); ``under_ddp``:
+    by torch's ``DistributedDataParallel`` instead, its normal use, whose buckets (a copy of
+    the gradients, G) the tracker counts as gradients (``ddp.allreduce_and_tag``)."""
     model = _seeded_model(model_name, ctx.device)
-    averaged = DataParallel(model, ctx.group)
+    if under_ddp:
+        averaged = DistributedDataParallel(
+            model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+            process_group=ctx.group)
+        averaged.register_comm_hook(BucketLog(ctx.group), allreduce_and_tag)
+    else:
+        averaged = DataParallel(model, ctx.group)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   process_group=ctx.group, **ADAMW)
-    averaged.finish_before(opt)
+    if not under_ddp:
+        averaged.finish_before(opt)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
     step = measure_rank(ctx, model, averaged, opt, batches, states=opt.optim)
     return ShardStep(**vars(step), param_bytes=_held_bytes(model.parameters()),
@@ -266,6 +277,8 @@ def side_by_side(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, s
                  stages=(1, 3)) -> dict:
     """Each wrapper in turn on this rank (one cluster start for all): {name: ShardStep}."""
     out = {"ZeroRedundancyOptimizer": zero_redundancy_step(ctx, model_name, batch, seq, steps),
+           "ZeroRedundancyOptimizer under DDP": zero_redundancy_step(ctx, model_name, batch, seq,
+                                                                     steps, under_ddp=True),
            "FSDP2": fsdp2_step(ctx, model_name, batch, seq, steps),
            "FSDP2, no reshard": fsdp2_step(ctx, model_name, batch, seq, steps,
                                            reshard_after_forward=False)}
