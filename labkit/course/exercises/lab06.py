@@ -145,7 +145,8 @@ an nn.Identity); qlora.py's LLaMA-2-7B script passes --lora_dropout 0.1. Then ea
 linear saves its own dropped bf16 copy of its input and, on CUDA, a bool mask: 3 bytes per
 input feature ({feats:,} per layer over the {targets} targets), less the 2-byte inputs only
 the adapters kept (the two norms' outputs and w_down's input, which no frozen layer saves):
-+{dropout:.2f} GiB at 1 x 2048 without recomputation, one layer's worth with full recompute.""",
++{dropout:.2f} GiB at 1 x 2048 without recomputation (the lab's fake step measures 4.15), one
+layer's worth with full recompute.""",
 )
 def _qlora_7b_peak():
     from labkit.predict import estimate
