@@ -11,8 +11,9 @@ Precisions (bytes per parameter of weights, gradients, each optimizer-state numb
 | bf16-master, fp16-master  | 2       | 2     | 4     | 4      | ZeRO's "mixed precision"     |
 | bf16-mixed, fp16-mixed    | 4       | 4     | 4     | -      | autocast: + 2-byte copies    |
 
-bf16-master is the ZeRO paper's 2 + 2 + 12 bytes with AdamW. The mixed names are PyTorch
-Lightning's; autocast's 16-bit weight copies are their own category.
+bf16-master is the ZeRO paper's 2 + 2 + 12 bytes with AdamW (under ZeRO labkit keeps the
+averaged gradient shards in fp32: ZeRO-3 holds (2 + 4 + 12) / N once they exist). The mixed
+names are PyTorch Lightning's; autocast's 16-bit weight copies are their own category.
 """
 from __future__ import annotations
 

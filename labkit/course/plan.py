@@ -251,7 +251,9 @@ def _assumptions(g, gpus_per_node: int, usable: int, headroom: float, host_ram: 
     return [
         f"usable memory: {fmt_bytes(g.memory)} less {100 * headroom:g}% headroom for the CUDA "
         f"context, NCCL buffers and allocator fragmentation = {fmt_bytes(usable)}",
-        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter), AdamW foreach, "
+        f"full fine-tuning: {FULL} (2 + 2 + 12 bytes per parameter, with ZeRO's gradient "
+        f"shards in fp32: ZeRO-3 keeps (2 + 4 + 12) / N, FSDP2's MixedPrecisionPolicy "
+        f"(4 + 4 + 8) / N), AdamW foreach, "
         f"torch.optim's CUDA default (Megatron-LM and DeepSpeed run a fused Adam)"
         + (f", or 8-bit AdamW (2 + 2 + 6: its moments 1 byte each, as bitsandbytes' "
            f"and labkit's AdamW8bit keep them; its block scales not counted, its "

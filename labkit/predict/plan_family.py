@@ -8,7 +8,8 @@ from labkit.core.recipe import Layout, Recipe
 from labkit.predict import Estimate
 from labkit.predict.steptime import StepTime
 
-FULL, ADAPTERS = "bf16-master", "bf16"      # full: 2 + 2 + 12 B/param; LoRA: bf16 throughout
+# full: 2 + 2 + 12 B/param (ZeRO's gradient shards fp32: ZeRO-3 (2 + 4 + 12) / N); LoRA: bf16
+FULL, ADAPTERS = "bf16-master", "bf16"
 OPTIMIZER_LABELS = {"adamw-8bit": ", 8-bit AdamW", "adamw-fused": ", fused AdamW"}
 
 

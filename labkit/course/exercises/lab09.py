@@ -24,7 +24,9 @@ states. FSDP2's MixedPrecisionPolicy keeps fp32 shards as the master (16 bytes p
 labkit's bf16-master keeps a bf16 shard beside it): {z3_fsdp2:.1f} GiB, over too. Fused AdamW
 has no step temporaries: under FSDP2's policy ZeRO-3 over {bound} would fit ({z3_fsdp2_fused:.2f}
 GiB, {fused_margin:.0%} of the usable), but labkit's layout peaks in the backward at
-{z3_fused:.1f} GiB, so the planner's fused search fails too. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
+{z3_fused:.1f} GiB, so the planner's fused search fails too. labkit's ZeRO-3 states alone,
+18 B/param once its gradient shards (fp32) exist, are {states18:.1f} GiB on {bound} GPUs, over the
+{usable:.1f} usable; FSDP2's 16 B/param would not be. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
 {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
 (labkit.course.plan.plan(..., offload=False)).""",
 )
@@ -53,6 +55,7 @@ def _fewest_a100s_13b():
     best, fsdp2_fused = p.fits[0], zero3("adamw-fused", True)
     assert best.recipe.optimizer_impl in (None, "foreach"), best.label()
     return {"answer": n, "params": params, "states": 16 * params / GiB_, "bound": bound,
+            "states18": 18 * params / bound / GiB_,     # labkit's ZeRO-3: fp32 gradient shards
             "usable": p.usable / GiB_, "z3": zero3("adamw"), "z3_fused": zero3("adamw-fused"),
             "z3_fsdp2": zero3("adamw", True), "z3_fsdp2_fused": fsdp2_fused,
             "best": best.label(), "total": best.estimate.total / GiB_,
