@@ -124,6 +124,8 @@ class Recipe:
     trains until the autocast region ends (its default); False is ``torch.autocast(...,
     cache_enabled=False)``, each matmul casting anew (what FSDP's bf16 ``param_dtype`` also
     avoids). With recomputation the cached copies outlive the layers that used them.
+    ``bf16-mixed`` under ZeRO-3 is FSDP without ``param_dtype``: autocast over fp32 shards,
+    gathered in fp32, not FSDP2's ``MixedPrecisionPolicy`` (bf16 gathers; lab 04 measures it).
     ``optimizer_in_backward``: each parameter is updated by a hook as soon as its gradient is
     made, and the gradient freed (``labkit.training.in_backward``): no step holds every gradient.
     """

@@ -20,15 +20,18 @@ its usable memory (the card less 10% headroom)?""",
 {usable:.1f} GiB one card may use, that is at least {bound} GPUs. On {bound} the planner finds
 nothing. With foreach AdamW, ZeRO-3 over the {bound} peaks in the optimizer step at {z3:.1f}
 GiB per GPU even with full recomputation: foreach's temporaries come on top of the sharded
-states. FSDP2's MixedPrecisionPolicy keeps fp32 shards as the master (16 bytes per parameter;
-labkit's bf16-master keeps a bf16 shard beside it): {z3_fsdp2:.1f} GiB, over too. Fused AdamW
-has no step temporaries: under FSDP2's policy ZeRO-3 over {bound} would fit ({z3_fsdp2_fused:.2f}
-GiB, {fused_margin:.0%} of the usable), but labkit's layout peaks in the backward at
-{z3_fused:.1f} GiB, so the planner's fused search fails too. labkit's ZeRO-3 states alone,
-18 B/param once its gradient shards (fp32) exist, are {states18:.1f} GiB on {bound} GPUs, over the
-{usable:.1f} usable; FSDP2's 16 B/param would not be. On {answer} GPUs the first layout, with foreach AdamW, is "{best}",
-{total:.1f} GiB per GPU: {margin:.0%} of the usable memory
-(labkit.course.plan.plan(..., offload=False)).""",
+states. With fp32 shards as the master (16 bytes per parameter; labkit's bf16-master keeps a
+bf16 shard beside it) the peak is {z3_fsdp2:.1f} GiB, over too. Fused AdamW has no step
+temporaries. Under autocast over fp32 shards (FSDP2 without param_dtype) ZeRO-3 over {bound}
+would fit: {z3_fsdp2_fused:.2f} GiB, {fused_margin:.0%} of the usable. FSDP2's
+MixedPrecisionPolicy with fused AdamW needs less still (lab 04 measures the policy 2 bytes per
+parameter under labkit's layout). labkit's layout peaks in the backward at {z3_fused:.1f} GiB,
+so the planner's fused search fails. labkit's ZeRO-3 states alone, 18 B/param once its gradient
+shards (fp32) exist, are {states18:.1f} GiB on {bound} GPUs, over the {usable:.1f} usable;
+FSDP2's 16 B/param would not be. On {answer} GPUs the first layout, with foreach AdamW, is
+"{best}", {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
+(labkit.course.plan.plan(..., offload=False)). The planner, which models labkit's recipe,
+needs {answer}.""",
 )
 def _fewest_a100s_13b():
     import dataclasses
@@ -50,7 +53,7 @@ def _fewest_a100s_13b():
         k = family_candidates(preset("llama-2-13b"), GPUS["a100-80gb"], bound, f, seq=4096,
                               recompute=("full",))[0]
         recipe = (dataclasses.replace(k.recipe, precision="bf16-mixed", autocast_cache=False)
-                  if fsdp2 else k.recipe)  # FSDP2's policy: fp32 shards, no autocast copies
+                  if fsdp2 else k.recipe)  # autocast over fp32 shards (no param_dtype), no copies
         return estimate("llama-2-13b", 1, 4096, recipe=recipe, layout=k.layout).total / GiB_
     best, fsdp2_fused = p.fits[0], zero3("adamw-fused", True)
     assert best.recipe.optimizer_impl in (None, "foreach"), best.label()

@@ -314,9 +314,11 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
                     recompute: str = "none", placement: str = "dim0", rank: int = 0,
                     cross_check: bool = False, trainable: str = "all",
                     lora_rank: int = 16, weight_format: str | None = None,
-                    autocast_cache: bool = True, param_dtype: str | None = None) -> dict:
+                    autocast_cache: bool = True, param_dtype: str | None = None,
+                    optimizer_impl: str | None = None) -> dict:
     """One rank's bytes in one steady-state FSDP2 training step of ``cfg_name`` over
-    ``world_size`` ranks, on fake tensors with CUDA's defaults (AdamW foreach).
+    ``world_size`` ranks, on fake tensors with CUDA's defaults (AdamW foreach, or
+    ``optimizer_impl``: "fused" etc., as ``make_optimizer``'s ``impl``).
 
     ``bf16-master``: FSDP2 shards bf16 weights; labkit's ``MasterWeights`` keeps the fp32
     master and moments of the shards (2 + 2 + 12 bytes per parameter / N). FSDP2's own
@@ -352,7 +354,8 @@ def fake_fsdp2_peak(cfg_name, world_size: int, batch: int = 1, seq: int = 4096,
             model.to_empty(device="cpu")                    # CPU fake tensors, CUDA's defaults
             tracked = FSDP2Parameters(model, tracked_modules)
             opt = make_optimizer([p for p in model.parameters() if p.requires_grad], "adamw",
-                                 device="cuda", master_weights=precision == "bf16-master")
+                                 optimizer_impl, device="cuda",
+                                 master_weights=precision == "bf16-master")
             init_optimizer_state(model, opt)                # a steady-state step
             inputs, targets, step = _batch(model, batch, seq, None, torch.device("cpu"))
             with MemoryTracker(tracked, opt, timeline=False) as mt:
