@@ -416,14 +416,19 @@ import dataclasses
 from labkit.core.gpus import GPUS
 from labkit.course.plan import plan
 
-def first(gbps):                                           # the planner's first layout
+def every(gbps):                                           # every layout that fits, fastest first
     gpu = dataclasses.replace(GPUS["rtx-4090-24gb"], intra_node_gbps=gbps)
     return plan("deepseek-v2-lite", gpu, 2, seq=2048, trainable=("all", "lora", "qlora"),
-                top=1, advice=False).fits[0]
+                top=None, advice=False).fits
 
-lo, hi = 1.0, 32.0                                         # tp 2 first at 32 GB/s, not at 1
+def gap(gbps):                                             # fastest tp 2 step less the fastest other's
+    fits = every(gbps)
+    return (min(k.time.dp_overlapped for k in fits if k.layout.tp == 2)
+            - min(k.time.dp_overlapped for k in fits if k.layout.tp != 2))
+
+lo, hi = 1.0, 32.0                                         # tp 2 faster at 32 GB/s, not at 1
 while hi - lo > 0.05:
     mid = (lo + hi) / 2
-    lo, hi = (lo, mid) if first(mid).layout.tp == 2 else (mid, hi)
-answer = hi                                                # GB/s per direction
-print(first(hi).label(), "|", first(lo).label())
+    lo, hi = (lo, mid) if gap(mid) < 0 else (mid, hi)
+answer = (lo + hi) / 2                                     # GB/s per direction: the times cross
+print(f"the modelled times cross at {answer:.1f} GB/s; the planner's first there:", every(answer)[0].label())

@@ -8,30 +8,24 @@ from labkit.predict.layers import count_params
 @register(
     "09-fewest-a100s-13b",
     question="""Full fine-tuning of LLaMA-2-13B (bf16 weights and gradients, fp32 master weights
-and AdamW state, with torch's default AdamW: foreach), sequences of 4096 tokens, one sequence
-per GPU per step, no offload: on how few A100-80GB GPUs does the planner find a layout that fits
-its usable memory (the card less 10% headroom)?""",
+and AdamW state, with torch's default AdamW: foreach), sequences of 4096 tokens, a global
+batch of one sequence per GPU, no offload: on how few A100-80GB GPUs does the planner find a
+layout that fits its usable memory (the card less 10% headroom)?""",
     unit="GPUs", rtol=0,
     hint="First the paper bound: the states take 16 bytes per parameter, and ZeRO or tensor "
          "parallelism splits them over the GPUs. Then ask labkit.course.plan.plan(..., "
          "offload=False) whether that many GPUs also hold the activations and the optimizer "
          "step's temporaries; if not, try one more.",
-    solution="""the model states alone are 16 B x {params:,} = {states:.1f} GiB: over the
-{usable:.1f} GiB one card may use, that is at least {bound} GPUs. On {bound} the planner finds
-nothing. With foreach AdamW, ZeRO-3 over the {bound} peaks in the optimizer step at {z3:.1f}
-GiB per GPU even with full recomputation: foreach's temporaries come on top of the sharded
-states. With fp32 shards as the master (16 bytes per parameter; labkit's bf16-master keeps a
-bf16 shard beside it) the peak is {z3_fsdp2:.1f} GiB, over too. Fused AdamW has no step
-temporaries. Under autocast over fp32 shards (FSDP2 without param_dtype) ZeRO-3 over {bound}
-would fit: {z3_fsdp2_fused:.2f} GiB, {fused_margin:.0%} of the usable. FSDP2's
-MixedPrecisionPolicy with fused AdamW needs less still (lab 04 measures the policy 2 bytes per
-parameter under labkit's layout). labkit's layout peaks in the backward at {z3_fused:.1f} GiB,
-so the planner's fused search fails. labkit's ZeRO-3 states alone, 18 B/param once its gradient
-shards (fp32) exist, are {states18:.1f} GiB on {bound} GPUs, over the {usable:.1f} usable;
-FSDP2's 16 B/param would not be. On {answer} GPUs the first layout, with foreach AdamW, is
-"{best}", {total:.1f} GiB per GPU: {margin:.0%} of the usable memory
-(labkit.course.plan.plan(..., offload=False)). The planner, which models labkit's recipe,
-needs {answer}.""",
+    solution="""
+- Answer {answer}. Paper bound {bound}: 16 B x {params:,} = {states:.1f} GiB over {usable:.1f}
+  GiB usable.
+- On {bound}, foreach's step temporary tips every recipe over: {z3:.1f} GiB with labkit's
+  recipe, {z3_fsdp2:.1f} GiB with fp32 shards as the master. So {answer} holds for PyTorch too.
+- With fused=True, FSDP2 fits on {bound}: {z3_fsdp2_fused:.2f} GiB under autocast over fp32
+  shards ({fused_margin:.0%}); MixedPrecisionPolicy needs less. labkit's recipe does not fit
+  there: ZeRO-3 states 18 B/param = {states18:.1f} GiB, backward peak {z3_fused:.1f} GiB. The
+  planner therefore needs {answer}.
+- On {answer} GPUs: "{best}", {total:.1f} GiB ({margin:.0%}).""",
 )
 def _fewest_a100s_13b():
     import dataclasses
@@ -72,19 +66,20 @@ def _fewest_a100s_13b():
 memory, below the 32 GB/s the planner assumes (measure yours with nccl-tests:
 all_reduce_perf's busbw for tp's traffic, sendrecv_perf's for pp's). Plan DeepSeek-V2-Lite at
 2048 tokens on two RTX 4090s (full fine-tuning, LoRA and QLoRA allowed): below what
-GPU-to-GPU bandwidth, per direction, does the planner stop putting a tp 2 layout first?""",
+GPU-to-GPU bandwidth, per direction, is the fastest tp 2 layout's modelled step slower than the
+fastest layout without tp?""",
     unit="GB/s", rtol=0.05,
     hint="dataclasses.replace(labkit.core.gpus.GPUS['rtx-4090-24gb'], intra_node_gbps=g) is a "
-         "GPU of your own; pass it to plan(..., top=1) and read .fits[0].layout.tp. Bisect g "
+         "GPU of your own; pass it to plan(..., top=None) and compare the smallest "
+         ".time.dp_overlapped of the fits with layout.tp == 2 and of the others. Bisect g "
          "between 1 and 32 GB/s.",
-    solution="""below about {answer:.1f} GB/s per direction tp 2 is no longer first. At
-{high:g} GB/s the first layout is "{best_high}", {t_high:.2f} s a step; at {low:g} GB/s it is
-"{best_low}", {t_low:.2f} s, and tp 2 takes {tp_low:.2f} s. The modelled times cross at
-{cross:.1f} GB/s: that is the number to compare with your measured busbw. The planner flips a
-little higher, because between the two the times are within 2% of each other: a tie, which
-the planner breaks by the smaller peak ({peak_low:.1f} GiB against tp 2's {peak_tp:.1f} GiB).
-Below it, pp's few hops of activations per micro-batch (one per model chunk) cost less than
-tp's all-reduces in every layer.""",
+    solution="""the modelled times cross at {answer:.1f} GB/s per direction: that is the
+number to compare with your measured busbw. At {high:g} GB/s the first layout is "{best_high}",
+{t_high:.2f} s a step; at {low:g} GB/s it is "{best_low}", {t_low:.2f} s, and tp 2 takes
+{tp_low:.2f} s. The planner's first place flips a little higher ({flip:.1f} GB/s), because within
+2% it breaks the tie by the smaller peak ({peak_low:.1f} GiB against tp 2's {peak_tp:.1f} GiB).
+Below the crossover, pp's few hops of activations per micro-batch (one per model chunk) cost less
+than tp's all-reduces in every layer.""",
 )
 def _no_p2p_link():
     import dataclasses
@@ -115,7 +110,7 @@ def _no_p2p_link():
     below = fits(lo, top=None)
     tp_below = next(k for k in below if k.layout.tp == 2)
     GiB_ = 2**30
-    return {"answer": hi, "high": 8, "low": 6, "best_high": high.label(),
+    return {"answer": cross, "flip": hi, "high": 8, "low": 6, "best_high": high.label(),
             "t_high": high.time.dp_overlapped, "best_low": low[0].label(),
             "t_low": low[0].time.dp_overlapped, "tp_low": tp_low.time.dp_overlapped,
             "cross": cross, "peak_low": below[0].estimate.total / GiB_,
