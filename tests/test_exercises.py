@@ -26,14 +26,15 @@ def test_each_lab_notebook_uses_only_exercises_that_exist_and_every_exercise_is_
     assert asked <= used, f"exercises no notebook asks: {asked - used}"
 
 
-# Seven answers take 2-4 s each on one core (replays, tracked steps, fake FSDP2 and serving
-# profiles; the rest a few seconds together, 2026-12-05). Each lab's solution notebook computes
-# every answer twice, its worked one and labkit's inside check(), and prints the solution:
-# tests/test_workshop.py, in the slow run, asserts a ✅ and filled placeholders for each. These
-# seven are checked there (and lab 07's two against their closed forms below).
+# Eight answers take 2-10 s each on one core (replays, tracked steps, fake FSDP2 and serving
+# profiles, a planner bisection; the rest a few seconds together, 2026-12-05). Each lab's
+# solution notebook computes every answer twice, its worked one and labkit's inside check(),
+# and prints the solution: tests/test_workshop.py, in the slow run, asserts a ✅ and filled
+# placeholders for each. These eight are checked there (and lab 07's two against their closed
+# forms below).
 LEFT_TO_THE_SOLUTIONS = {"07-watermark-no-preemption", "03-varlen-saving", "08-max-split-needs",
                          "02-fsdp-autocast-cache-gib", "07-pool-share-tokens",
-                         "01-foreach-over-for-loop", "07-tiled-peak-block"}
+                         "01-foreach-over-for-loop", "07-tiled-peak-block", "09-no-p2p-link"}
 
 
 def test_the_answers_left_to_the_solution_notebooks_are_exercises():
