@@ -30,6 +30,12 @@ TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen
 # the pipeline schedules modelled; ZB-V and DualPipeV put two chunks per stage in a V
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 V_SCHEDULES = ("zb-v", "dualpipe-v")
+SPLIT_BACKWARD = ("zb-h1", *V_SCHEDULES)      # B (input gradients) and W (weights') apart
+
+
+def placement_of(schedule: str) -> str:
+    """"v" for the schedules that put two chunks a stage in a V (ZB-V, DualPipeV), else "loop"."""
+    return "v" if schedule in V_SCHEDULES else "loop"
 WEIGHT_FORMATS = (None, "nf4")   # how frozen weights are stored: the precision's, or QLoRA's NF4
 FINE_TUNING = ("all", "lora", "qlora")   # what a user asks for: the planner's and CLI's words
 
@@ -311,7 +317,7 @@ class Layout:
     @property
     def placement(self) -> str:
         """"v" (stage s holds chunks s and 2 pp - 1 - s: stage 0 also ends the model) or "loop"."""
-        return "v" if self.schedule in V_SCHEDULES else "loop"
+        return placement_of(self.schedule)
 
     def check(self, cfg, seq: int) -> None:
         """ValueError naming the fix when this layout cannot split ``cfg`` at ``seq`` tokens."""

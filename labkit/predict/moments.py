@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from fractions import Fraction
 
-from labkit.core.recipe import compute_bytes
+from labkit.core.recipe import SPLIT_BACKWARD, compute_bytes
 from labkit.core.units import HOST
 from labkit.parallel.pipeline import schedules
 from labkit.predict.layers import (MLP_POST_NORM, SOFTMAX, Saved, block_weights,
@@ -314,7 +314,7 @@ class Moments:
 
     @property
     def split(self) -> bool:                   # B and W apart: ZB-H1, ZB-V, DualPipeV
-        return self.L.schedule in ("zb-h1", "zb-v", "dualpipe-v")
+        return self.L.schedule in SPLIT_BACKWARD
 
     def _pending_w(self, at_w: bool) -> Fraction:
         """Micro-batches whose W is pending here (``schedules.pending_w``): at a W, or at any

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from labkit.core.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, state_bytes
+from labkit.core.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, V_SCHEDULES, state_bytes
 from labkit.core.units import check_choice
 from labkit.parallel.data import zero
 
@@ -99,7 +99,7 @@ def _check_pipeline(p, m, schedule, v):
     check_choice("schedule", schedule, SCHEDULES)
     if v > 1 and schedule != "interleaved":
         raise ValueError(f"v={v} virtual stages needs schedule='interleaved'; use v=1 with {schedule!r}")
-    if schedule in ("zb-v", "dualpipe-v") and m < 2 * p:
+    if schedule in V_SCHEDULES and m < 2 * p:
         raise ValueError(f"{schedule}'s closed form holds from m = 2p = {2 * p} micro-batches; "
                          f"for m={m} simulate torch's order (labkit.parallel.pipeline.torch_orders)")
 

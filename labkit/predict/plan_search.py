@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from labkit.core.config import ModelConfig
 from labkit.core.gpus import GPU
-from labkit.core.recipe import Layout, Recipe, fine_tuning_fields, state_bytes
+from labkit.core.recipe import (SPLIT_BACKWARD, Layout, Recipe, fine_tuning_fields, placement_of,
+                                state_bytes)
 from labkit.core.units import CATEGORIES, fmt_bytes
 from labkit.parallel.data.zero import per_rank
 from labkit.parallel.pipeline.schedules import chunk_layers, in_flight
@@ -222,12 +223,13 @@ def _candidates(c, f: Family, counts: _Counts, gpu: GPU, gpus, gpus_per_node, se
                      **fine_tuning_fields(f.trainable))
     schedules = SEARCHED_SCHEDULES if f.pp > 1 else (("1f1b", 1),)
     if lora:      # ZB-H1 and ZB-V fill their bubbles with weight-gradient work a frozen base
-        schedules = tuple(s for s in schedules if not s[0].startswith("zb"))    # does not have
+        schedules = tuple(s for s in schedules if s[0] not in SPLIT_BACKWARD)    # does not have
     active = counts.active
     attention = attention_forward_flops(c, seq)
     out = []
     for schedule, v in schedules:
-        chunks, placement = (2, "v") if schedule == "zb-v" else (v, "loop")
+        placement = placement_of(schedule)
+        chunks = 2 if placement == "v" else v
         if f.pp * chunks > c.layers:
             continue
         stages = counts.stages(f.tp, f.pp, f.ep, chunks, placement)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from labkit.core.recipe import V_SCHEDULES
 from labkit.parallel.data.zero import zero_messages
 from labkit.predict.papers import pipeline_bubble
 
@@ -175,7 +176,7 @@ def step_time(gpu, *, gpus: int, gpus_per_node: int, active_params: int, hidden:
     pp_time = 0.0
     if pp > 1:            # one activation out and one gradient back per micro-batch and chunk
         pp_bw = inter if gpus // pp >= gpus_per_node else intra
-        chunks = 2 if schedule in ("zb-v", "dualpipe-v") else v
+        chunks = 2 if schedule in V_SCHEDULES else v
         pp_time = 2 * m * chunks * layer_rows / tp / pp_bw
     ep_time = 0.0
     if ep > 1:            # dispatch and combine, forward (and recomputed) and backward

@@ -34,7 +34,7 @@ from torch.autograd.graph import get_gradient_edge
 from labkit.core.config import ModelConfig, preset
 from labkit.parallel.pipeline.schedules import (SCHEDULES, Op, OpSpan,  # noqa: F401
                                                 PipelineTimeline, Schedule, chunk_layers, in_flight,
-                                                make_schedule, stage_layers)
+                                                make_schedule, stage_layers, virtual_stage)
 from labkit.transformer.attention import soft_cap
 from labkit.transformer.model import embed_tokens
 
@@ -86,9 +86,8 @@ def build_chunks(cfg: ModelConfig, stage: int, p: int, v: int = 1, seed: int = 0
     if lora_rank:
         apply_lora(model, lora_rank)
     names = {param: name for name, param in model.named_parameters()}
-    where = Schedule("", p, 1, v, (), placement)
-    chunks = [PipelineChunk(model, layers, first=where.virtual_stage(stage, c) == 0,
-                            last=where.virtual_stage(stage, c) == p * v - 1)
+    chunks = [PipelineChunk(model, layers, first=virtual_stage(stage, c, p, placement) == 0,
+                            last=virtual_stage(stage, c, p, placement) == p * v - 1)
               for c, layers in enumerate(chunk_layers(cfg.layers, p, v, placement)[stage])]
     return chunks, {q: names[q] for chunk in chunks for q in chunk.parameters()}
 

@@ -128,9 +128,7 @@ class Schedule:
         return any(op.kind == "W" for ops in self.stages for op in ops)
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
-        if self.placement == "v":            # down the stages on chunk 0, back up on chunk 1
-            return stage if chunk == 0 else 2 * self.p - 1 - stage
-        return chunk * self.p + stage
+        return virtual_stage(stage, chunk, self.p, self.placement)
 
     def held(self) -> list[list[int]]:
         """Per stage, the (micro-batch, chunk) pairs whose activations it keeps after each op:
@@ -337,7 +335,8 @@ def simulate(schedule: Schedule, durations=None) -> PipelineTimeline:
                          "B": [("F", op.micro_batch, k)]
                          + ([("B", op.micro_batch, k + 1)] if k < last else []),
                          "W": [("B", op.micro_batch, k)]}[op.kind]
-                here = [n for n in needs if n in ran and schedule_stage(schedule, n[2]) == s]
+                here = [n for n in needs
+                        if n in ran and device_of(n[2], p, schedule.placement) == s]
                 if any(n not in done and n not in here for n in needs):
                     break
                 start = max([free[s]] + [ran[n] if n in here else done[n] for n in needs])
@@ -366,10 +365,17 @@ def _group_ends(schedule: Schedule) -> dict:
             for start, stop in groups for i in range(start, stop)}
 
 
-def schedule_stage(schedule: Schedule, virtual: int) -> int:
-    """The stage (device) that runs virtual stage ``virtual``."""
-    p = schedule.p
-    if schedule.placement == "v":
+def virtual_stage(stage: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage of ``stage``'s local ``chunk``: chunk c of stage s is c p + s, or in a V
+    down the stages on chunk 0 and back up on chunk 1."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
+
+
+def device_of(virtual: int, p: int, placement: str = "loop") -> int:
+    """The stage (device) that runs virtual stage ``virtual``: ``virtual_stage`` inverted."""
+    if placement == "v":
         return virtual if virtual < p else 2 * p - 1 - virtual
     return virtual % p
 

@@ -16,7 +16,8 @@ from labkit.parallel.cluster import run
 from labkit.parallel.pipeline.pipeline_parallel import (StageRun, assemble_ranks,
                                                         build_chunks, mean_loss, micro_batches,
                                                         run_schedules)
-from labkit.parallel.pipeline.schedules import Schedule
+from labkit.core.recipe import placement_of
+from labkit.parallel.pipeline.schedules import virtual_stage
 from labkit.training.track import MemoryTracker
 
 TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -76,10 +77,9 @@ def _torch_stages(ctx, cfg, name: str, v: int, seed: int) -> tuple:
     if name not in TORCH_CLASSES:
         raise ValueError(f"torch.distributed.pipelining is compared on {', '.join(TORCH_CLASSES)}"
                          f"; {name!r} has no counterpart here")
-    p, placement = ctx.world_size, "v" if name in ("zb-v", "dualpipe-v") else "loop"
+    p, placement = ctx.world_size, placement_of(name)
     chunks, names = build_chunks(cfg, ctx.rank, p, v, seed, placement=placement)
-    where = Schedule(name, p, 1, v, (), placement)
-    virtual = [where.virtual_stage(ctx.rank, c) for c in range(v)]
+    virtual = [virtual_stage(ctx.rank, c, p, placement) for c in range(v)]
     stages = [PipelineStage(chunk, i, p * v, ctx.device, group=ctx.group)
               for chunk, i in zip(chunks, virtual)]
     return chunks, names, stages, (0 in virtual, p * v - 1 in virtual)
