@@ -265,6 +265,9 @@ def _layout_options(est: argparse.ArgumentParser) -> None:
     est.add_argument("--ep", type=COUNT, default=1,
                      help="expert-parallel degree (divides --dp: the experts split over ep of "
                           "the dp ranks)")
+    est.add_argument("--etp", type=COUNT, default=1,
+                     help="expert-tensor-parallel degree: each expert split over etp ranks "
+                          "(with --tp 1; ep x etp divides --dp)")
     est.add_argument("--cp", type=COUNT, default=1, help="context-parallel degree")
     est.add_argument("--replicas", type=COUNT, default=1,
                      help="HSDP: ZeRO inside dp x cp / replicas ranks, replicated across")
@@ -388,7 +391,7 @@ def _estimated(args, step: dict) -> tuple:
     layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
                     pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                     virtual_stages=chunks, ep=args.ep, cp=args.cp, replicas=args.replicas,
-                    gradient_as_bucket_view=args.bucket_view, offload=args.offload)
+                    etp=args.etp, gradient_as_bucket_view=args.bucket_view, offload=args.offload)
     result = estimate(args.model, layout=layout, **step)
     extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
     if args.json:
@@ -405,7 +408,8 @@ def _estimated(args, step: dict) -> tuple:
              f"{f' over dp x cp = {args.dp * args.cp}' if args.zero_stage and args.cp > 1 else ''}, "
              f"dp {args.dp}, "
              f"tp {args.tp}{' with sp' if args.sp else ''}, "
-             f"pp {args.pp}, ep {args.ep}, cp {args.cp})")
+             f"pp {args.pp}, ep {args.ep}{f' x etp {args.etp}' if args.etp > 1 else ''}, "
+             f"cp {args.cp})")
     return result, extra, title
 
 

@@ -137,6 +137,8 @@ def test_a_model_may_be_a_hub_name_in_the_local_hugging_face_cache(tmp_path, cap
     (["--model", "deepseek-v2-lite", "--dp", "2", "--ep", "4"], "(e.g. --dp 4 --ep 4)"),
     (["--model", "llama-2-7b", "--tp", "3"], "--tp 3 does not divide heads=32"),
     (["--model", "llama-2-7b", "--dp", "16", "--replicas", "2"], "set --zero-stage 3 (or 1, 2)"),
+    (["--model", "mixtral-8x7b", "--dp", "16", "--ep", "8", "--etp", "2", "--tp", "2"],
+     "use --etp 1, or --tp 1"),
 ])
 def test_errors_name_the_command_line_flags_not_python(capsys, argv, words):
     assert main(["estimate", *argv]) == 2

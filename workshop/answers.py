@@ -248,6 +248,11 @@ c = lk.preset("deepseek-v3")
 per_gpu = c.routed_experts // 256                          # routed experts per MoE layer on one GPU
 answer = c.moe_layers * per_gpu * 3 * c.hidden * c.moe_ffn / 1e9
 
+# %% 05-mixtral-etp-activations
+c = lk.preset("mixtral-8x7b")
+row = 4 * c.hidden + 16                 # the gathered input's two bf16 copies + two int64 indices
+answer = c.top_k * 4096 * c.moe_layers * row / 2**30       # the etp partner's rows, every MoE layer
+
 # %% 06-nf4-bits
 from labkit.quantisation import quant
 answer = 4 + 8 / 64 + 32 / (64 * 256)                      # code + 8-bit scale + its fp32 scale

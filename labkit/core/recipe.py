@@ -217,6 +217,10 @@ class Layout:
     True for plain data parallelism (ep = 1), False with ep > 1. ``replicas``: HSDP (FSDP's
     hybrid sharding, MiCS): ZeRO shards over ``shard_ranks`` = dp x cp / replicas ranks (a
     node's) and each gradient shard is all-reduced over the replicas after its reduce-scatter.
+    ``etp``: expert tensor parallelism (Megatron-LM's expert-tensor-parallel size): each routed
+    expert split over ``etp`` ranks inside ep x etp of the dp ranks, attention data-parallel
+    (tp 1; with tp > 1 the experts follow tp, Megatron's default)
+    (``labkit.parallel.expert.expert_tensor``).
     """
 
     dp: int = 1
@@ -233,9 +237,10 @@ class Layout:
     offload: bool = False
     ddp_buckets: bool | None = None
     replicas: int = 1
+    etp: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "replicas"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "replicas", "etp"):
             object.__setattr__(self, name, check_positive(name, getattr(self, name)))
         if self.micro_batches is not None:
             object.__setattr__(self, "micro_batches",
@@ -260,6 +265,7 @@ class Layout:
                              "parallel group: it needs tp > 1")
         check_choice("schedule", self.schedule, SCHEDULES)
         self._check_replicas()
+        self._check_etp()
         if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
             raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
                              f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
@@ -288,10 +294,32 @@ class Layout:
             raise ValueError("replicas (HSDP) is modelled without expert parallelism and "
                              "without offload: use ep=1, offload=False, or replicas=1")
 
+    def _check_etp(self):
+        if self.etp == 1:
+            return
+        if self.tp > 1:
+            raise ValueError(f"etp={self.etp} with tp={self.tp}: under tensor parallelism the "
+                             "experts are split over tp already (Megatron's default); use etp=1, "
+                             "or tp=1")
+        if self.dp % self.expert_ranks:
+            raise ValueError(f"ep x etp = {self.expert_ranks} must divide dp={self.dp}: choose dp "
+                             f"among the multiples of {self.expert_ranks}")
+        others = {"zero_stage": self.zero_stage, "pp": self.pp - 1, "cp": self.cp - 1,
+                  "offload": self.offload, "replicas": self.replicas - 1}
+        if any(others.values()):
+            raise ValueError("etp is modelled for expert x expert-tensor parallelism inside plain "
+                             "data parallelism (what labkit.parallel.expert.expert_tensor runs): "
+                             "use zero_stage=0, pp=1, cp=1, offload=False and replicas=1 with it")
+
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks one copy of the routed experts is split over: ep x etp."""
+        return self.ep * self.etp
+
     @property
     def keeps_ddp_buckets(self) -> bool:
         """``ddp_buckets``, or when None: DDP's buckets for plain data parallelism only."""
-        return self.ep == 1 if self.ddp_buckets is None else self.ddp_buckets
+        return self.expert_ranks == 1 if self.ddp_buckets is None else self.ddp_buckets
 
     @property
     def data_ranks(self) -> int:
@@ -337,6 +365,10 @@ class Layout:
         if self.ep > 1 and (not cfg.is_moe or cfg.routed_experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide the routed experts "
                              f"({cfg.routed_experts}); use ep=1 for a dense model")
+        if self.etp > 1 and (not cfg.is_moe or cfg.moe_ffn % self.etp):
+            raise ValueError(f"etp={self.etp} splits each routed expert's ffn width "
+                             f"({cfg.moe_ffn if cfg.is_moe else 'none: a dense model'}) over etp "
+                             "ranks: choose etp among its divisors, or etp=1")
         if seq % (self.cp * (self.tp if self.sp else 1)):
             raise ValueError(f"seq={seq} must be divisible by cp x (tp with sp) = "
                              f"{self.cp * (self.tp if self.sp else 1)}")

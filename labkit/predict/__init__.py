@@ -62,7 +62,7 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
     batch, seq = check_positive("batch", batch), check_positive("seq", seq)
     device = device_type(device)
     layout.check(c, seq)
-    spread = [f"{k}={getattr(layout, k)}" for k in ("dp", "tp", "pp", "ep", "cp")
+    spread = [f"{k}={getattr(layout, k)}" for k in ("dp", "tp", "pp", "ep", "cp", "etp")
               if getattr(layout, k) > 1] + ["offload"] * layout.offload + [
               f"{layout.micro_batch_count} micro-batches"] * (layout.micro_batch_count > 1)
     if recipe.optimizer_in_backward and spread:
@@ -70,9 +70,14 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
                          f"one micro-batch, not with {', '.join(spread)}: drop those (a "
                          f"micro-batch would update the weights each time), or drop "
                          f"optimizer_in_backward (--optimizer-in-backward)")
-    if layout.replicas > 1 and recipe.trainable != "all":
-        raise ValueError(f"replicas={layout.replicas} (HSDP) is modelled for full fine-tuning: "
-                         f"use trainable='all', or replicas=1 for {recipe.trainable}")
+    if layout.etp > 1 and recipe.recompute not in ("none", "full"):
+        raise ValueError(f"etp={layout.etp} is modelled with recompute 'none' or 'full' (what "
+                         f"labkit.parallel.expert.expert_tensor measures), not "
+                         f"{recipe.recompute!r}")
+    for name in ("replicas", "etp"):
+        if getattr(layout, name) > 1 and recipe.trainable != "all":
+            raise ValueError(f"{name}={getattr(layout, name)} is modelled for full fine-tuning: "
+                             f"use trainable='all', or {name}=1 for {recipe.trainable}")
     stages = [sorted(i for chunk in chunks for i in chunk)              # interleaved: v chunks
               for chunks in schedules.chunk_layers(c.layers, layout.pp, layout.chunks,
                                                    layout.placement)]

@@ -336,8 +336,9 @@ def _swiglu_saved(width: int, d: Dtypes) -> float:
     return 4 * width * d.compute                                             # gate, silu, up, product
 
 
-def _mlp_saved(c: ModelConfig, d: Dtypes, moe: bool, tp: int, sp: int) -> Saved:
-    """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block)."""
+def _mlp_saved(c: ModelConfig, d: Dtypes, moe: bool, tp: int, sp: int, etp: int = 1) -> Saved:
+    """The MLP sub-layer after its norm (a dense SwiGLU or the MoE block); under expert tensor
+    parallelism (``etp``) the experts keep etp x the rows, each 1/etp of the ffn wide."""
     cdt = d.name
     if not moe:
         return Saved([Term("input of w_gate, w_up", cdt,
@@ -350,8 +351,8 @@ def _mlp_saved(c: ModelConfig, d: Dtypes, moe: bool, tp: int, sp: int) -> Saved:
         Term("router softmax", "fp32", 4 * E),
         Term("expert ids, sort order, token index", "int64", 3 * 8 * k),
         Term("gate weights, sorted", d.stream_name, d.stream * k),
-        Term("tokens sorted by expert", cdt, sorted_tokens),
-        Term("routed experts' SwiGLUs", cdt, k * _swiglu_saved(c.moe_ffn // tp, d)),
+        Term("tokens sorted by expert", cdt, etp * sorted_tokens),
+        Term("routed experts' SwiGLUs", cdt, etp * k * _swiglu_saved(c.moe_ffn // (tp * etp), d)),
         Term("experts' outputs and their gate-weighted copy", f"{cdt} + {d.stream_name}",
              k * c.hidden * (d.compute + d.stream)),
         Term("shared experts' SwiGLU", cdt, _swiglu_saved(shared * c.moe_ffn // tp, d))])
@@ -407,7 +408,7 @@ def lora_weight_copies(c: ModelConfig, moe: bool, r: int, first: bool = False,
 def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                 recompute: str = "none", sp: bool = False, ep: int = 1, lora_rank: int = 0,
                 first: bool = False, attention: str = "sdpa", layer: int = 0,
-                weight_format: str | None = None) -> Saved:
+                weight_format: str | None = None, etp: int = 1) -> Saved:
     """What one transformer block keeps for its backward pass, per tensor-parallel rank.
 
     ``recompute``: "none" keeps everything, "full" only the block's input, "selective" the
@@ -420,7 +421,9 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
     (autocast: ``lora_weight_copies``; "selective": the adapters' matmul outputs too);
     ``first``: it is the model's first block. ``attention``: the core
     (``labkit.transformer.attention``); "naive" keeps its (T, T) probabilities. ``layer``: its
-    index, the first by default (a sliding-window layer's mask: ``_window_saved``).
+    index, the first by default (a sliding-window layer's mask: ``_window_saved``). ``ep``: the
+    ranks the routed experts are split over (ep x etp); ``etp`` > 1: each expert's rows are
+    gathered over etp ranks, each holding 1/etp of its ffn width.
     """
     d, split = Dtypes.of(precision), (tp if sp else 1)
     block_input = Saved([Term("block input (residual stream)", d.stream_name,
@@ -445,7 +448,7 @@ def layer_saved(c: ModelConfig, precision: str, moe: bool = False, tp: int = 1,
                        else "fp32 + bf16", norms * _norm(c, c.hidden, d.stream, frozen) / split)]
                  + post + _attention_saved(c, d, tp, split, attention, frozen,
                                            c.window_of(layer))
-                 + _mlp_saved(c, d, moe, tp, split)
+                 + _mlp_saved(c, d, moe, tp, split, etp)
                  + ([Term("bf16 weight copies (autocast)", "bf16", per_layer=copies,
                           category="weight_cache")] if copies else [])
                  # each adapter keeps x A^T (N, r) for B's gradient; a frozen linear keeps

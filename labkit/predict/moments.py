@@ -26,7 +26,7 @@ class Moments:
         # autocast caches each weight's bf16 copy until the forward pass ends; a recomputed
         # layer saves none of them, so for it the cache is extra. Under LoRA nothing is cached:
         # autocast caches leaf weights that train, and the adapters reach their matmuls as A^T
-        cache = sum(2 * sum(w.local(tp, self.L.ep) for w in block_weights(c, m) if w.matmul)
+        cache = sum(2 * sum(w.local(tp, self.L.expert_ranks) for w in block_weights(c, m) if w.matmul)
                     for j, m in enumerate(self.moe)
                     if self.kept[j] != "none") if (self.mixed and not self.lora
                                                    and self.recipe.autocast_cache) else 0
@@ -182,7 +182,7 @@ class Moments:
     def _experts_bucket(self, i: int, blocks_done) -> list[Tensor]:
         """The bucket block i's routed experts fill in its backward under ZeRO with ep: from
         stage 2 the block's own; at stage 1 the stage's, made in the first MoE block reached."""
-        if not self.moe[i] or self.L.ep == 1 or not self.zero:
+        if not self.moe[i] or self.L.expert_ranks == 1 or not self.zero:
             return []
         if self.zero >= 2:
             return [self._bucket("this block's experts", self.block_units[i][1:])]
@@ -224,7 +224,7 @@ class Moments:
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(head_grads + stream * (sum(self.block_trained[i + 1:])
-                                        + sum(w.local(L.tp, L.ep) for w in done))))])
+                                        + sum(w.local(L.tp, L.expert_ranks) for w in done))))])
             tensors = always + self._kept_up_to(saved, i - 1) + grads + self.tensors_of(
                 [alive], label=f"layer {self.layers[i]} in its attention's backward") + [
                 Tensor("gradient of the residual stream", "other", self.wdt,
@@ -345,7 +345,7 @@ class Moments:
         until then. Stage s defers s W's: s + 1 micro-batches' output gradients alive at a W,
         beside the ``flight`` micro-batches in flight, whole."""
         pending = self._pending_w(at_w=True)
-        largest = max(w.local(self.L.tp, self.L.ep) for w in self.trained) * self.bytes.grads
+        largest = max(w.local(self.L.tp, self.L.expert_ranks) for w in self.trained) * self.bytes.grads
         kept = self.tensors_of(saved, flight, label) + self._sent_outputs(flight)
         name = "backward: weight gradients (W), a later micro-batch"
         return {name: ("backward", always + kept + grads + [

@@ -90,7 +90,7 @@ class States:
     def _block_stored(self, moe: bool) -> int:
         """Bytes of a LoRA block's frozen weights as stored (NF4: its targets' codes and
         scales), what FSDP2 shards and all-gathers (QLoRA's as bytes: FSDP-QLoRA)."""
-        tp, ep, targets = self.L.tp, self.L.ep, lora_targets(self.c, moe)
+        tp, ep, targets = self.L.tp, self.L.expert_ranks, lora_targets(self.c, moe)
         block = sum(w.local(tp, ep) for w in block_weights(self.c, moe))
         if self.recipe.weight_format != "nf4":
             return block * self.bytes.weights
@@ -249,13 +249,13 @@ class States:
         keeps no all_to_all), the replicated gradients all-reduced over every rank, its
         experts' over their dp copies (or ZeRO's reduce-scatters and all-gathers), once."""
         L, c, grads = self.L, self.c, self.bytes.grads
-        routed = sum(w.local(L.tp, L.ep) for w in self.weights if w.copies > 1)
+        routed = sum(w.local(L.tp, L.expert_ranks) for w in self.weights if w.copies > 1)
         units = plan(len(self.layers), self.recipe.recompute, self.recipe.every)
         again = sum(self.moe[i] for u in units if u.recompute for i in range(u.first, u.last))
 
         def all_to_all(layers: int) -> dict[str, int]:
             return compose.all_to_all_bytes(c, self.B, self.T, L.ep, self.bytes.weights,
-                                            compute_bytes(self.recipe.precision), layers)
+                                            compute_bytes(self.recipe.precision), layers, L.etp)
         once, recomputed = all_to_all(sum(self.moe)), all_to_all(again)
         out = {k: L.micro_batch_count * (v + (recomputed[k] if "backward" not in k else 0))
                for k, v in once.items()}
@@ -263,8 +263,8 @@ class States:
             routed = 0
         if not self.zero:
             replicated = self.n_train - routed       # the frozen router bias is not sent
-            return out | compose.gradient_bytes_sent(replicated * grads, routed * grads, L.ep,
-                                                     L.data_ranks // L.ep)
+            return out | compose.gradient_bytes_sent(replicated * grads, routed * grads,
+                                                     L.expert_ranks, L.data_ranks // L.expert_ranks)
         scatters, gathers = zero.zero_messages(self.zero, L.micro_batch_count)
         # each unit's gradients reduce-scattered, its weights all-gathered (LoRA under FSDP2:
         # every block's frozen weights too, and the root's)
@@ -320,4 +320,4 @@ class States:
     def _stepped_sizes(self) -> list[int]:
         """Numbers of each tensor the optimizer steps on this rank, in the model's order."""
         return ([zero.shard(n, r) for n, r in self.units] if self.zero else
-                [w.local(self.L.tp, self.L.ep) for w in self.trained])
+                [w.local(self.L.tp, self.L.expert_ranks) for w in self.trained])

@@ -65,7 +65,7 @@ class _Step(States, Moments, InBackwardMoments):
     def _count_weights(self):
         """The stage's weights in model order, per block, and what of them trains."""
         c, recipe, layout = self.c, self.recipe, self.L
-        tp, ep = layout.tp, layout.ep
+        tp, ep = layout.tp, layout.expert_ranks          # the experts split over ep x etp
         self.moe = [i >= c.dense_layers for i in self.layers]
         kinds = {m: block_weights(c, m) for m in set(self.moe)}      # a dense and an MoE block
         self.blocks = [kinds[m] for m in self.moe]
@@ -93,7 +93,7 @@ class _Step(States, Moments, InBackwardMoments):
         """ZeRO over dp > 1 ranks works on flat units (``parallel.data.zero.units``): the rest of
         the model (embedding, final norm, LM head), then each block; stage 1: the whole model."""
         c, layout = self.c, self.L
-        tp, ep = layout.tp, layout.ep
+        tp, ep = layout.tp, layout.expert_ranks
         self.zero = layout.zero_stage if layout.data_ranks > 1 or layout.offload else 0
         self.offload = layout.offload           # ZeRO's shards (from stage 3 params too) on the host
         rest = (embedding_weights(c) if self.first else []) + (head_weights(c) if self.last else [])
@@ -140,23 +140,25 @@ class _Step(States, Moments, InBackwardMoments):
         lora = [dict(lora_rank=self.lora_rank, first=self.first and j == 0,
                      weight_format=self.recipe.weight_format) if self.lora else {}
                 for j in range(len(self.moe))]
-        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.ep, **lora[j],
-                                                    attention=self.recipe.attention,
-                                                    layer=self.layers[j]), m)
+        full = [self._with_permutations(layer_saved(c, p, m, L.tp, "none", L.sp, L.expert_ranks,
+                                                    **lora[j], attention=self.recipe.attention,
+                                                    layer=self.layers[j], etp=L.etp), m)
                 for j, m in enumerate(self.moe)]
         saved = [Saved() if kept[j] == "nothing" else full[j] if kept[j] == "none" else
-                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.ep, **lora[j], layer=self.layers[j])
+                 layer_saved(c, p, m, L.tp, kept[j], L.sp, L.expert_ranks, **lora[j],
+                             layer=self.layers[j], etp=L.etp)
                  for j, m in enumerate(self.moe)]
         self.kept = kept
         return saved, full, {i: u.first for u in units for i in range(u.first, u.last)}
 
     def _with_permutations(self, saved: Saved, moe: bool) -> Saved:
         """Under expert parallelism an MoE layer also keeps the two int64 permutations that
-        regroup the rows its experts received by expert and back (top_k rows per token)."""
-        if not (moe and self.L.ep > 1):
+        regroup the rows its experts received by expert and back (top_k rows per token, etp x
+        as many gathered under expert tensor parallelism)."""
+        if not (moe and self.L.expert_ranks > 1):
             return saved
         return Saved(saved + [Term("expert-parallel permutations (argsort and its inverse)",
-                                   "int64", compose.permutation_bytes(self.c.top_k))])
+                                   "int64", compose.permutation_bytes(self.c.top_k * self.L.etp))])
 
     def tensors_of(self, layers: list[Saved], times: int = 1, label: str = "") -> list[Tensor]:
         """The terms of several layers' ``Saved``, added up by name (x ``times`` micro-batches)."""
@@ -264,7 +266,7 @@ class _Step(States, Moments, InBackwardMoments):
                         + [(self.gathered_rest, self.L.shard_ranks)] if self.zero == 3 else [])
             out.details["largest unit (elements)"] = max(
                 zero.padded(n, r) for n, r in self.units + gathered)
-        if self.L.ep > 1:
+        if self.L.expert_ranks > 1:
             out.details["bytes sent per step, by message"] = self._expert_messages()
             out.details["bytes sent per step"] = sum(
                 out.details["bytes sent per step, by message"].values())

@@ -112,20 +112,30 @@ def permutation_bytes(rows: int) -> int:
 
 
 def all_to_all_bytes(cfg: ModelConfig, batch: int, seq: int, ep: int, row_bytes: int,
-                     back_bytes: int | None = None, moe_layers: int | None = None
-                     ) -> dict[str, int]:
+                     back_bytes: int | None = None, moe_layers: int | None = None,
+                     etp: int = 1) -> dict[str, int]:
     """Bytes one rank sends per step in its ep group's all_to_alls, by message, under balanced
     routing: (ep - 1) / ep of its rows leave in the dispatch (``row_bytes``: one number of a
     row) and come back in the combine (``back_bytes``, the experts' outputs; None: the same),
     each again in the backward pass, the other way. The counts: E/ep int64 to each other rank
-    per MoE layer (``moe_layers``; None: the model's), in the forward pass only."""
+    per MoE layer (``moe_layers``; None: the model's), in the forward pass only. With ``etp``
+    > 1 (``expert_tensor``) the rows received are also gathered over the etp group and the
+    partial outputs reduce-scattered: each rank's rows to each of the etp - 1 others."""
     layers = cfg.moe_layers if moe_layers is None else moe_layers
+    back_bytes = row_bytes if back_bytes is None else back_bytes
     rows = layers * routed_rows(cfg, batch, seq) * (ep - 1) // ep
     out_bytes = rows * cfg.hidden * row_bytes
-    back = rows * cfg.hidden * (row_bytes if back_bytes is None else back_bytes)
+    back = rows * cfg.hidden * back_bytes
     counts = layers * (ep - 1) * (cfg.routed_experts // ep) * 8 if ep > 1 else 0
-    return {"dispatch": out_bytes, "combine": back, "dispatch (backward)": out_bytes,
-            "combine (backward)": back, "counts": counts}
+    out = {"dispatch": out_bytes, "combine": back, "dispatch (backward)": out_bytes,
+           "combine (backward)": back, "counts": counts}
+    if etp > 1:
+        held = (etp - 1) * layers * routed_rows(cfg, batch, seq) * cfg.hidden
+        out |= {"counts (etp)": layers * (etp - 1) * cfg.routed_experts * 8,
+                "gather (etp)": held * row_bytes, "gather (etp, backward)": held * row_bytes,
+                "reduce-scatter (etp)": held * back_bytes,
+                "reduce-scatter (etp, backward)": held * back_bytes}
+    return out
 
 
 def gradient_bytes_sent(replicated: int, experts: int, ep: int, dp: int) -> dict[str, int]:

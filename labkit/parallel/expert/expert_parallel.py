@@ -270,16 +270,17 @@ def ep_optimizer(model: nn.Module, groups: EPGroups, precision: str, zero_stage:
 
 def ep_dp_step(ctx, ep: int | None = None, model_name: str = "tiny-moe", batch: int = 1,
                seq: int = 32, steps: int = 2, precision: str = "fp32", hot: float | None = None,
-               seed: int = 0, zero_stage: int = 0, lora_rank: int = 0) -> EPStep:
+               seed: int = 0, zero_stage: int = 0, lora_rank: int = 0, builder=None) -> EPStep:
     """Train under ``ep`` (None: every rank) x dp = world / ep on this rank's rows (``batch`` of
     them, for-loop AdamW; ``ep_optimizer`` for ``zero_stage``); the tracker measures the last
-    (steady) step. ``hot``: see ``seeded_model``. ``lora_rank`` > 0: LoRA (rank r) on it."""
+    (steady) step. ``hot``: see ``seeded_model``. ``lora_rank`` > 0: LoRA (rank r) on it.
+    ``builder``: what makes the rank's model and groups (``build``'s arguments; None: ``build``)."""
     for name, value in (("batch", batch), ("seq", seq), ("steps", steps)):
         check_positive(name, value)
     if steps < 2:
         raise ValueError(f"steps={steps}: use steps >= 2; the first step creates the optimizer "
                          "state, the second is the first steady one")
-    model, groups = build(ctx, model_name, hot, seed, param_dtype(precision), ep)
+    model, groups = (builder or build)(ctx, model_name, hot, seed, param_dtype(precision), ep)
     if lora_rank:
         apply_lora(model, lora_rank)
     states, optimizer = ep_optimizer(model, groups, precision, zero_stage)
@@ -343,11 +344,12 @@ def _forward_backward(model, ctx, batch: int, seq: int, seed: int):
 
 def forward_backward(ctx, model_name: str = "tiny-moe", batch: int = 1, seq: int = 32,
                      dtype: torch.dtype = torch.float64, hot: float | None = None,
-                     seed: int = 0, ep: int | None = None, zero_stage: int = 0) -> dict:
+                     seed: int = 0, ep: int | None = None, zero_stage: int = 0,
+                     builder=None) -> dict:
     """One forward and backward under ``ep`` (None: every rank) x dp on this rank's rows:
     logits, loss, every gradient by name (averaged: ``average_gradients``, or ZeRO-1's
-    reduce-scatters gathered back), the bytes sent."""
-    model, groups = build(ctx, model_name, hot, seed, dtype, ep)
+    reduce-scatters gathered back), the bytes sent. ``builder``: as ``ep_dp_step``'s."""
+    model, groups = (builder or build)(ctx, model_name, hot, seed, dtype, ep)
     if zero_stage:                 # its hooks fill the buckets during the backward pass
         _, zero = ep_optimizer(model, groups, "fp64" if dtype == torch.float64 else "fp32",
                                zero_stage)
