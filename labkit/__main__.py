@@ -29,8 +29,8 @@ from labkit import __version__
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.gpus import GPUS, HEADROOM, JSON_EXAMPLE, gpu, usable_memory
 from labkit.core.hf import from_hf_config
-from labkit.core.recipe import (ATTENTION_IMPLS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
-                                SCHEDULES, Layout, fine_tuning_fields)
+from labkit.core.recipe import (ATTENTION_IMPLS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS,
+                                PARAM_DTYPES, PRECISIONS, SCHEDULES, Layout, fine_tuning_fields)
 from labkit.core.recompute import RECOMPUTE_POLICIES
 from labkit.core.units import CATEGORIES, fmt_bytes
 from labkit.course.plan import OPTIMIZERS as PLANNED_OPTIMIZERS, RECOMPUTE, TRAINABLE, plan
@@ -250,29 +250,25 @@ def _serve_options(ser: argparse.ArgumentParser) -> None:
 
 
 def _layout_options(est: argparse.ArgumentParser) -> None:
-    """estimate's layout: ZeRO, dp, tp, sp, pp and its schedule, ep, cp, DDP buckets, offload."""
+    """estimate's layout: ZeRO, dp, tp, sp, pp and its schedule, ep, etp, cp, HSDP, offload."""
     est.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES)
     est.add_argument("--dp", type=COUNT, default=1, help="data-parallel degree")
     est.add_argument("--tp", type=COUNT, default=1, help="tensor-parallel degree")
     est.add_argument("--pp", type=COUNT, default=1, help="pipeline-parallel degree")
     est.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     est.add_argument("--micro-batches", type=COUNT, help="pipeline micro-batches (default: pp)")
-    est.add_argument("--schedule", default=Layout.schedule, choices=SCHEDULES,
-                     help="pipeline schedule")
+    est.add_argument("--schedule", default=Layout.schedule, choices=SCHEDULES, help="pipeline")
     est.add_argument("--virtual-stages", type=COUNT,
                      help=f"model chunks per pipeline stage (interleaved only; default "
                           f"{INTERLEAVED_CHUNKS} there)")
-    est.add_argument("--ep", type=COUNT, default=1,
-                     help="expert-parallel degree (divides --dp: the experts split over ep of "
-                          "the dp ranks)")
-    est.add_argument("--etp", type=COUNT, default=1,
-                     help="expert-tensor-parallel degree: each expert split over etp ranks "
-                          "(with --tp 1; ep x etp divides --dp)")
+    est.add_argument("--ep", type=COUNT, default=1, help="expert-parallel degree (divides --dp)")
+    est.add_argument("--etp", type=COUNT, default=1, help="each expert split over etp ranks")
+    est.add_argument("--param-dtype", choices=PARAM_DTYPES, help="ZeRO-3 as FSDP2's "
+                     "MixedPrecisionPolicy(param_dtype=bf16) (with --precision bf16-master)")
     est.add_argument("--cp", type=COUNT, default=1, help="context-parallel degree")
     est.add_argument("--replicas", type=COUNT, default=1,
                      help="HSDP: ZeRO inside dp x cp / replicas ranks, replicated across")
-    est.add_argument("--bucket-view", action="store_true",
-                     help="DDP's gradient_as_bucket_view (with --zero-stage 0)")
+    est.add_argument("--bucket-view", action="store_true", help="DDP's gradient_as_bucket_view")
     est.add_argument("--offload", action="store_true",
                      help="ZeRO-Offload: optimizer state and shards in host memory")
 
@@ -391,7 +387,7 @@ def _estimated(args, step: dict) -> tuple:
     layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
                     pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                     virtual_stages=chunks, ep=args.ep, cp=args.cp, replicas=args.replicas,
-                    etp=args.etp, gradient_as_bucket_view=args.bucket_view, offload=args.offload)
+                    etp=args.etp, param_dtype=args.param_dtype, gradient_as_bucket_view=args.bucket_view, offload=args.offload)
     result = estimate(args.model, layout=layout, **step)
     extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
     if args.json:

@@ -137,6 +137,8 @@ def test_a_model_may_be_a_hub_name_in_the_local_hugging_face_cache(tmp_path, cap
     (["--model", "deepseek-v2-lite", "--dp", "2", "--ep", "4"], "(e.g. --dp 4 --ep 4)"),
     (["--model", "llama-2-7b", "--tp", "3"], "--tp 3 does not divide heads=32"),
     (["--model", "llama-2-7b", "--dp", "16", "--replicas", "2"], "set --zero-stage 3 (or 1, 2)"),
+    (["--model", "llama-2-7b", "--dp", "8", "--zero-stage", "2", "--param-dtype", "bf16"],
+     "set --zero-stage 3"),
     (["--model", "mixtral-8x7b", "--dp", "16", "--ep", "8", "--etp", "2", "--tp", "2"],
      "use --etp 1, or --tp 1"),
 ])
@@ -216,7 +218,7 @@ def test_a_reader_that_leaves_early_ends_the_output_quietly():
 
 def test_the_choice_lists_are_labkits_vocabulary():
     from labkit.transformer.checkpointing import RECOMPUTE_POLICIES
-    from labkit.core.recipe import SCHEDULES
+    from labkit.core.recipe import PARAM_DTYPES, SCHEDULES
     from labkit.course.plan import OPTIMIZERS as PLANNED, RECOMPUTE, TRAINABLE
     from labkit.core.gpus import GPUS
     from labkit.core.recipe import ATTENTION_IMPLS, DEVICES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
@@ -224,7 +226,7 @@ def test_the_choice_lists_are_labkits_vocabulary():
     vocabulary = {"--precision": PRECISIONS, "--attention": ATTENTION_IMPLS, "--optimizer": OPTIMIZERS,
                   "--optimizer-impl": OPTIMIZER_IMPLS, "--recompute": RECOMPUTE_POLICIES,
                   "--device": DEVICES, "--schedule": SCHEDULES, "--trainable": TRAINABLE,
-                  "--zero-stage": (0, 1, 2, 3)}
+                  "--zero-stage": (0, 1, 2, 3), "--param-dtype": PARAM_DTYPES}
     # the planner's policies (no every-k, no sqrt) and optimizers (full fine-tuning's AdamWs)
     searched = {"--recompute": RECOMPUTE, "--optimizer": PLANNED}
     commands = next(a.choices for a in build_parser()._actions if a.dest == "command")

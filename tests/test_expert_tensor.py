@@ -8,7 +8,7 @@ import torch
 import labkit as lk
 from labkit.parallel import cluster
 from labkit.parallel.expert import expert_tensor as et
-from labkit.parallel.expert.expert_parallel import one_process
+from labkit.parallel.expert.expert_parallel import ep_dp_step, one_process
 
 CFG = lk.preset("tiny-moe")
 SEQ, STEP_SEQ, HOT = 32, 64, 1.0
@@ -18,10 +18,14 @@ FP64 = 1e-12               # fp64 round-off: sums over rows in another order and
 
 def figures(ctx) -> dict:
     """One rank under ep = world / 2 x etp = 2: fp64 forward-backward (unbiased and skewed
-    routers) and one steady step per precision."""
-    return {"fp64": et.etp_forward_backward(ctx, 2, seq=SEQ, dtype=torch.float64),
-            "skewed": et.etp_forward_backward(ctx, 2, seq=SEQ, dtype=torch.float64, hot=HOT),
-            **{p: et.etp_step(ctx, 2, seq=STEP_SEQ, precision=p) for p in PRECISIONS}}
+    routers) and one steady step per precision; on 4 ranks also a skewed step, and ep 4's."""
+    out = {"fp64": et.etp_forward_backward(ctx, 2, seq=SEQ, dtype=torch.float64),
+           "skewed": et.etp_forward_backward(ctx, 2, seq=SEQ, dtype=torch.float64, hot=HOT),
+           **{p: et.etp_step(ctx, 2, seq=STEP_SEQ, precision=p) for p in PRECISIONS}}
+    if ctx.world_size == 4:
+        out["hot etp"] = et.etp_step(ctx, 2, batch=2, seq=STEP_SEQ, hot=HOT)
+        out["hot ep 4"] = ep_dp_step(ctx, 4, batch=2, seq=STEP_SEQ, hot=HOT)
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep1-etp2", "ep2-etp2"])
@@ -43,10 +47,10 @@ def test_output_and_every_gradient_equal_one_process(world, case, hot):
     """Rank r = (shard s, slice t): its logits are the one-process logits of its rows, its
     replicated gradients the one-process ones, its experts' those of experts [s E/ep, (s + 1)
     E/ep) cut to ffn slice t (rows of w_gate and w_up, columns of w_down). "skewed": every
-    token picks shard 0's experts."""
+    token picks experts among the first E / (ep x etp) (2 of 8 at ep 2, 4 at ep 1)."""
     n, ranks = world
     ep, f = n // 2, CFG.moe_ffn // 2
-    ref, per = one_process(n, seq=SEQ, dtype=torch.float64, hot=hot, ep=ep), CFG.routed_experts // ep
+    ref, per = one_process(n, seq=SEQ, dtype=torch.float64, hot=hot, ep=n), CFG.routed_experts // ep
     for r, got in enumerate(rank[case] for rank in ranks):
         s, t = divmod(r, 2)
         assert _close(got["logits"][0], ref["logits"][r])
@@ -101,12 +105,25 @@ def test_bytes_sent_are_the_estimates_where_routing_is_balanced(world, precision
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_each_rank_peak_is_the_estimate(world, precision):
-    """ep 1 (the two ranks gather the same rows): within 1% (measured 0.04-0.5%). ep 2: within
-    3%, the routing of these rows not quite balanced (measured within 2.8%)."""
+    """ep 1 (the two ranks gather the same rows): within 1% (measured 0.04% in bf16-mixed, in
+    the backward pass as the estimate says; in fp32 0.5% above, in the forward pass: a transient
+    of the last MoE layer's forward the estimate does not count). ep 2: within 3%, the routing
+    of these rows not quite balanced (measured within 2.8%)."""
     n, ranks = world
     est = estimate(n, precision)
     for step in (rank[precision] for rank in ranks):
         assert abs(step.peak - est.total) <= (0.01 if n == 2 else 0.03) * est.total, (step, est)
+        if precision == "bf16-mixed" and n == 2:
+            assert step.peak_phase == est.peak_phase == "backward"
+
+
+def test_under_a_skewed_router_the_busiest_rank_holds_less_than_under_ep_4(world):
+    """Every token to experts 0 and 1: at ep 4 one rank runs both; at ep 2 x etp 2 two ranks
+    each run half of their SwiGLU (measured: 6.20 against 6.28 MiB in fp32)."""
+    n, ranks = world
+    if n != 4:
+        pytest.skip("ep 4 needs 4 ranks")
+    assert max(r["hot etp"].peak for r in ranks) < max(r["hot ep 4"].peak for r in ranks)
 
 
 def test_the_gathered_rows_are_what_etp_adds_to_the_activations():
@@ -122,7 +139,7 @@ def test_the_gathered_rows_are_what_etp_adds_to_the_activations():
 
 
 @pytest.mark.parametrize("layout, match", [
-    (dict(dp=4, ep=2, etp=2, tp=2), "experts are split over tp already.*use etp=1, or tp=1"),
+    (dict(dp=4, ep=2, etp=2, tp=2), "with tp 1 only.*use etp=1, or tp=1"),
     (dict(dp=6, ep=2, etp=2), "must divide dp=6"),
     (dict(dp=4, ep=2, etp=2, zero_stage=1), "use zero_stage=0"),
     (dict(dp=8, ep=2, etp=2, pp=2), "pp=1"),
@@ -134,13 +151,13 @@ def test_bad_layouts_name_the_fix(layout, match):
 
 
 @pytest.mark.parametrize("model, kwargs, match", [
-    ("tiny", {}, "dense model"),
-    ("tiny-moe", dict(recompute="selective"), "recompute 'none' or 'full'"),
+    ("tiny", {}, "dense model with no routed experts"),
+    ("tiny-moe", dict(recompute="selective"), "recompute 'none'"),
     ("tiny-moe", dict(trainable="lora"), "full fine-tuning"),
 ])
 def test_bad_steps_name_the_fix(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        lk.estimate(model, 1, 64, layout=lk.Layout(dp=4, ep=2, etp=2), **kwargs)
+        lk.estimate(model, 1, 64, layout=lk.Layout(dp=2, etp=2), **kwargs)
 
 
 def test_the_mechanism_refuses_what_it_does_not_run():

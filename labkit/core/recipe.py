@@ -29,6 +29,7 @@ DEVICES = ("cuda", "cpu")
 TRAINABLE = ("all", "lora")      # every parameter, or LoRA adapters on a frozen model (lab 06)
 # the pipeline schedules modelled; ZB-V and DualPipeV put two chunks per stage in a V
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
+PARAM_DTYPES = ("bf16",)             # Layout.param_dtype: FSDP2's MixedPrecisionPolicy(param_dtype)
 V_SCHEDULES = ("zb-v", "dualpipe-v")
 SPLIT_BACKWARD = ("zb-h1", *V_SCHEDULES)      # B (input gradients) and W (weights') apart
 
@@ -221,6 +222,13 @@ class Layout:
     expert split over ``etp`` ranks inside ep x etp of the dp ranks, attention data-parallel
     (tp 1; with tp > 1 the experts follow tp, Megatron's default)
     (``labkit.parallel.expert.expert_tensor``).
+    ``param_dtype``: "bf16" is ZeRO-3 as FSDP2 runs it under ``MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16, reduce_dtype=torch.float32)`` (with the "bf16-master" recipe): the fp32
+    shards are the master weights, each block is all-gathered in bf16 and the next one's
+    all-gather prefetched; None is labkit's ZeRO-3 (bf16 shards beside fp32 masters, as
+    DeepSpeed keeps them, one block gathered at a time). Against fake FSDP2 steps without
+    recompute: to the byte (LLaMA-2-7B, Qwen3-8B, DeepSeek-V2-Lite); with full recompute within
+    6% (the backward's moments are labkit's ZeRO-3's; the estimate's "assumes" says so).
     """
 
     dp: int = 1
@@ -238,6 +246,7 @@ class Layout:
     ddp_buckets: bool | None = None
     replicas: int = 1
     etp: int = 1
+    param_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "replicas", "etp"):
@@ -266,6 +275,7 @@ class Layout:
         check_choice("schedule", self.schedule, SCHEDULES)
         self._check_replicas()
         self._check_etp()
+        self._check_param_dtype()
         if (self.virtual_stages > 1) != (self.schedule == "interleaved"):
             raise ValueError(f"schedule={self.schedule!r} with virtual_stages="
                              f"{self.virtual_stages}: interleaved 1F1B needs virtual_stages >= 2 "
@@ -298,9 +308,10 @@ class Layout:
         if self.etp == 1:
             return
         if self.tp > 1:
-            raise ValueError(f"etp={self.etp} with tp={self.tp}: under tensor parallelism the "
-                             "experts are split over tp already (Megatron's default); use etp=1, "
-                             "or tp=1")
+            raise ValueError(f"etp={self.etp} with tp={self.tp}: labkit models etp > 1 with tp 1 "
+                             "only; under tp > 1 the experts are split over tp already (Megatron's "
+                             "default, ETP = TP; Megatron also allows ETP != TP): use etp=1, or "
+                             "tp=1")
         if self.dp % self.expert_ranks:
             raise ValueError(f"ep x etp = {self.expert_ranks} must divide dp={self.dp}: choose dp "
                              f"among the multiples of {self.expert_ranks}")
@@ -310,6 +321,16 @@ class Layout:
             raise ValueError("etp is modelled for expert x expert-tensor parallelism inside plain "
                              "data parallelism (what labkit.parallel.expert.expert_tensor runs): "
                              "use zero_stage=0, pp=1, cp=1, offload=False and replicas=1 with it")
+
+    def _check_param_dtype(self):
+        if self.param_dtype is None:
+            return
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}: \"bf16\" (FSDP2's "
+                             "MixedPrecisionPolicy(param_dtype=torch.bfloat16)) or None")
+        if self.zero_stage != 3 or self.ep > 1 or self.etp > 1 or self.offload:
+            raise ValueError("param_dtype='bf16' is FSDP2's mixed precision over ZeRO-3 shards: "
+                             "set zero_stage=3, and use ep=1, etp=1 and offload=False with it")
 
     @property
     def expert_ranks(self) -> int:
@@ -365,10 +386,12 @@ class Layout:
         if self.ep > 1 and (not cfg.is_moe or cfg.routed_experts % self.ep):
             raise ValueError(f"ep={self.ep} must divide the routed experts "
                              f"({cfg.routed_experts}); use ep=1 for a dense model")
-        if self.etp > 1 and (not cfg.is_moe or cfg.moe_ffn % self.etp):
+        if self.etp > 1 and not cfg.is_moe:
+            raise ValueError(f"etp={self.etp}: {cfg.name} is a dense model with no routed experts "
+                             "to split; use etp=1")
+        if self.etp > 1 and cfg.moe_ffn % self.etp:
             raise ValueError(f"etp={self.etp} splits each routed expert's ffn width "
-                             f"({cfg.moe_ffn if cfg.is_moe else 'none: a dense model'}) over etp "
-                             "ranks: choose etp among its divisors, or etp=1")
+                             f"({cfg.moe_ffn}) over etp ranks: choose etp among its divisors")
         if seq % (self.cp * (self.tp if self.sp else 1)):
             raise ValueError(f"seq={seq} must be divisible by cp x (tp with sp) = "
                              f"{self.cp * (self.tp if self.sp else 1)}")

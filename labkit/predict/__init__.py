@@ -70,10 +70,15 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
                          f"one micro-batch, not with {', '.join(spread)}: drop those (a "
                          f"micro-batch would update the weights each time), or drop "
                          f"optimizer_in_backward (--optimizer-in-backward)")
+    if layout.param_dtype and (recipe.precision != "bf16-master" or recipe.trainable != "all"):
+        raise ValueError(f"param_dtype={layout.param_dtype!r} (FSDP2's MixedPrecisionPolicy) "
+                         f"keeps fp32 master shards and computes in bf16: use "
+                         f"precision='bf16-master' and trainable='all' with it (got "
+                         f"{recipe.precision!r}, {recipe.trainable!r})")
     if layout.etp > 1 and recipe.recompute not in ("none", "full"):
-        raise ValueError(f"etp={layout.etp} is modelled with recompute 'none' or 'full' (what "
-                         f"labkit.parallel.expert.expert_tensor measures), not "
-                         f"{recipe.recompute!r}")
+        raise ValueError(f"etp={layout.etp} is modelled with recompute 'none' (measured by "
+                         f"labkit.parallel.expert.expert_tensor) or 'full' (the same terms, not "
+                         f"measured), not {recipe.recompute!r}")
     for name in ("replicas", "etp"):
         if getattr(layout, name) > 1 and recipe.trainable != "all":
             raise ValueError(f"{name}={getattr(layout, name)} is modelled for full fine-tuning: "

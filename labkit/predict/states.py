@@ -32,7 +32,9 @@ class States:
         # at stage 3 it is the only copy of the parameters between gathers
         on_device = 0 if self.offload and self.zero == 3 else 1
         out = [Tensor("LoRA adapters A and B" if self.lora else "weights", "params", wdt,
-                      on_device * self._per_rank(b.weights, "params")),
+                      on_device * self._per_rank(b.weights, "params")) if not self.policy else
+               Tensor("fp32 weight shards (FSDP2's policy: the master weights)", "params",
+                      "fp32", self._per_rank(4, "params")),
                *self._frozen_weights(),
                Tensor(f"{self.recipe.optimizer} state ({numbers} numbers per parameter)",
                       state, "int8" if self.recipe.optimizer == "adamw-8bit" else
@@ -41,7 +43,7 @@ class States:
         if self.eight_bit:
             out += [Tensor("8-bit maps (2 x 256 values)", state, "fp32", MAP_BYTES),
                     Tensor("8-bit maps' lookup tables", "other", "fp32", LOOKUP_BYTES)]
-        if self.master or self.offload:
+        if (self.master and not self.policy) or self.offload:
             out.append(Tensor("fp32 master weights" if self.master else "weights' shard",
                               state, "fp32" if self.master else wdt,
                               self._per_rank(4 if self.master else b.weights, "optimizer")))
@@ -49,7 +51,8 @@ class States:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
         if self.recipe.optimizer == "adamw":   # on CUDA torch keeps them on the host
             out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
-                              4 * (len(self.units) if self.zero else len(self.trained))))
+                              4 * (len(self.units) if self.zero and not self.policy
+                                   else len(self.trained))))   # FSDP2: one per parameter
         return out
 
     def _per_rank(self, number: int, state: str) -> int:

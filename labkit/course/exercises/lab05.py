@@ -145,9 +145,9 @@ def _v3_experts_per_gpu():
     "05-mixtral-etp-activations",
     question="""Mixtral-8x7B (preset "mixtral-8x7b") has 8 routed experts per layer, so expert
 parallelism splits them at most 8 ways. On 16 GPUs, ep 8 x etp 2 also splits each expert's ffn
-in two (lk.Layout(dp=16, ep=8, etp=2)). In bf16-mixed, 1 x 4096 tokens per GPU, no recompute:
-how many GiB more activations does it save for the backward pass than ep 8 alone
-(lk.Layout(dp=16, ep=8), each expert shard on 2 GPUs)?""",
+in two (lk.Layout(dp=16, ep=8, etp=2)). In bf16-mixed, 1 x 4096 tokens per GPU, no recompute,
+balanced routing: how many GiB more activations does it keep for the backward pass than ep 8
+alone (lk.Layout(dp=16, ep=8), each expert shard on 2 GPUs)?""",
     unit="GiB", rtol=1e-3,
     hint="The SwiGLU's intermediates do not change (etp x the rows at 1/etp of the width). What "
          "grows is what each GPU keeps per row it receives: the sorted input (hidden numbers; "
@@ -155,10 +155,14 @@ how many GiB more activations does it save for the backward pass than ep 8 alone
          "etp 2 a GPU keeps its etp partner's rows too: top_k x 4096 more rows per MoE layer.",
     solution="""Per extra row: {h} x 4 B (the gathered input's bf16 copies for w_gate and w_up)
 + 16 B (argsort and its inverse) = {row:,} B; {k} x 4,096 rows per MoE layer x {layers} layers:
-{answer:.2f} GiB (lk.estimate: {est:.2f} GiB). What it buys: each GPU holds half an expert per
-layer instead of a whole one, so its peak falls from {ep8:.1f} GiB to {etp2:.1f} GiB. Expert
-tensor parallelism pays with activations and traffic (a gather and a reduce-scatter per MoE
-layer, inside a node) for weights that expert parallelism can no longer split.""",
+{answer:.2f} GiB (lk.estimate: {est:.2f} GiB). labkit's w_gate and w_up each keep a bf16 copy
+of the gathered input; Megatron-LM's fused fc1 keeps one: {fused:.2f} GiB. What it buys: each
+GPU holds half an expert per layer instead of a whole one, so its peak falls from {ep8:.1f} GiB
+to {etp2:.1f} GiB. ZeRO over each shard's 2 copies also halves the experts' states
+(lk.Layout(dp=16, ep=8, zero_stage=3): {zero3:.1f} GiB); none of the three fits an 80 GB GPU
+at this length. Expert tensor parallelism pays with activations and traffic (a gather and a
+reduce-scatter per MoE layer, inside a node) for weights that expert parallelism can no longer
+split.""",
 )
 def _mixtral_etp_activations():
     from labkit.core.recipe import Layout
@@ -166,8 +170,10 @@ def _mixtral_etp_activations():
     c = preset("mixtral-8x7b")
     row = 4 * c.hidden + 16
     answer = c.top_k * 4096 * c.moe_layers * row / GiB
-    ep8, etp2 = (estimate(c, 1, 4096, precision="bf16-mixed", layout=Layout(dp=16, ep=8, etp=e))
-                 for e in (1, 2))
+    ep8, etp2, zero3 = (estimate(c, 1, 4096, precision="bf16-mixed", layout=layout) for layout in
+                        (Layout(dp=16, ep=8), Layout(dp=16, ep=8, etp=2),
+                         Layout(dp=16, ep=8, zero_stage=3)))
     return {"answer": answer, "h": c.hidden, "row": row, "k": c.top_k, "layers": c.moe_layers,
             "est": (etp2.saved_activations - ep8.saved_activations) / GiB,
-            "ep8": ep8.total / GiB, "etp2": etp2.total / GiB}
+            "fused": c.top_k * 4096 * c.moe_layers * (2 * c.hidden + 16) / GiB,
+            "ep8": ep8.total / GiB, "etp2": etp2.total / GiB, "zero3": zero3.total / GiB}

@@ -120,7 +120,9 @@ def all_to_all_bytes(cfg: ModelConfig, batch: int, seq: int, ep: int, row_bytes:
     each again in the backward pass, the other way. The counts: E/ep int64 to each other rank
     per MoE layer (``moe_layers``; None: the model's), in the forward pass only. With ``etp``
     > 1 (``expert_tensor``) the rows received are also gathered over the etp group and the
-    partial outputs reduce-scattered: each rank's rows to each of the etp - 1 others."""
+    partial outputs reduce-scattered: each rank's rows to each of the etp - 1 others. labkit
+    gathers the rows as they were dispatched (``row_bytes``: fp32 under autocast); Megatron-LM
+    gathers the bf16 rows, half that."""
     layers = cfg.moe_layers if moe_layers is None else moe_layers
     back_bytes = row_bytes if back_bytes is None else back_bytes
     rows = layers * routed_rows(cfg, batch, seq) * (ep - 1) // ep

@@ -26,8 +26,13 @@ data-parallel size is world / (ep x etp) = 1 here); the replicated weights are a
 the world, and every gradient divided by it (``expert_parallel.average_gradients``).
 
 Memory on a rank, against ep x etp ranks of plain expert parallelism (the same expert weights
-per rank): each expert input is gathered, so the rank keeps etp x M rows of h where plain EP
-keeps M, while the SwiGLU's four (rows, f) tensors stay M f (etp x M rows of f / etp).
+per rank), under balanced routing: each expert input is gathered, so the rank keeps etp x M rows
+of h where plain EP keeps M, while the SwiGLU's four (rows, f) tensors stay M f (etp x M rows of
+f / etp). Under skew a rank's f-wide tensors are the mean of its etp group's loads, not the
+busiest one's: with f >> h the busiest rank keeps less than under plain EP (lab 05 measures it).
+Megatron-LM gathers uneven rows with ``gather_from_sequence_parallel_region(...,
+output_split_sizes=...)`` and ``reduce_scatter_to_sequence_parallel_region``; the row-by-row
+broadcasts and reduces here teach the same exchange on gloo.
 """
 from __future__ import annotations
 
@@ -193,9 +198,11 @@ def expert_tensor_parallel(model: nn.Module, ctx: RankContext, ep: int, etp: int
 def build(ctx: RankContext, model_name: str = "tiny-moe", hot: float | None = None,
           seed: int = 0, dtype: torch.dtype = torch.float32, ep: int | None = None,
           etp: int = 2):
-    """This rank's part of ``seeded_model`` under ep x etp (ep None: world / etp), its groups."""
+    """This rank's part of ``seeded_model`` under ep x etp (ep None: world / etp), its groups.
+    ``hot`` biases the first E / (ep x etp) experts, those one rank of ep x etp-way expert
+    parallelism holds: the two layouts meet the same skewed router."""
     ep = ctx.world_size // etp if ep is None else ep
-    model = seeded_model(model_name, ep, hot, seed, dtype, ctx.device)
+    model = seeded_model(model_name, ep * etp, hot, seed, dtype, ctx.device)
     return model, expert_tensor_parallel(model, ctx, ep, etp)
 
 
