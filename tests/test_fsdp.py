@@ -225,39 +225,56 @@ def test_nodes_that_do_not_divide_the_ranks_are_named(nodes):
         fsdp.node_groups(ctx, nodes)
 
 
-@pytest.mark.parametrize("name, world, placement", [
-    ("llama-2-7b", 8, "dim0"), ("qwen3-8b", 8, "dim0"), ("deepseek-v2-lite", 8, "even")])
-def test_the_estimate_of_fsdp2s_mixed_precision_policy_is_its_peak(name, world, placement):
-    """Layout(zero_stage=3, param_dtype="bf16") is FSDP2 under MixedPrecisionPolicy(param_dtype=
-    bf16, reduce_dtype=fp32): fp32 shards as the masters, bf16 gathers, the next block
-    prefetched, a step counter per parameter. 4 of each model's layers, 1 x 4096 tokens, no
-    recompute: every category to the byte, the peak but for the 4 bytes the estimate misses
-    without FSDP2 too (test_compose), 2 bytes per parameter / N below labkit's recipe."""
+def _policy(name: str, world: int, seq: int, recompute: str = "none", placement: str = "dim0"):
+    """(FSDP2's peak under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on fake
+    tensors, the estimate of Layout(zero_stage=3, param_dtype="bf16")): 4 of the model's
+    layers, 1 sequence."""
     cfg = lk.preset(name, layers=4)
-    own = fsdp.fake_fsdp2_peak(cfg, world, seq=4096, placement=placement,
-                               precision="bf16-mixed", param_dtype="bf16")
-    est = lk.estimate(cfg, 1, 4096, precision="bf16-master", device="cuda",
+    own = fsdp.fake_fsdp2_peak(cfg, world, seq=seq, recompute=recompute, placement=placement,
+                               precision="fp32", param_dtype="bf16")
+    est = lk.estimate(cfg, 1, seq, precision="bf16-master", recompute=recompute, device="cuda",
                       layout=lk.Layout(dp=world, zero_stage=3, param_dtype="bf16"))
+    return own, est
+
+
+@pytest.mark.parametrize("name, world, seq, placement, moment", [
+    ("llama-2-7b", 8, 4096, "dim0", "backward: start"),
+    ("qwen3-8b", 8, 4096, "dim0", "backward: start"),
+    ("deepseek-v2-lite", 8, 4096, "even", "backward: start"),
+    ("qwen3-8b", 64, 1024, "dim0", "backward: reduce-scatter of the embedding")])
+def test_the_policys_estimate_is_fsdp2s_peak_at_these_moments(name, world, seq, placement, moment):
+    """fp32 shards as the masters, bf16 gathers, the next block prefetched, a step counter per
+    parameter; at the end of the backward the root's bf16 gradients and their fp32 copy (the
+    reduce-scatter's input). Every category to the byte at the start of the backward pass and
+    at the root's reduce-scatter, the peak but for the 4 bytes the estimate misses without
+    FSDP2 too (test_compose)."""
+    own, est = _policy(name, world, seq, placement=placement)
+    assert est.details["peak moment"].startswith(moment)
     assert own["peak"] - est.total == 4 and own["peak_phase"] == est.peak_phase
     assert {k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations")} == \
         {k: own["by_category"][k] for k in ("params", "grads", "optimizer", "activations")}
-    labkit = lk.estimate(cfg, 1, 4096, precision="bf16-master", device="cuda",
-                         layout=lk.Layout(dp=world, zero_stage=3))
-    assert labkit.params + labkit.optimizer - est.params - est.optimizer == pytest.approx(
-        2 * lk.count_params(cfg).total / world, rel=1e-3)
 
 
-@pytest.mark.slow
-def test_with_full_recompute_the_policys_estimate_is_within_6_percent():
-    """Under full recompute FSDP2's backward moments are not labkit's ZeRO-3's, which the
-    estimate follows: 3.4% here (1.4-4% measured on LLaMA-2-7B and LLaMA-3-8B), and the
-    estimate says so."""
+def test_at_the_start_of_the_backward_the_policy_holds_2_bytes_per_parameter_less():
+    own, est = _policy("llama-2-7b", 8, 4096)
     cfg = lk.preset("llama-2-7b", layers=4)
-    own = fsdp.fake_fsdp2_peak(cfg, 8, seq=4096, recompute="full", precision="bf16-mixed",
-                               param_dtype="bf16")
-    est = lk.estimate(cfg, 1, 4096, precision="bf16-master", recompute="full", device="cuda",
-                      layout=lk.Layout(dp=8, zero_stage=3, param_dtype="bf16"))
-    assert abs(own["peak"] / est.total - 1) <= 0.06
+    labkit = lk.estimate(cfg, 1, 4096, precision="bf16-master", device="cuda",
+                         layout=lk.Layout(dp=8, zero_stage=3))
+    assert labkit.params + labkit.optimizer - est.params - est.optimizer == pytest.approx(
+        2 * lk.count_params(cfg).total / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("name, world, seq, recompute, placement", [
+    ("llama-2-7b", 64, 512, "none", "dim0"), ("deepseek-v2-lite", 64, 1024, "none", "even"),
+    ("llama-2-7b", 8, 4096, "full", "dim0"), ("llama-2-7b", 64, 1024, "full", "dim0")])
+def test_inside_a_blocks_backward_the_policys_estimate_is_a_bound_within_7_percent(
+        name, world, seq, recompute, placement):
+    """Short sequences or recompute put the peak inside a block's backward, where the estimate
+    counts the block's bf16 gradients as one bucket that FSDP2 makes one gradient at a time:
+    never below FSDP2's peak, at most 7% above (measured 0.935-0.981 on these 4-layer models,
+    0.955-0.990 on whole LLaMA-2-7B, Qwen3-8B, DeepSeek-V2-Lite), and "assumes" says so."""
+    own, est = _policy(name, world, seq, recompute, placement)
+    assert 0.93 <= own["peak"] / est.total <= 1
     assert any("MixedPrecisionPolicy" in line for line in est.details["assumes"])
 
 
@@ -265,6 +282,7 @@ def test_with_full_recompute_the_policys_estimate_is_within_6_percent():
     (dict(dp=8, zero_stage=3, param_dtype="fp16"), {}, "\"bf16\""),
     (dict(dp=8, zero_stage=2, param_dtype="bf16"), {}, "set zero_stage=3"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16", offload=True), {}, "offload=False"),
+    (dict(dp=8, zero_stage=3, param_dtype="bf16", pp=2), {}, "use pp=1"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16"), dict(precision="bf16-mixed"),
      "precision='bf16-master'"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16"), dict(precision="bf16-master",

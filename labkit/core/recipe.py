@@ -226,9 +226,11 @@ class Layout:
     torch.bfloat16, reduce_dtype=torch.float32)`` (with the "bf16-master" recipe): the fp32
     shards are the master weights, each block is all-gathered in bf16 and the next one's
     all-gather prefetched; None is labkit's ZeRO-3 (bf16 shards beside fp32 masters, as
-    DeepSpeed keeps them, one block gathered at a time). Against fake FSDP2 steps without
-    recompute: to the byte (LLaMA-2-7B, Qwen3-8B, DeepSeek-V2-Lite); with full recompute within
-    6% (the backward's moments are labkit's ZeRO-3's; the estimate's "assumes" says so).
+    DeepSpeed keeps them, one block gathered at a time). Against fake FSDP2 steps (LLaMA-2-7B,
+    Qwen3-8B, LLaMA-3-8B, DeepSeek-V2-Lite; N 8-1024; pp 1, AdamW): to the byte where the peak is
+    at the start of the backward pass, at the root's reduce-scatter or at the optimizer step;
+    inside a block's backward (short sequences, recompute) a bound up to 7% above FSDP2's (the
+    estimate's "assumes" says so).
     """
 
     dp: int = 1
@@ -331,6 +333,10 @@ class Layout:
         if self.zero_stage != 3 or self.ep > 1 or self.etp > 1 or self.offload:
             raise ValueError("param_dtype='bf16' is FSDP2's mixed precision over ZeRO-3 shards: "
                              "set zero_stage=3, and use ep=1, etp=1 and offload=False with it")
+        if self.pp > 1:
+            raise ValueError("param_dtype='bf16' with pp > 1: torch.distributed.pipelining runs "
+                             "FSDP2 without gradient sync until the last micro-batch (whole fp32 "
+                             "gradients of the stage), not modelled; use pp=1")
 
     @property
     def expert_ranks(self) -> int:

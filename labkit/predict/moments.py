@@ -122,9 +122,7 @@ class Moments:
             grads = (self._grads_in_backward(range(i + 1, len(self.layers))) if self.zero else
                      [Tensor("gradients of the layers done", "grads", self.wdt,
                              self._done(sum(self.block_trained[i + 1:]) * stream + head_grads))])
-            this_block = ([self._bucket("this block", self.block_units[i][:1])] if self.zero >= 2
-                          else []) + ([self._gathered("this block", self.gathered_units[i])]
-                                      if self.zero == 3 else []) + self._prefetched(i)
+            this_block = self._this_block_in_backward(i)
             kept = always + self._kept_up_to(saved, i) + grads + this_block + [
                 self._recomputed(i, saved, full, unit_start)]
             # by w_down's gradient the MLP output norm (Gemma, OLMo 2) has freed what it kept
@@ -478,6 +476,8 @@ class Moments:
             out["backward: reduce-scatter of the embedding, final norm and LM head"] = (
                 "backward", always + grads + [self._reduced_shard(self.rest),
                                               self._staging(self.rest, self.bytes.grads)])
+        if self.policy and self.rest:       # FSDP2: the root's bf16 gradients cast to fp32
+            out.update(self._fsdp2_root_moment(always))
         return out
 
     def _optimizer_moment(self, always) -> dict:

@@ -15,6 +15,8 @@ from labkit.predict.formats import (LOOKUP_BYTES, MAP_BYTES, eight_bit_state_byt
 from labkit.predict.layers import block_weights, lora_targets
 from labkit.predict.terms import Tensor, _total
 
+ROOT_REDUCED = "backward: reduce-scatter of the embedding, final norm and LM head"
+
 
 class States:
     """Model states, ZeRO's terms and the bytes sent per step."""
@@ -109,8 +111,10 @@ class States:
         return zero.per_rank(rest, "params", 3, self.L.shard_ranks) + blocks * self.bytes.weights
 
     def grads(self) -> int:
-        """A rank's finished gradients: all, or from stage 2 its shard of each unit."""
-        return 0 if self.in_buckets else self._per_rank(self.bytes.grads, "grads")
+        """A rank's finished gradients: all, or from stage 2 its shard of each unit (fp32 under
+        FSDP2's policy)."""
+        return 0 if self.in_buckets else self._per_rank(4 if self.policy else self.bytes.grads,
+                                                        "grads")
 
     def _done(self, grad_bytes: int) -> int:
         """What a rank keeps of finished gradients apart from DDP's buckets (nothing when the
@@ -193,6 +197,8 @@ class States:
         ``moments._experts_bucket``); from stage 2 the root unit's bucket (embedding, final
         norm, head: reduced last) and the shards of the blocks done. From the second
         micro-batch on, every bucket (stage 1) or shard (from stage 2) is there."""
+        if self.policy:
+            return self._fsdp2_grads_in_backward(blocks_done)
         if self.zero == 1:   # after the first micro-batch every bucket is there until the step
             buckets = self._buckets(0)
             done = self.L.micro_batch_count > 1 or any(self.moe[j] for j in blocks_done)
@@ -202,6 +208,48 @@ class States:
                     self._shards(self.units)]
         return [self._bucket("the embedding, final norm and LM head", self.rest),
                 self._shards([u for j in blocks_done for u in self.block_units[j]])]
+
+    def _fsdp2_grads_in_backward(self, blocks_done) -> list[Tensor]:
+        """FSDP2 under its MixedPrecisionPolicy: the root (embedding, final norm, head) is
+        reduced last, so the head's and final norm's unsharded bf16 gradients wait; the fp32
+        shards of the blocks done (every unit's from the second micro-batch); and the fp32
+        reduce-scatter input of the block reduced last, which FSDP2 keeps until the next
+        block's reduce-scatter (torch 2.13's _fsdp_param_group.py, post_backward)."""
+        done = list(blocks_done)
+        head = Tensor("unsharded gradients of the LM head and final norm (FSDP2: the root is "
+                      "reduced last)", "grads", self.wdt,
+                      self._head_grad_elements() * self.bytes.grads if self.last else 0)
+        shards = self._shards(self.units if self.L.micro_batch_count > 1 else
+                              [u for j in done for u in self.block_units[j]])
+        if not done:
+            return [head, shards]
+        last = Tensor("reduce-scatter input of the block reduced last, fp32 (FSDP2 keeps it "
+                      "until the next)", "other", "fp32",
+                      4 * sum(zero.padded(n, r) for n, r in self.block_units[min(done)]))
+        return [head, shards, last]
+
+    def _this_block_in_backward(self, i: int) -> list[Tensor]:
+        """What ZeRO holds for block i during its backward: from stage 2 its flat gradient
+        bucket (under FSDP2's policy it stands for the block's bf16 gradients, which FSDP2
+        makes one by one: a bound, up to 7% above FSDP2's peak), at stage 3 its gathered
+        weights, under FSDP2 the block below prefetched."""
+        bucket = [self._bucket("this block", self.block_units[i][:1])] if self.zero >= 2 else []
+        gathered = [self._gathered("this block", self.gathered_units[i])] if self.zero == 3 else []
+        return bucket + gathered + self._prefetched(i)
+
+    def _fsdp2_root_moment(self, always) -> dict:
+        """FSDP2's policy ends the backward reducing the root (embedding, final norm, LM head):
+        its unsharded bf16 gradients and their fp32 copy, the reduce-scatter's input, beside
+        every block's fp32 shard; its gathered weights are resharded by then (``step`` adds
+        them to every other backward moment)."""
+        whole = zero.padded(self.rest, self.L.shard_ranks)
+        return {ROOT_REDUCED: (
+            "backward", always + [
+                self._shards([u for b in self.block_units for u in b]),
+                Tensor("unsharded gradients of the embedding, final norm and LM head", "grads",
+                       self.wdt, whole * self.bytes.grads),
+                Tensor("their fp32 copy, the reduce-scatter's input (FSDP2's reduce_dtype)",
+                       "other", "fp32", whole * 4)])}
 
     def _parts(self, unit) -> list[tuple[int, int]]:
         """[(elements, ranks)] of a unit given as its elements (sharded over dp) or its parts
@@ -230,8 +278,9 @@ class States:
 
     def _reduced_shard(self, unit) -> Tensor:
         """The shard a reduce-scatter writes, in the gradients' dtype."""
-        return Tensor("gradient shard being reduced", "grads", self.wdt,
-                      sum(zero.shard(n, r) for n, r in self._parts(unit)) * self.bytes.grads)
+        number = 4 if self.policy else self.bytes.grads      # FSDP2's policy: fp32
+        return Tensor("gradient shard being reduced", "grads", "fp32" if self.policy else self.wdt,
+                      sum(zero.shard(n, r) for n, r in self._parts(unit)) * number)
 
     def _gathered(self, what: str, unit) -> Tensor:
         """Stage 3: a unit's full parameters, all-gathered around its forward or backward."""

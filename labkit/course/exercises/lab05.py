@@ -148,7 +148,7 @@ parallelism splits them at most 8 ways. On 16 GPUs, ep 8 x etp 2 also splits eac
 in two (lk.Layout(dp=16, ep=8, etp=2)). In bf16-mixed, 1 x 4096 tokens per GPU, no recompute,
 balanced routing: how many GiB more activations does it keep for the backward pass than ep 8
 alone (lk.Layout(dp=16, ep=8), each expert shard on 2 GPUs)?""",
-    unit="GiB", rtol=1e-3,
+    unit="GiB", rtol=2e-4,
     hint="The SwiGLU's intermediates do not change (etp x the rows at 1/etp of the width). What "
          "grows is what each GPU keeps per row it receives: the sorted input (hidden numbers; "
          "under autocast two bf16 copies, 4 B a number) and two int64 permutation indices. With "
@@ -158,22 +158,32 @@ alone (lk.Layout(dp=16, ep=8), each expert shard on 2 GPUs)?""",
 {answer:.2f} GiB (lk.estimate: {est:.2f} GiB). labkit's w_gate and w_up each keep a bf16 copy
 of the gathered input; Megatron-LM's fused fc1 keeps one: {fused:.2f} GiB. What it buys: each
 GPU holds half an expert per layer instead of a whole one, so its peak falls from {ep8:.1f} GiB
-to {etp2:.1f} GiB. ZeRO over each shard's 2 copies also halves the experts' states
-(lk.Layout(dp=16, ep=8, zero_stage=3): {zero3:.1f} GiB); none of the three fits an 80 GB GPU
-at this length. Expert tensor parallelism pays with activations and traffic (a gather and a
-reduce-scatter per MoE layer, inside a node) for weights that expert parallelism can no longer
-split.""",
+to {etp2:.1f} GiB. Against ZeRO, in Megatron's recipe (bf16-master): ZeRO-1 over the 16 GPUs
+reaches {zero1_master:.1f} GiB (ep 8 x etp 2 without ZeRO: {etp2_master:.1f} GiB), but
+{rep_saved:.1f} GiB of that is the replicated weights' masters and moments sharded over all 16,
+which Megatron's distributed optimizer does under etp too. On the experts alone, ZeRO over their
+2 copies halves only the fp32 masters and moments ({experts_zero:.1f} GiB saved); etp 2 halves
+all 16 bytes a parameter ({experts_etp:.1f} GiB) for {answer:.1f} GiB of activations and the etp
+traffic. At a fixed GPU count the two do not add: etp turns the experts' copies into slices.
+None of these fits an 80 GB GPU at this length (labkit models etp without ZeRO).""",
 )
 def _mixtral_etp_activations():
     from labkit.core.recipe import Layout
+    from labkit.parallel.expert.compose import rank_params
     from labkit.predict import estimate
     c = preset("mixtral-8x7b")
     row = 4 * c.hidden + 16
     answer = c.top_k * 4096 * c.moe_layers * row / GiB
-    ep8, etp2, zero3 = (estimate(c, 1, 4096, precision="bf16-mixed", layout=layout) for layout in
-                        (Layout(dp=16, ep=8), Layout(dp=16, ep=8, etp=2),
-                         Layout(dp=16, ep=8, zero_stage=3)))
+    ep8, etp2 = (estimate(c, 1, 4096, precision="bf16-mixed", layout=layout)
+                 for layout in (Layout(dp=16, ep=8), Layout(dp=16, ep=8, etp=2)))
+    zero1_master, etp2_master = (
+        estimate(c, 1, 4096, precision="bf16-master", layout=layout).total / GiB
+        for layout in (Layout(dp=16, ep=8, zero_stage=1), Layout(dp=16, ep=8, etp=2)))
+    routed, replicated = rank_params(c, 8)                   # per GPU at ep 8
     return {"answer": answer, "h": c.hidden, "row": row, "k": c.top_k, "layers": c.moe_layers,
+            "zero1_master": zero1_master, "etp2_master": etp2_master,
+            "rep_saved": replicated * 12 * 15 / 16 / GiB,    # masters + moments over 16
+            "experts_zero": routed * 12 / 2 / GiB, "experts_etp": routed * 16 / 2 / GiB,
             "est": (etp2.saved_activations - ep8.saved_activations) / GiB,
             "fused": c.top_k * 4096 * c.moe_layers * (2 * c.hidden + 16) / GiB,
-            "ep8": ep8.total / GiB, "etp2": etp2.total / GiB, "zero3": zero3.total / GiB}
+            "ep8": ep8.total / GiB, "etp2": etp2.total / GiB}

@@ -224,12 +224,13 @@ def seeded_model(model_name: str | ModelConfig = "tiny-moe", ep: int = 1,
 
 
 def build(ctx: RankContext, model_name: str = "tiny-moe", hot: float | None = None,
-          seed: int = 0, dtype: torch.dtype = torch.float32, ep: int | None = None):
+          seed: int = 0, dtype: torch.dtype = torch.float32, ep: int | None = None,
+          hot_ep: int | None = None):
     """This rank's part of ``seeded_model`` under ``ep`` (None: every rank) x dp, and its
-    ``EPGroups``."""
+    ``EPGroups``. ``hot`` biases the first E / hot_ep experts (None: E / ep, one rank's)."""
     ep = ctx.world_size if ep is None else ep
     dp_degree(ctx.world_size, ep)                               # ValueError before building
-    model = seeded_model(model_name, ep, hot, seed, dtype, ctx.device)
+    model = seeded_model(model_name, hot_ep or ep, hot, seed, dtype, ctx.device)
     return model, expert_parallel(model, ctx, ep)
 
 

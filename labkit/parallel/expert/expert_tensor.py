@@ -28,8 +28,9 @@ the world, and every gradient divided by it (``expert_parallel.average_gradients
 Memory on a rank, against ep x etp ranks of plain expert parallelism (the same expert weights
 per rank), under balanced routing: each expert input is gathered, so the rank keeps etp x M rows
 of h where plain EP keeps M, while the SwiGLU's four (rows, f) tensors stay M f (etp x M rows of
-f / etp). Under skew a rank's f-wide tensors are the mean of its etp group's loads, not the
-busiest one's: with f >> h the busiest rank keeps less than under plain EP (lab 05 measures it).
+f / etp). Under skew a rank's f-wide tensors follow the mean of its etp group's plain-EP loads,
+its gathered rows their sum: it keeps less when the hot experts are one plain-EP rank's, as much
+or more when they fill its whole shard (lab 05 measures both).
 Megatron-LM gathers uneven rows with ``gather_from_sequence_parallel_region(...,
 output_split_sizes=...)`` and ``reduce_scatter_to_sequence_parallel_region``; the row-by-row
 broadcasts and reduces here teach the same exchange on gloo.
@@ -197,22 +198,23 @@ def expert_tensor_parallel(model: nn.Module, ctx: RankContext, ep: int, etp: int
 
 def build(ctx: RankContext, model_name: str = "tiny-moe", hot: float | None = None,
           seed: int = 0, dtype: torch.dtype = torch.float32, ep: int | None = None,
-          etp: int = 2):
+          etp: int = 2, hot_ep: int | None = None):
     """This rank's part of ``seeded_model`` under ep x etp (ep None: world / etp), its groups.
-    ``hot`` biases the first E / (ep x etp) experts, those one rank of ep x etp-way expert
-    parallelism holds: the two layouts meet the same skewed router."""
+    ``hot`` biases the first E / hot_ep experts; None: E / (ep x etp), those one rank of
+    ep x etp-way expert parallelism holds (the two layouts then meet the same router)."""
     ep = ctx.world_size // etp if ep is None else ep
-    model = seeded_model(model_name, ep * etp, hot, seed, dtype, ctx.device)
+    model = seeded_model(model_name, hot_ep or ep * etp, hot, seed, dtype, ctx.device)
     return model, expert_tensor_parallel(model, ctx, ep, etp)
 
 
-def etp_step(ctx, etp: int = 2, **settings):
+def etp_step(ctx, etp: int = 2, hot_ep: int | None = None, **settings):
     """``expert_parallel.ep_dp_step`` under ep = world / etp x etp: a rank's measured step (its
-    ``dp``: 1, the copies of each expert slice)."""
+    ``dp``: 1, the copies of each expert slice). ``hot_ep``: as ``build``'s."""
     if settings.get("zero_stage") or settings.get("lora_rank"):
         raise ValueError("expert tensor parallelism here trains with plain AdamW: use "
                          "zero_stage=0 and lora_rank=0")
-    step = ep_dp_step(ctx, ctx.world_size // etp, builder=partial(build, etp=etp), **settings)
+    step = ep_dp_step(ctx, ctx.world_size // etp, **settings,
+                      builder=partial(build, etp=etp, hot_ep=hot_ep))
     return replace(step, dp=1)
 
 
