@@ -263,8 +263,7 @@ def _layout_options(est: argparse.ArgumentParser) -> None:
                           f"{INTERLEAVED_CHUNKS} there)")
     est.add_argument("--ep", type=COUNT, default=1, help="expert-parallel degree (divides --dp)")
     est.add_argument("--etp", type=COUNT, default=1, help="each expert split over etp ranks")
-    est.add_argument("--param-dtype", choices=PARAM_DTYPES, help="ZeRO-3 as FSDP2's "
-                     "MixedPrecisionPolicy(param_dtype=bf16) (with --precision bf16-master)")
+    est.add_argument("--param-dtype", choices=PARAM_DTYPES, help="ZeRO-3 as FSDP2's policy")
     est.add_argument("--cp", type=COUNT, default=1, help="context-parallel degree")
     est.add_argument("--replicas", type=COUNT, default=1,
                      help="HSDP: ZeRO inside dp x cp / replicas ranks, replicated across")
@@ -384,10 +383,11 @@ def _served(args) -> str:
 def _estimated(args, step: dict) -> tuple:
     """(the estimate, what is shown beside its table, the title) of ``estimate``."""
     chunks = args.virtual_stages or (INTERLEAVED_CHUNKS if args.schedule == "interleaved" else 1)
-    layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp,
-                    pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
+    layout = Layout(dp=args.dp, zero_stage=args.zero_stage, tp=args.tp, sp=args.sp, pp=args.pp,
+                    micro_batches=args.micro_batches, schedule=args.schedule, etp=args.etp,
                     virtual_stages=chunks, ep=args.ep, cp=args.cp, replicas=args.replicas,
-                    etp=args.etp, param_dtype=args.param_dtype, gradient_as_bucket_view=args.bucket_view, offload=args.offload)
+                    param_dtype=args.param_dtype, gradient_as_bucket_view=args.bucket_view,
+                    offload=args.offload)
     result = estimate(args.model, layout=layout, **step)
     extra = {**result.details, MOMENTS: result.moments}          # bytes as int in JSON
     if args.json:

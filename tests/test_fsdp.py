@@ -241,16 +241,22 @@ def _policy(name: str, world: int, seq: int, recompute: str = "none", placement:
     ("llama-2-7b", 8, 4096, "dim0", "backward: start"),
     ("qwen3-8b", 8, 4096, "dim0", "backward: start"),
     ("deepseek-v2-lite", 8, 4096, "even", "backward: start"),
-    ("qwen3-8b", 64, 1024, "dim0", "backward: reduce-scatter of the embedding")])
+    ("qwen3-8b", 64, 1024, "dim0", "backward: reduce-scatter of the embedding"),
+    ("gemma-3-1b", 8, 256, "dim0", "backward: embedding")])
 def test_the_policys_estimate_is_fsdp2s_peak_at_these_moments(name, world, seq, placement, moment):
     """fp32 shards as the masters, bf16 gathers, the next block prefetched, a step counter per
     parameter; at the end of the backward the root's bf16 gradients and their fp32 copy (the
-    reduce-scatter's input). Every category to the byte at the start of the backward pass and
+    reduce-scatter's input); a tied weight's head share held once (Gemma 3, whose peak is in
+    the embedding's backward). Every category to the byte at the start of the backward pass and
     at the root's reduce-scatter, the peak but for the 4 bytes the estimate misses without
-    FSDP2 too (test_compose)."""
+    FSDP2 too (test_compose); Gemma's a bound within 0.1%."""
     own, est = _policy(name, world, seq, placement=placement)
     assert est.details["peak moment"].startswith(moment)
-    assert own["peak"] - est.total == 4 and own["peak_phase"] == est.peak_phase
+    assert own["peak_phase"] == est.peak_phase
+    if name == "gemma-3-1b":
+        assert 0 <= est.total - own["peak"] <= 1e-3 * est.total          # measured 0.02%
+        return
+    assert own["peak"] - est.total == 4
     assert {k: getattr(est, k) for k in ("params", "grads", "optimizer", "activations")} == \
         {k: own["by_category"][k] for k in ("params", "grads", "optimizer", "activations")}
 
@@ -272,7 +278,7 @@ def test_inside_a_blocks_backward_the_policys_estimate_is_a_bound_within_7_perce
     """Short sequences or recompute put the peak inside a block's backward, where the estimate
     counts the block's bf16 gradients as one bucket that FSDP2 makes one gradient at a time:
     never below FSDP2's peak, at most 7% above (measured 0.935-0.981 on these 4-layer models,
-    0.955-0.990 on whole LLaMA-2-7B, Qwen3-8B, DeepSeek-V2-Lite), and "assumes" says so."""
+    0.94-1.00 on whole LLaMA-2-7B, Qwen3-8B, DeepSeek-V2-Lite), and "assumes" says so."""
     own, est = _policy(name, world, seq, recompute, placement)
     assert 0.93 <= own["peak"] / est.total <= 1
     assert any("MixedPrecisionPolicy" in line for line in est.details["assumes"])
@@ -283,6 +289,10 @@ def test_inside_a_blocks_backward_the_policys_estimate_is_a_bound_within_7_perce
     (dict(dp=8, zero_stage=2, param_dtype="bf16"), {}, "set zero_stage=3"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16", offload=True), {}, "offload=False"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16", pp=2), {}, "use pp=1"),
+    (dict(dp=8, zero_stage=3, param_dtype="bf16", replicas=2, micro_batches=2), {},
+     "use micro_batches=1 or replicas=1"),
+    (dict(dp=8, zero_stage=3, param_dtype="bf16"), dict(precision="bf16-master", recompute="sqrt"),
+     "use 'full', 'selective' or 'every-k'"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16"), dict(precision="bf16-mixed"),
      "precision='bf16-master'"),
     (dict(dp=8, zero_stage=3, param_dtype="bf16"), dict(precision="bf16-master",

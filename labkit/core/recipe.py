@@ -227,10 +227,12 @@ class Layout:
     shards are the master weights, each block is all-gathered in bf16 and the next one's
     all-gather prefetched; None is labkit's ZeRO-3 (bf16 shards beside fp32 masters, as
     DeepSpeed keeps them, one block gathered at a time). Against fake FSDP2 steps (LLaMA-2-7B,
-    Qwen3-8B, LLaMA-3-8B, DeepSeek-V2-Lite; N 8-1024; pp 1, AdamW): to the byte where the peak is
-    at the start of the backward pass, at the root's reduce-scatter or at the optimizer step;
-    inside a block's backward (short sequences, recompute) a bound up to 7% above FSDP2's (the
-    estimate's "assumes" says so).
+    Qwen3-8B, LLaMA-3-8B, Gemma; DeepSeek-V2-Lite with its experts split evenly; N 8-1024;
+    recompute none, full, selective, every-k; pp 1, AdamW): to the byte where the peak is at the
+    start of the backward pass, at the root's reduce-scatter (but for FSDP2's padding of each
+    tensor) or at the optimizer step; inside a block's backward a bound up to 7% above FSDP2's.
+    The estimate's "assumes" names each case. Refused: pp, recompute "sqrt" (FSDP2 keeps a
+    multi-block unit's blocks gathered while it recomputes), HSDP with accumulation.
     """
 
     dp: int = 1
@@ -333,6 +335,10 @@ class Layout:
         if self.zero_stage != 3 or self.ep > 1 or self.etp > 1 or self.offload:
             raise ValueError("param_dtype='bf16' is FSDP2's mixed precision over ZeRO-3 shards: "
                              "set zero_stage=3, and use ep=1, etp=1 and offload=False with it")
+        if self.replicas > 1 and self.micro_batch_count > 1:
+            raise ValueError("param_dtype='bf16' with replicas and micro_batches > 1: FSDP2's HSDP "
+                             "keeps each block's reduced gradient until the backward ends, not "
+                             "modelled; use micro_batches=1 or replicas=1")
         if self.pp > 1:
             raise ValueError("param_dtype='bf16' with pp > 1: torch.distributed.pipelining runs "
                              "FSDP2 without gradient sync until the last micro-batch (whole fp32 "

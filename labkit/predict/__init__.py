@@ -70,6 +70,10 @@ def estimate(cfg: ModelConfig | str, batch: int = 1, seq: int = 2048,
                          f"one micro-batch, not with {', '.join(spread)}: drop those (a "
                          f"micro-batch would update the weights each time), or drop "
                          f"optimizer_in_backward (--optimizer-in-backward)")
+    if layout.param_dtype and recipe.recompute == "sqrt":
+        raise ValueError("param_dtype='bf16' with recompute='sqrt': FSDP2 keeps a multi-block "
+                         "unit's blocks gathered while it recomputes, not modelled; use 'full', "
+                         "'selective' or 'every-k'")
     if layout.param_dtype and (recipe.precision != "bf16-master" or recipe.trainable != "all"):
         raise ValueError(f"param_dtype={layout.param_dtype!r} (FSDP2's MixedPrecisionPolicy) "
                          f"keeps fp32 master shards and computes in bf16: use "

@@ -469,7 +469,7 @@ class Moments:
         out = {"backward: embedding": ("backward", always + grads + [
             Tensor("embedding gradient being formed", "other", self.wdt, embedding_grad),
             Tensor("the LM head's share of the tied weight's gradient, and their sum", "other",
-                   self.wdt, 2 * tied),
+                   self.wdt, (1 if self.policy else 2) * tied),   # FSDP2: the head's share held
             residual])}
         out.update(self._embedding_step_moment(always, embedding_grad))
         if self.zero >= 2 and self.rest:    # the last unit done: the root's bucket reduced

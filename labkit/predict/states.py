@@ -51,10 +51,9 @@ class States:
                               self._per_rank(4 if self.master else b.weights, "optimizer")))
         if self.ddp:
             out.append(Tensor("DDP gradient buckets", "grads", wdt, n * self.bytes.grads))
-        if self.recipe.optimizer == "adamw":   # on CUDA torch keeps them on the host
-            out.append(Tensor("AdamW step counters", state, "fp32",   # unless fused: the
-                              4 * (len(self.units) if self.zero and not self.policy
-                                   else len(self.trained))))   # FSDP2: one per parameter
+        if self.recipe.optimizer == "adamw":   # one per stepped tensor: a ZeRO unit, or a
+            steps = len(self.units) if self.zero and not self.policy else len(self.trained)
+            out.append(Tensor("AdamW step counters", state, "fp32", 4 * steps))  # parameter
         return out
 
     def _per_rank(self, number: int, state: str) -> int:
@@ -245,7 +244,8 @@ class States:
         whole = zero.padded(self.rest, self.L.shard_ranks)
         return {ROOT_REDUCED: (
             "backward", always + [
-                self._shards([u for b in self.block_units for u in b]),
+                self._shards(self.units if self.L.micro_batch_count > 1 else
+                             [u for b in self.block_units for u in b]),
                 Tensor("unsharded gradients of the embedding, final norm and LM head", "grads",
                        self.wdt, whole * self.bytes.grads),
                 Tensor("their fp32 copy, the reduce-scatter's input (FSDP2's reduce_dtype)",

@@ -295,16 +295,27 @@ class _Step(States, Moments, InBackwardMoments):
                 numels, self.zero, L.shard_ranks, grads, self.bytes.weights,
                 L.micro_batch_count) - root + zero.replica_bytes(
                 numels, self.zero, L.shard_ranks, L.replicas, grads, L.micro_batch_count)
-        if self.policy and not out.details["peak moment"].startswith(("backward: start",
-                                                                       "optimizer")):
-            out.details.setdefault("assumes", []).append(
-                "FSDP2's MixedPrecisionPolicy, the peak inside a block's backward: a bound, up "
-                "to 7% above FSDP2's own (fake FSDP2 runs: measured / estimated 0.93-1.00)")
+        if self.policy:
+            out.details.setdefault("assumes", []).extend(self._policy_assumes(out))
         if self.offload:
             out.details["host memory"] = max(sum(t.nbytes for t in v if t.category == HOST)
                                              for _, v in moments.values())
             out.details["host <-> device bytes per step"] = self._offload_traffic()
         return out
+
+    def _policy_assumes(self, out) -> list[str]:
+        """What the estimate of FSDP2's MixedPrecisionPolicy assumes where it is not exact."""
+        said, L = [], self.L
+        if out.details["peak moment"].startswith(("backward: layer", "backward: reduce-scatter of layer")):
+            said.append("FSDP2's MixedPrecisionPolicy, the peak inside a block's backward: a bound, "
+                        "up to 7% above FSDP2's own (fake FSDP2 runs: measured / estimated 0.93-1.00)")
+        if self.c.is_moe and self.c.routed_experts % L.shard_ranks:
+            said.append("the routed experts split evenly over the ranks (FSDP2's shard_placement_fn); "
+                        "FSDP2's default Shard(0) pads each stacked tensor to N rows")
+        if L.micro_batch_count > 1 or L.tp > 1 or L.cp > 1:
+            said.append("FSDP2 reduces after every micro-batch (its default); tp, cp and "
+                        "accumulation under the policy are not measured against FSDP2")
+        return said
 
     # ---- transients ------------------------------------------------------------------------------
     def _first_grad(self, moe: bool) -> int:
