@@ -10,6 +10,8 @@ Writes, into ``site/`` by default (emptied first; only a folder this script made
   inline; each widget output replaced by a note that the panel needs a kernel (the notebooks
   are committed without widget state, and rendering saved state would need the widget manager
   from a CDN);
+- ``calculator.html``: labkit's estimate and planner behind a form, run in the browser by
+  Pyodide (``python scripts/fetch_pyodide.py`` fetches it once) from labkit's wheel, built here;
 - ``assets/``: the stylesheets, the search index (``search-index.js``: every section's
   heading and text) and its script, and MathJax 2.7 for the maths, copied from the
   ``jupyter-server-mathjax`` package (``pip install -e ".[site]"``; without it the TeX stays text).
@@ -21,10 +23,13 @@ with the list of broken links; links to other sites are listed, not fetched.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from html import escape
@@ -169,6 +174,51 @@ def render_index(course: str, intro: str, labs: list[Lab], first: Lab | None) ->
     return env.get_template("index.html.j2").render(site=site, intro=intro, labs=labs)
 
 
+# --- the calculator: labkit's wheel under Pyodide -------------------------------------------------
+
+PYODIDE_NOTICE = """Pyodide {version} (https://github.com/pyodide/pyodide), Mozilla Public License 2.0:
+CPython compiled to WebAssembly, with CPython's standard library (Python Software Foundation
+License). Unmodified files of the npm package pyodide@{version}.
+"""
+
+
+def build_wheel(root: Path, into: Path) -> Path:
+    """labkit's wheel, built offline (no dependencies, no build isolation) from a copy of the
+    project's files, so that no build/ folder of an earlier build ships a deleted module."""
+    into.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "project"
+        shutil.copytree(root, source, ignore=shutil.ignore_patterns(
+            ".*", "build", "site", "notebooks", "workshop", "tests", "*.egg-info", "__pycache__"))
+        run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                              "--no-build-isolation", "--no-index", "-q", "-w", str(into),
+                              str(source)], capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"building labkit's wheel failed:\n{run.stdout}{run.stderr}")
+    return next(into.glob("*.whl"))
+
+
+def build_calculator(out: Path, course: str, root: Path = ROOT) -> str | None:
+    """calculator.html, with Pyodide (``scripts/fetch_pyodide.py``'s copy) and labkit's wheel
+    built now (offline: pip wheel, no dependencies, no build isolation). Without Pyodide the
+    page says how to fetch it; returns the wheel's path in the site, or None."""
+    spec = importlib.util.spec_from_file_location("fetch_pyodide", TEMPLATES.parent / "fetch_pyodide.py")
+    fetch_pyodide = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_pyodide)
+    wheel = None
+    if fetch_pyodide.present(root):
+        shutil.copytree(fetch_pyodide.folder(root), out / "pyodide")
+        (out / "pyodide" / "NOTICE.txt").write_text(PYODIDE_NOTICE.format(
+            version=fetch_pyodide.PYODIDE_VERSION), encoding="utf-8")
+        wheel = "labkit/" + build_wheel(root, out / "labkit").name
+        shutil.copy(TEMPLATES / "calculator.js", out / "assets" / "calculator.js")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False)
+    site = {"course": course, "prev": None, "next": None}
+    page = env.get_template("calculator.html.j2").render(site=site, wheel=wheel)
+    (out / "calculator.html").write_text(page, encoding="utf-8")
+    return wheel
+
+
 def search_sections(nb, title: str, url: str) -> list[dict]:
     """Each heading of the notebook's markdown (rendered as on its page, so the anchors are the
     page's ids) with the paragraph and list text under it."""
@@ -306,11 +356,12 @@ def build(out: Path, root: Path = ROOT) -> dict:
     (out / "index.html").write_text(render_index(course, intro, labs, pages[0] if pages else None),
                                     encoding="utf-8")
     write_assets(out, html, index)
+    wheel = build_calculator(out, course, root)
     if (root / "notebooks" / "img").is_dir():             # images the labs' markdown shows
         shutil.copytree(root / "notebooks" / "img", out / "img")
     broken, external = check_links(out)
     return {"out": out, "pages": [lab.url for lab in pages], "sections": len(index),
-            "mathjax": bool(mathjax), "broken": broken, "external": external,
+            "mathjax": bool(mathjax), "wheel": wheel, "broken": broken, "external": external,
             "seconds": time.perf_counter() - start}
 
 
@@ -318,6 +369,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "site", help="output folder (site/)")
     report = build(parser.parse_args(argv).out)
+    if not report["wheel"]:
+        print("calculator without Pyodide: python scripts/fetch_pyodide.py (once, with the "
+              "network) puts labkit's estimate and planner in the page")
     if not report["mathjax"]:
         print('maths left as TeX: pip install -e ".[site]" (jupyter-server-mathjax) to render it')
     for url in report["external"]:

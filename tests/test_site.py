@@ -9,6 +9,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import nbformat
@@ -18,6 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("build_site", ROOT / "scripts" / "build_site.py")
 build_site = sys.modules["build_site"] = importlib.util.module_from_spec(_spec)   # (dataclasses)
 _spec.loader.exec_module(build_site)
+
+_fetch = importlib.util.spec_from_file_location("fetch_pyodide", ROOT / "scripts" / "fetch_pyodide.py")
+fetch_pyodide = importlib.util.module_from_spec(_fetch)
+_fetch.loader.exec_module(fetch_pyodide)
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
@@ -139,3 +144,20 @@ def test_the_build_only_empties_a_folder_it_made(tmp_path):
     with pytest.raises(SystemExit, match="did not write"):
         build_site.fresh_folder(tmp_path)
     assert (tmp_path / "notes.txt").exists()
+
+
+def test_every_page_links_the_calculator_and_it_has_what_it_loads(site):
+    """The header links calculator.html; with Pyodide fetched it carries Pyodide's files and
+    labkit's wheel (presets and labkit.course.web inside), else a note naming the fetch."""
+    for page in sorted(site.glob("*.html")):
+        assert "calculator.html" in {url for tag, url in links(page) if tag == "a"}, page.name
+    calculator = (site / "calculator.html").read_text(encoding="utf-8")
+    if not fetch_pyodide.present(ROOT):
+        assert "python scripts/fetch_pyodide.py" in calculator
+        pytest.skip("no Pyodide here: python scripts/fetch_pyodide.py fetches it once")
+    assert all((site / "pyodide" / name).is_file() for name in fetch_pyodide.FILES)
+    (wheel,) = (site / "labkit").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert {"labkit/course/web.py", "labkit/preset_data/llama-2-7b.json"} <= names
+    assert f'"labkit/{wheel.name}"' in calculator and "pyodide/pyodide.js" in calculator

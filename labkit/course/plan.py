@@ -56,11 +56,11 @@ class Plan:
     estimates: int = 0
     search_s: float = 0.0
 
-    def text(self, max_rejected: int = 40) -> str:
+    def text(self, max_rejected: int = 40, clock: bool = True) -> str:
+        searched = f"searched in {self.search_s:.2f} s " if clock else "searched "
         head = (f"{self.model} on {self.gpus} x {self.gpu.name} ({self.gpus_per_node} per node), "
                 f"seq {self.seq}, global batch {self.global_batch} sequences; usable "
-                f"{fmt_bytes(self.usable)} per GPU; searched in {self.search_s:.2f} s "
-                f"({self.estimates} estimates)")
+                f"{fmt_bytes(self.usable)} per GPU; {searched}({self.estimates} estimates)")
         short = {"params": "params", "grads": "grads", "optimizer": "optim",
                  "activations": "activ", "weight_cache": "wcache", "other": "other"}
         lines = [head, ""]

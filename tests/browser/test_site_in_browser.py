@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -59,12 +60,16 @@ def base_url(site):
         thread.join()
 
 
-def open_page(browser, url: str):
+def open_page(browser, url: str, only: str | None = None):
     """(page, problems): problems collects console errors, page errors, failed requests and
-    responses of 400 or more while the page loads and is used."""
+    responses of 400 or more while the page loads and is used; with ``only`` (a URL prefix)
+    every other request is aborted and named a problem."""
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(TIMEOUT_MS)
     problems: list[str] = []
+    if only:
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(only)
+                   else (problems.append(f"outside the site: {route.request.url}"), route.abort()))
     page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
             if m.type == "error" else None)
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
@@ -131,3 +136,97 @@ def test_search_lists_sections_and_opens_one(browser, base_url, artifacts):
         assert not problems, "search in Chromium:\n" + "\n".join(problems)
     finally:
         page.close()
+
+
+# ---- the calculator: labkit's wheel under Pyodide, answering as CPython does --------------------
+GRID = [dict(), dict(model="deepseek-v2-lite", dp=8, ep=8), dict(model="mixtral-8x7b", tp=2, sp=True),
+        dict(precision="bf16-master", dp=8, zero_stage=3, recompute="full"),
+        dict(model="llama-3-8b", seq=32768, cp=4, dp=4, zero_stage=1),
+        dict(model="llama-2-13b", pp=4, schedule="interleaved", micro_batches=8),
+        dict(model="qwen3-8b", fine_tuning="qlora", precision="bf16", recompute="selective"),
+        dict(model="gemma-2-9b", optimizer="adamw-8bit", batch=2, seq=2048),
+        dict(dp=3, ep=2), dict(model="tiny-moe", config='{"model_type": "llama"'),
+        dict(config="[1, 2]"), dict(dp=8, zero_stage=3, fsdp2_bf16=True, precision="bf16-master"),
+        dict(model="mixtral-8x7b", dp=16, ep=8, etp=2, recompute="every-2"),
+        dict(config='{"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, '
+                    '"num_attention_heads": 8, "num_hidden_layers": 4, "vocab_size": 32000, '
+                    '"max_position_embeddings": 4096}')]
+PLANS = [dict(), dict(model="deepseek-v2-lite", gpu="a100-80gb", gpus=8, fine_tuning="lora")]
+
+
+@pytest.fixture(scope="module")
+def calculator(browser, base_url, site, record_testsuite_property):
+    """The calculator page once Python is ready in it (its time to ready recorded), with every
+    request to another site aborted: it must need none."""
+    if not site["wheel"]:
+        pytest.skip("no Pyodide in this build: python scripts/fetch_pyodide.py fetches it once")
+    page, problems = open_page(browser, f"{base_url}calculator.html", only=base_url)
+    page.wait_for_selector("#calc-status[data-ready]", timeout=120_000)
+    assert page.get_attribute("#calc-status", "data-ready") == "1", page.inner_text("#calc-status")
+    record_testsuite_property("calculator ready s", page.evaluate("window.labkit.readyMs") / 1000)
+    yield page, problems
+    page.close()
+
+
+def test_the_calculator_answers_as_cpython_does(calculator, artifacts):
+    """Every form of the grid (presets, a pasted config.json, refused layouts) and two plans:
+    the page's JSON equals labkit.course.web's in this process, byte for byte."""
+    from labkit.course import web
+
+    page, problems = calculator
+    for kind, forms in (("estimate", GRID), ("plan", PLANS)):
+        for form in forms:
+            got = page.evaluate("([kind, form]) => window.labkit.answer(kind, form)", [kind, form])
+            assert got == web.answer(kind, json.dumps(form)), (kind, form)
+    page.screenshot(path=str(artifacts / "site-calculator.png"), full_page=True)
+    assert not problems, "\n".join(problems)
+
+
+# each control of the estimate form moved once, in turn: (field, how, the value the form sends)
+MOVES = [("model", "deepseek-v2-lite", "deepseek-v2-lite"), ("batch", "2", 2), ("seq", "2048", 2048),
+         ("precision", "bf16-master", "bf16-master"), ("optimizer", "adamw-8bit", "adamw-8bit"),
+         ("optimizer_impl", "fused", "fused"), ("recompute", "full", "full"),
+         ("fine_tuning", "lora", "lora"), ("dp", "8", 8), ("zero_stage", "3", 3),
+         ("fsdp2_bf16", "check", True), ("replicas", "2", 2), ("offload", "check", True),
+         ("tp", "2", 2), ("sp", "check", True), ("pp", "2", 2), ("schedule", "zb-h1", "zb-h1"),
+         ("micro_batches", "4", 4), ("ep", "2", 2), ("etp", "2", 2), ("cp", "2", 2),
+         ("config", '{"model_type": "llama"}', '{"model_type": "llama"}')]
+PLAN_MOVES = [("model", "llama-2-7b", "llama-2-7b"), ("gpu", "a100-80gb", "a100-80gb"),
+              ("gpus", "8", 8), ("gpus_per_node", "4", 4), ("seq", "2048", 2048),
+              ("fine_tuning", "lora", "lora")]
+
+
+def _move(page, form: str, name: str, how: str):
+    field = page.locator(f"#{form} [name={name}]")
+    if how == "check":
+        field.check()
+    elif field.evaluate("f => f.tagName") == "SELECT":
+        field.select_option(how)
+    else:
+        field.fill(how)
+
+
+def test_each_control_sends_its_own_field(calculator):
+    """Each control moved in turn: the page shows the answer CPython gives for the form with
+    that field changed (so a control wired to another field fails), an error naming the fix
+    included; then the planner's controls and its button."""
+    from labkit.course import web
+
+    page, problems = calculator
+    expected = dict(web.ESTIMATE_FORM)
+    for name, how, value in MOVES:
+        _move(page, "estimate-form", name, how)
+        expected[name] = value
+        sent = page.evaluate("window.labkit.formValues(document.getElementById('estimate-form'))")
+        assert sent == expected, name
+        want = web.estimate_answer(expected)
+        shown = page.inner_text("#estimate-result")
+        assert (want["error"] if "error" in want else want["total_text"]) in shown, (name, shown)
+    plan = dict(web.PLAN_FORM)
+    for name, how, value in PLAN_MOVES:
+        _move(page, "plan-form", name, how)
+        plan[name] = value
+    page.click("#plan-button")
+    page.locator("#plan-result pre").wait_for(timeout=120_000)
+    assert page.inner_text("#plan-result pre") == web.plan_answer(plan)["text"]
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,127 @@
+"""The course website's calculator: labkit's own estimate and planner behind a form, as JSON in
+and out. The page runs this module under Pyodide (labkit's wheel in the browser); the tests run
+it in CPython on the same forms and compare the answers byte for byte. Torch-free."""
+from __future__ import annotations
+
+import json
+
+from labkit.core.config import ModelConfig, preset, presets
+from labkit.core.gpus import GPUS
+from labkit.core.recipe import (FINE_TUNING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES,
+                                Layout, Recipe, fine_tuning_fields)
+from labkit.core.recompute import RECOMPUTE_POLICIES
+from labkit.core.units import CATEGORIES, fmt_bytes
+from labkit.predict import estimate
+
+# the forms' fields and their defaults: one GPU's step, and the planner's question
+ESTIMATE_FORM = dict(model="llama-2-7b", config="", batch=1, seq=4096, precision="bf16-mixed",
+                     optimizer="adamw", optimizer_impl="foreach", recompute="none",
+                     fine_tuning="all", dp=1, zero_stage=0, fsdp2_bf16=False, replicas=1,
+                     offload=False, tp=1, sp=False, pp=1, schedule="1f1b", micro_batches=0,
+                     ep=1, etp=1, cp=1)
+PLAN_FORM = dict(model="llama-3-8b", config="", gpu="h100-80gb", gpus=16, gpus_per_node=8,
+                 seq=4096, fine_tuning="all")
+ASSUMED = ("CUDA's defaults: tensor bytes as torch.cuda.max_memory_allocated counts them "
+           "(nvidia-smi shows more: the CUDA context, the allocator's cached blocks); autocast's "
+           "weight cache on; SDPA attention; the whole logits at once")
+
+
+def choices() -> dict:
+    """What each of the forms' lists offers, their defaults, and what the estimate assumes."""
+    from labkit import __version__
+    return {"version": __version__, "model": presets(), "precision": list(PRECISIONS),
+            "optimizer": list(OPTIMIZERS), "optimizer_impl": list(OPTIMIZER_IMPLS),
+            "recompute": [p for p in RECOMPUTE_POLICIES if p != "every-k"] + ["every-2"],
+            "fine_tuning": list(FINE_TUNING), "schedule": list(SCHEDULES),
+            "zero_stage": [0, 1, 2, 3], "gpu": list(GPUS), "estimate_form": ESTIMATE_FORM,
+            "plan_form": PLAN_FORM, "assumed": ASSUMED}
+
+
+def _model(form: dict) -> ModelConfig:
+    """The preset named, or a pasted Hugging Face config.json (its text)."""
+    text = str(form.get("config") or "").strip()
+    if not text:
+        return preset(form["model"])
+    from labkit.core.hf import from_hf_config
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the pasted config.json is not JSON ({e.msg}, line {e.lineno}): paste "
+                         f"the whole file") from None
+    if not isinstance(fields, dict):
+        raise ValueError("paste the config.json object itself ({...}), not a list or a number")
+    return from_hf_config(fields)
+
+
+def _whole(form: dict, name: str) -> int:
+    value = form[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _step(form: dict) -> tuple[Recipe, Layout]:
+    """The form's Recipe and Layout (labkit's ValueErrors name the fix)."""
+    recompute, every = form["recompute"], 2
+    if recompute.startswith("every-"):
+        recompute, every = "every-k", int(recompute.split("-")[1])
+    recipe = Recipe(form["precision"], form["optimizer"], form["optimizer_impl"],
+                    recompute=recompute, every=every, **fine_tuning_fields(form["fine_tuning"]))
+    numbers = {k: _whole(form, k) for k in ("dp", "zero_stage", "replicas", "tp", "pp", "ep",
+                                            "etp", "cp", "micro_batches")}
+    layout = Layout(**numbers | {"micro_batches": numbers["micro_batches"] or None},
+                    sp=bool(form["sp"]), offload=bool(form["offload"]), schedule=form["schedule"],
+                    virtual_stages=2 if form["schedule"] == "interleaved" else 1,
+                    param_dtype="bf16" if form["fsdp2_bf16"] else None)
+    return recipe, layout
+
+
+def estimate_answer(form: dict) -> dict:
+    """One GPU's bytes at the step's peak for ``form`` (ESTIMATE_FORM's fields): by category in
+    labkit's order, the tensors alive then, the model states per parameter this GPU trains; or
+    {"error": why} naming the fix."""
+    form = {**ESTIMATE_FORM, **form}
+    try:
+        cfg = _model(form)
+        recipe, layout = _step(form)
+        est = estimate(cfg, _whole(form, "batch"), _whole(form, "seq"), recipe=recipe,
+                       layout=layout)
+    except (ValueError, TypeError, KeyError) as e:
+        return {"error": f"{e}" if isinstance(e, ValueError) else
+                f"{type(e).__name__}: {e} (check the pasted config.json's fields)"}
+    states, local = sum(est.details["model states"].values()), est.details["parameters on this device"]
+    return {"model": cfg.name, "total": est.total, "total_text": fmt_bytes(est.total),
+            "categories": [[label, getattr(est, key), fmt_bytes(getattr(est, key))]
+                           for key, label in CATEGORIES.items()],
+            "peak_phase": est.peak_phase, "peak_moment": est.details.get("peak moment", ""),
+            "saved_activations": fmt_bytes(est.saved_activations),
+            "parameters_here": local, "model_states": fmt_bytes(states),
+            "state_bytes_per_parameter": states / local if local else 0.0,
+            "optimizer_impl": est.details.get("optimizer implementation", ""),
+            "explain": est.explain()}
+
+
+def plan_answer(form: dict) -> dict:
+    """The planner's ranked layouts for ``form`` (PLAN_FORM's fields), its rejected families by
+    reason and its assumptions; or {"error": why}."""
+    from labkit.course.plan import plan
+    form = {**PLAN_FORM, **form}
+    try:
+        result = plan(_model(form), form["gpu"], _whole(form, "gpus"),
+                      gpus_per_node=_whole(form, "gpus_per_node"), seq=_whole(form, "seq"),
+                      trainable=form["fine_tuning"], top=10)
+    except (ValueError, TypeError, KeyError) as e:
+        return {"error": f"{e}" if isinstance(e, ValueError) else
+                f"{type(e).__name__}: {e} (check the pasted config.json's fields)"}
+    out = result.as_dict()
+    out.pop("search_s")                     # the clock, not the answer
+    out["text"] = result.text(clock=False)
+    return out
+
+
+def answer(kind: str, form_json: str) -> str:
+    """The page's one entry point: JSON in, JSON out ("estimate" or "plan")."""
+    answers = {"estimate": estimate_answer, "plan": plan_answer}
+    if kind not in answers:
+        raise ValueError(f"kind is 'estimate' or 'plan', got {kind!r}")
+    return json.dumps(answers[kind](json.loads(form_json)), sort_keys=True)

@@ -1,0 +1,131 @@
+// The calculator page: Pyodide runs labkit's wheel (window.LABKIT_WHEEL, built with the site);
+// every answer, its numbers and their formatting, comes from labkit.course.web, the same Python
+// the tests run in CPython.
+"use strict";
+
+const COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"];
+
+function element(tag, attributes, text) {
+  const node = document.createElement(tag);
+  Object.entries(attributes || {}).forEach(([key, value]) => node.setAttribute(key, value));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function formValues(form) {
+  const values = {};
+  for (const field of form.elements) {
+    if (!field.name) continue;
+    if (field.type === "checkbox") values[field.name] = field.checked;
+    else if (field.type === "number" || field.name === "zero_stage") values[field.name] = Number(field.value);
+    else values[field.name] = field.value;
+  }
+  return values;
+}
+
+function fillForm(form, choices, defaults) {
+  for (const field of form.elements) {
+    if (!field.name || !(field.name in defaults)) continue;
+    if (field.tagName === "SELECT") {
+      for (const option of choices[field.name]) field.append(element("option", {value: option}, String(option)));
+    }
+    if (field.type === "checkbox") field.checked = Boolean(defaults[field.name]);
+    else field.value = defaults[field.name];
+  }
+}
+
+function showError(box, message) {
+  box.replaceChildren(element("p", {class: "calc-error", role: "alert"}, message));
+}
+
+function showEstimate(box, answer, assumed) {
+  if (answer.error) return showError(box, answer.error);
+  const wasOpen = box.querySelector("details")?.open || false;
+  const bar = element("div", {class: "calc-bar", role: "img",
+                              "aria-label": "bytes at the peak by category"});
+  const table = element("table", {class: "calc-table"});
+  answer.categories.forEach(([label, bytes, text], i) => {
+    if (!bytes) return;
+    const share = 100 * bytes / answer.total;
+    bar.append(element("span", {title: `${label}: ${text}`,
+                                style: `width:${share}%;background:${COLOURS[i]}`}));
+    const name = element("td", {}, label);
+    name.prepend(element("span", {class: "calc-swatch", style: `background:${COLOURS[i]}`}));
+    const row = element("tr");
+    row.append(name, element("td", {}, text), element("td", {}, share.toFixed(1) + "%"));
+    table.append(row);
+  });
+  const details = element("details");
+  details.open = wasOpen;
+  details.append(element("summary", {}, "the tensors alive at the peak (lk.estimate(...).explain())"),
+                 element("pre", {}, answer.explain));
+  box.replaceChildren(
+    element("p", {class: "calc-total", "aria-live": "polite"},
+            `${answer.model}: ${answer.total_text} per GPU at the peak (${answer.peak_moment || answer.peak_phase})`),
+    bar, table,
+    element("p", {}, `model states over the step: ${answer.model_states}, ` +
+                     `${answer.state_bytes_per_parameter.toFixed(2)} bytes per parameter this GPU holds ` +
+                     `(${answer.parameters_here.toLocaleString("en")}); activations saved by the end of ` +
+                     `the forward pass: ${answer.saved_activations}`),
+    element("p", {class: "calc-note"}, `Assumes ${assumed}; AdamW ${answer.optimizer_impl}.`),
+    details);
+}
+
+function showPlan(box, answer) {
+  if (answer.error) return showError(box, answer.error);
+  box.replaceChildren(element("pre", {class: "calc-plan"}, answer.text));
+}
+
+async function start() {
+  const status = document.getElementById("calc-status");
+  if (location.protocol === "file:") {
+    throw new Error("browsers do not run WebAssembly from files: serve the folder with " +
+                    "`python -m http.server -d site`, then open http://127.0.0.1:8000/calculator.html");
+  }
+  const began = performance.now();
+  const pyodide = await loadPyodide({indexURL: new URL("pyodide/", document.baseURI).href});
+  const wheel = await (await fetch(new URL(window.LABKIT_WHEEL, document.baseURI))).arrayBuffer();
+  pyodide.unpackArchive(wheel, "wheel");
+  const web = pyodide.pyimport("labkit.course.web");
+  const choices = web.choices().toJs({dict_converter: Object.fromEntries});
+  const answer = (kind, form) => web.answer(kind, JSON.stringify(form));   // labkit's JSON text
+  window.labkit = {estimate: form => JSON.parse(answer("estimate", form)),
+                   plan: form => JSON.parse(answer("plan", form)), answer, formValues,
+                   choices, readyMs: 0};
+
+  const estimateForm = document.getElementById("estimate-form");
+  const estimateBox = document.getElementById("estimate-result");
+  fillForm(estimateForm, choices, choices.estimate_form);
+  const update = () => showEstimate(estimateBox, window.labkit.estimate(formValues(estimateForm)),
+                                    choices.assumed);
+  estimateForm.addEventListener("input", update);
+  estimateForm.addEventListener("submit", event => event.preventDefault());
+  update();
+
+  const planForm = document.getElementById("plan-form");
+  const planBox = document.getElementById("plan-result");
+  const button = document.getElementById("plan-button");
+  fillForm(planForm, choices, choices.plan_form);
+  planForm.addEventListener("submit", event => {
+    event.preventDefault();
+    button.disabled = true;
+    planBox.replaceChildren(element("p", {class: "calc-status"},
+                                    "Planning: every layout family estimated (large clusters take seconds)…"));
+    // let the page paint the note before Python holds the thread
+    requestAnimationFrame(() => setTimeout(() => {
+      try { showPlan(planBox, window.labkit.plan(formValues(planForm))); }
+      finally { button.disabled = false; }
+    }, 0));
+  });
+  document.querySelectorAll(".calc-form fieldset").forEach(set => { set.disabled = false; });
+  window.labkit.readyMs = performance.now() - began;
+  status.textContent = `Python ready in ${(window.labkit.readyMs / 1000).toFixed(1)} s: labkit ` +
+                       `${choices.version} runs in this page.`;
+  status.dataset.ready = "1";
+}
+
+start().catch(error => {
+  const status = document.getElementById("calc-status");
+  status.textContent = "The calculator could not start: " + error.message;
+  status.dataset.ready = "error";
+});
