@@ -227,10 +227,10 @@ class Layout:
     shards are the master weights, each block is all-gathered in bf16 and the next one's
     all-gather prefetched; None is labkit's ZeRO-3 (bf16 shards beside fp32 masters, as
     DeepSpeed keeps them, one block gathered at a time). Against fake FSDP2 steps (LLaMA-2-7B,
-    Qwen3-8B, LLaMA-3-8B, Gemma; DeepSeek-V2-Lite with its experts split evenly; N 8-1024;
-    recompute none, full, selective, every-k; pp 1, AdamW): to the byte where the peak is at the
-    start of the backward pass, at the root's reduce-scatter (but for FSDP2's padding of each
-    tensor) or at the optimizer step; inside a block's backward a bound up to 7% above FSDP2's.
+    Qwen3-8B, LLaMA-3-8B, Gemma; DeepSeek-V2-Lite with its experts split evenly; N up to where
+    every tensor's first dimension divides by N; recompute none, full, selective, every-k; pp 1,
+    AdamW): to the byte where the peak is at the start of the backward pass, at the root's
+    reduce-scatter or at the optimizer step; inside a block's backward a bound up to 7% above.
     The estimate's "assumes" names each case. Refused: pp, recompute "sqrt" (FSDP2 keeps a
     multi-block unit's blocks gathered while it recomputes), HSDP with accumulation.
     """

@@ -20,10 +20,15 @@ ESTIMATE_FORM = dict(model="llama-2-7b", config="", batch=1, seq=4096, precision
                      offload=False, tp=1, sp=False, pp=1, schedule="1f1b", micro_batches=0,
                      ep=1, etp=1, cp=1)
 PLAN_FORM = dict(model="llama-3-8b", config="", gpu="h100-80gb", gpus=16, gpus_per_node=8,
-                 seq=4096, fine_tuning="all")
-ASSUMED = ("CUDA's defaults: tensor bytes as torch.cuda.max_memory_allocated counts them "
-           "(nvidia-smi shows more: the CUDA context, the allocator's cached blocks); autocast's "
-           "weight cache on; SDPA attention; the whole logits at once")
+                 seq=4096, global_batch=0, fine_tuning="all")
+
+
+def assumed(precision: str) -> str:
+    """What every estimate on the page assumes, for ``precision``."""
+    cache = "; autocast's weight cache on" if precision.endswith("-mixed") else ""
+    return ("CUDA's defaults: tensor bytes as torch.cuda.max_memory_allocated counts them "
+            "(nvidia-smi shows more: the CUDA context, the allocator's cached blocks)"
+            f"{cache}; SDPA attention; the whole logits at once")
 
 
 def choices() -> dict:
@@ -34,7 +39,7 @@ def choices() -> dict:
             "recompute": [p for p in RECOMPUTE_POLICIES if p != "every-k"] + ["every-2"],
             "fine_tuning": list(FINE_TUNING), "schedule": list(SCHEDULES),
             "zero_stage": [0, 1, 2, 3], "gpu": list(GPUS), "estimate_form": ESTIMATE_FORM,
-            "plan_form": PLAN_FORM, "assumed": ASSUMED}
+            "plan_form": PLAN_FORM}
 
 
 def _model(form: dict) -> ModelConfig:
@@ -91,6 +96,9 @@ def estimate_answer(form: dict) -> dict:
                 f"{type(e).__name__}: {e} (check the pasted config.json's fields)"}
     states, local = sum(est.details["model states"].values()), est.details["parameters on this device"]
     return {"model": cfg.name, "total": est.total, "total_text": fmt_bytes(est.total),
+            "assumes": [assumed(recipe.precision)] + list(est.details.get("assumes", [])),
+            "sharded_over": layout.shard_ranks if layout.zero_stage else 1,
+            "offload": layout.offload,
             "categories": [[label, getattr(est, key), fmt_bytes(getattr(est, key))]
                            for key, label in CATEGORIES.items()],
             "peak_phase": est.peak_phase, "peak_moment": est.details.get("peak moment", ""),
@@ -109,6 +117,7 @@ def plan_answer(form: dict) -> dict:
     try:
         result = plan(_model(form), form["gpu"], _whole(form, "gpus"),
                       gpus_per_node=_whole(form, "gpus_per_node"), seq=_whole(form, "seq"),
+                      global_batch=_whole(form, "global_batch") or None,
                       trainable=form["fine_tuning"], top=10)
     except (ValueError, TypeError, KeyError) as e:
         return {"error": f"{e}" if isinstance(e, ValueError) else

@@ -38,7 +38,7 @@ function showError(box, message) {
   box.replaceChildren(element("p", {class: "calc-error", role: "alert"}, message));
 }
 
-function showEstimate(box, answer, assumed) {
+function showEstimate(box, answer) {
   if (answer.error) return showError(box, answer.error);
   const wasOpen = box.querySelector("details")?.open || false;
   const bar = element("div", {class: "calc-bar", role: "img",
@@ -63,11 +63,16 @@ function showEstimate(box, answer, assumed) {
     element("p", {class: "calc-total", "aria-live": "polite"},
             `${answer.model}: ${answer.total_text} per GPU at the peak (${answer.peak_moment || answer.peak_phase})`),
     bar, table,
-    element("p", {}, `model states over the step: ${answer.model_states}, ` +
-                     `${answer.state_bytes_per_parameter.toFixed(2)} bytes per parameter this GPU holds ` +
-                     `(${answer.parameters_here.toLocaleString("en")}); activations saved by the end of ` +
-                     `the forward pass: ${answer.saved_activations}`),
-    element("p", {class: "calc-note"}, `Assumes ${assumed}; AdamW ${answer.optimizer_impl}.`),
+    element("p", {}, `model states kept on this GPU: ${answer.model_states} = ` +
+                     `${answer.state_bytes_per_parameter.toFixed(2)} bytes for each of the ` +
+                     `${answer.parameters_here.toLocaleString("en")} parameters of its part of the model ` +
+                     `(after tp, pp, ep` +
+                     (answer.sharded_over > 1 ? `; ZeRO shards their states ${answer.sharded_over} ways` : "") +
+                     (answer.offload ? "; offloaded: the shards live in host memory, the bar's parameters " +
+                                       "and gradients are the units gathered for the current layer" : "") +
+                     `); activations saved by the end of the forward pass: ${answer.saved_activations}`),
+    element("ul", {class: "calc-note"}, ...answer.assumes.map(line => element("li", {}, "assumes " + line)),
+            element("li", {}, `optimizer implementation: ${answer.optimizer_impl}`)),
     details);
 }
 
@@ -96,8 +101,7 @@ async function start() {
   const estimateForm = document.getElementById("estimate-form");
   const estimateBox = document.getElementById("estimate-result");
   fillForm(estimateForm, choices, choices.estimate_form);
-  const update = () => showEstimate(estimateBox, window.labkit.estimate(formValues(estimateForm)),
-                                    choices.assumed);
+  const update = () => showEstimate(estimateBox, window.labkit.estimate(formValues(estimateForm)));
   estimateForm.addEventListener("input", update);
   estimateForm.addEventListener("submit", event => event.preventDefault());
   update();
@@ -110,7 +114,7 @@ async function start() {
     event.preventDefault();
     button.disabled = true;
     planBox.replaceChildren(element("p", {class: "calc-status"},
-                                    "Planning: every layout family estimated (large clusters take seconds)…"));
+                                    "Planning: every layout family estimated; the page will not respond for a few seconds…"));
     // let the page paint the note before Python holds the thread
     requestAnimationFrame(() => setTimeout(() => {
       try { showPlan(planBox, window.labkit.plan(formValues(planForm))); }

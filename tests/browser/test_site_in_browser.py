@@ -193,7 +193,7 @@ MOVES = [("model", "deepseek-v2-lite", "deepseek-v2-lite"), ("batch", "2", 2), (
          ("config", '{"model_type": "llama"}', '{"model_type": "llama"}')]
 PLAN_MOVES = [("model", "llama-2-7b", "llama-2-7b"), ("gpu", "a100-80gb", "a100-80gb"),
               ("gpus", "8", 8), ("gpus_per_node", "4", 4), ("seq", "2048", 2048),
-              ("fine_tuning", "lora", "lora")]
+              ("global_batch", "16", 16), ("fine_tuning", "lora", "lora")]
 
 
 def _move(page, form: str, name: str, how: str):

@@ -158,13 +158,16 @@ alone (lk.Layout(dp=16, ep=8), each expert shard on 2 GPUs)?""",
 {answer:.2f} GiB (lk.estimate: {est:.2f} GiB). labkit's w_gate and w_up each keep a bf16 copy
 of the gathered input; Megatron-LM's fused fc1 keeps one: {fused:.2f} GiB. What it buys: each
 GPU holds half an expert per layer instead of a whole one, so its peak falls from {ep8:.1f} GiB
-to {etp2:.1f} GiB. Against ZeRO, in Megatron's recipe (bf16-master): ZeRO-1 over the 16 GPUs
-reaches {zero1_master:.1f} GiB (ep 8 x etp 2 without ZeRO: {etp2_master:.1f} GiB), but
-{rep_saved:.1f} GiB of that is the replicated weights' masters and moments sharded over all 16,
-which Megatron's distributed optimizer does under etp too. On the experts alone, ZeRO over their
-2 copies halves only the fp32 masters and moments ({experts_zero:.1f} GiB saved); etp 2 halves
-all 16 bytes a parameter ({experts_etp:.1f} GiB) for {answer:.1f} GiB of activations and the etp
-traffic. At a fixed GPU count the two do not add: etp turns the experts' copies into slices.
+to {etp2:.1f} GiB. Against ZeRO, in the ZeRO paper's recipe (bf16-master, 2 + 2 + 12 bytes a
+parameter): ZeRO-1 over the 16 GPUs reaches {zero1_master:.1f} GiB (ep 8 x etp 2 without ZeRO:
+{etp2_master:.1f} GiB), but {rep_saved:.1f} GiB of ZeRO-1's saving is the replicated weights'
+masters and moments sharded over all 16, which a distributed optimizer does under etp too (the
+peaks fall in different phases, so the savings do not subtract exactly). On the experts alone,
+ZeRO-1 over their 2 copies halves only the fp32 masters and moments ({experts_zero:.1f} GiB
+saved); etp 2 halves all 16 bytes a parameter ({experts_etp:.1f} GiB; {megatron_etp:.1f} GiB
+with Megatron-LM's fp32 main gradients, 18 bytes) for {answer:.1f} GiB of activations and the
+etp traffic. ZeRO-3 over the copies halves all three too, gathering the weights every layer. At
+a fixed GPU count etp and ZeRO over the copies do not add: etp turns the copies into slices.
 None of these fits an 80 GB GPU at this length (labkit models etp without ZeRO).""",
 )
 def _mixtral_etp_activations():
@@ -184,6 +187,7 @@ def _mixtral_etp_activations():
             "zero1_master": zero1_master, "etp2_master": etp2_master,
             "rep_saved": replicated * 12 * 15 / 16 / GiB,    # masters + moments over 16
             "experts_zero": routed * 12 / 2 / GiB, "experts_etp": routed * 16 / 2 / GiB,
+            "megatron_etp": routed * 18 / 2 / GiB,
             "est": (etp2.saved_activations - ep8.saved_activations) / GiB,
             "fused": c.top_k * 4096 * c.moe_layers * (2 * c.hidden + 16) / GiB,
             "ep8": ep8.total / GiB, "etp2": etp2.total / GiB}
