@@ -188,6 +188,20 @@ def test_a_rank_that_only_lost_its_peer_names_the_peers_error():
     reader, writer = multiprocessing.Pipe(duplex=False)
     writer.send_bytes(pickle.dumps(("error", "ZeroDivisionError: boom on rank 1")))
     lost = "DistBackendError: ... Check the logs of the remote worker before reporting an error."
-    failed = cluster._root_failure(0, lost, {reader: 1})
+    failed = cluster._root_failure(0, lost, {reader: 1}, [])
     assert failed.rank == 1 and "boom on rank 1" in str(failed)
-    assert cluster._root_failure(0, "ValueError: its own bug", {}).rank == 0
+    assert cluster._root_failure(0, "ValueError: its own bug", {}, []).rank == 0
+
+
+def test_a_rank_that_only_lost_a_silently_dead_peer_names_the_peers_exit_code():
+    # the race CI met at e67b1a5: rank 1's barrier failed ("Connection closed by peer") before
+    # the parent saw rank 0's pipe close; rank 0 had died without a word (os._exit(3))
+    import multiprocessing
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    dead = multiprocessing.get_context("spawn").Process(target=os._exit, args=(3,))
+    dead.start()
+    writer.close()                                   # the dead rank's end: EOF, no result
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]"
+    failed = cluster._root_failure(1, lost, {reader: 0}, [dead])
+    assert failed.rank == 0 and "exited with code 3" in str(failed)

@@ -260,11 +260,9 @@ def run(fn: Callable, world_size: int, *args, backend: str | None = None, timeou
                 try:
                     status, value = pickle.loads(reader.recv_bytes())
                 except EOFError:    # died without a word: a crash, a kill, or fn failed to import
-                    procs[rank].join(GRACE_S)
-                    status, value = "error", (f"exited with code {procs[rank].exitcode} before "
-                                              "sending a result (its stderr has the details)")
+                    status, value = "error", _silent_exit(procs[rank])
                 if status == "error":
-                    raise _root_failure(rank, value, readers)
+                    raise _root_failure(rank, value, readers, procs)
                 results[rank] = value
                 pending.discard(rank)
         for p in procs:
@@ -279,9 +277,17 @@ _PEER_LOST = ("DistBackendError", "DistNetworkError", "Connection closed by peer
               "Connection reset by peer", "Check the logs of the remote worker")
 
 
-def _root_failure(rank: int, details: str, readers: dict) -> RankFailed:
+def _silent_exit(process) -> str:
+    """What a rank that died without sending a result leaves: its exit code."""
+    process.join(GRACE_S)
+    return (f"exited with code {process.exitcode} before sending a result (its stderr has the "
+            "details)")
+
+
+def _root_failure(rank: int, details: str, readers: dict, procs: list) -> RankFailed:
     """The first failure's cause: when ``rank`` failed only because a peer died, the peer's
-    error if it arrives within GRACE_S (its own exception, not the lost connection)."""
+    error if it arrives within GRACE_S (its own exception, or its exit code when it died
+    without a word), not the lost connection."""
     deadline = time.monotonic() + GRACE_S
     while readers and any(marker in details for marker in _PEER_LOST):
         ready = wait(list(readers), timeout=max(0.0, deadline - time.monotonic()))
@@ -291,8 +297,8 @@ def _root_failure(rank: int, details: str, readers: dict) -> RankFailed:
             peer = readers.pop(reader)
             try:
                 status, value = pickle.loads(reader.recv_bytes())
-            except EOFError:
-                continue
+            except EOFError:                    # the peer died silently: that is the cause
+                return RankFailed(peer, _silent_exit(procs[peer]))
             if status == "error" and not any(marker in value for marker in _PEER_LOST):
                 return RankFailed(peer, value)
     return RankFailed(rank, details)
