@@ -55,6 +55,9 @@ function showEstimate(box, answer) {
     row.append(name, element("td", {}, text), element("td", {}, share.toFixed(1) + "%"));
     table.append(row);
   });
+  const notes = element("ul", {class: "calc-note"});
+  notes.append(...answer.assumes.map(line => element("li", {}, "assumes " + line)),
+               element("li", {}, `optimizer implementation: ${answer.optimizer_impl}`));
   const details = element("details");
   details.open = wasOpen;
   details.append(element("summary", {}, "the tensors alive at the peak (lk.estimate(...).explain())"),
@@ -71,9 +74,7 @@ function showEstimate(box, answer) {
                      (answer.offload ? "; offloaded: the shards live in host memory, the bar's parameters " +
                                        "and gradients are the units gathered for the current layer" : "") +
                      `); activations saved by the end of the forward pass: ${answer.saved_activations}`),
-    element("ul", {class: "calc-note"}, ...answer.assumes.map(line => element("li", {}, "assumes " + line)),
-            element("li", {}, `optimizer implementation: ${answer.optimizer_impl}`)),
-    details);
+    notes, details);
 }
 
 function showPlan(box, answer) {

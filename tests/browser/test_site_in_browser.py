@@ -222,6 +222,9 @@ def test_each_control_sends_its_own_field(calculator):
         want = web.estimate_answer(expected)
         shown = page.inner_text("#estimate-result")
         assert (want["error"] if "error" in want else want["total_text"]) in shown, (name, shown)
+        assert "[object" not in shown and "undefined" not in shown, (name, shown)
+        if "error" not in want:                  # what the estimate assumes, each line shown
+            assert all(f"assumes {line}" in shown for line in want["assumes"]), (name, shown)
     plan = dict(web.PLAN_FORM)
     for name, how, value in PLAN_MOVES:
         _move(page, "plan-form", name, how)
