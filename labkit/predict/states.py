@@ -158,7 +158,7 @@ class States:
         return out
 
     def _prefetched(self, i: int) -> list[Tensor]:
-        """LoRA under ZeRO-3 is FSDP2's (labkit's ZeRO-3 trains every parameter): in layer i's
+        """Under FSDP2 (LoRA's ZeRO-3, or ZeRO-3 under its MixedPrecisionPolicy): in layer i's
         backward (i = the layer count: the head's) FSDP2 has already all-gathered the block
         below into a flat buffer (its backward prefetch), copied out when that block's
         backward starts."""
