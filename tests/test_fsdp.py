@@ -89,14 +89,21 @@ def test_zero_redundancy_optimizer_splits_whole_parameters(two_ranks):
 
 def test_zero_redundancy_optimizer_under_ddp_holds_the_buckets_more(two_ranks):
     """Under torch's DDP (its normal use) the same training, and each rank holds DDP's buckets,
-    a copy of the gradients (G), beside the ``.grad`` the bare setup holds: G more at the peak."""
+    a copy of the gradients (G), beside the ``.grad`` the bare setup holds: G more as the
+    optimizer steps, so at least G more at the peak.
+
+    Not "exactly G more at the peak": the tracker counts a free when gloo's worker thread lets
+    go of a storage, at its own time. On a loaded machine (3 busy processes beside the 2
+    ranks) 1 rank in 24 peaked in the backward instead, 599,812 B (1.20 G) above the bare
+    peak; CI met the same (the flaky assertion this replaces)."""
     torch.testing.assert_close(losses(two_ranks, "ZeroRedundancyOptimizer under DDP"),
                                losses(two_ranks, "ZeroRedundancyOptimizer"), **TOL)
     grads = sum(p.nbytes for p in tiny_params())
     for ranks in two_ranks:
         bare, ddp = ranks["ZeroRedundancyOptimizer"], ranks["ZeroRedundancyOptimizer under DDP"]
-        assert ddp.peak_by_category["grads"] == bare.peak_by_category["grads"] + grads
-        assert ddp.peak - bare.peak == pytest.approx(grads, rel=0.05)
+        assert bare.grads_at_step == grads
+        assert ddp.grads_at_step == bare.grads_at_step + grads
+        assert ddp.peak >= bare.peak + grads
 
 
 def test_tracker_counts_fsdp2_local_shards(two_ranks):

@@ -69,6 +69,7 @@ class ShardStep(RankStep):
 
     param_bytes: int = 0        # its parameters' storages (FSDP2: local shards, padded)
     state_bytes: int = 0        # AdamW's exp_avg and exp_avg_sq on this rank
+    grads_at_step: int = 0      # "grads" bytes counted as the last optimizer step began
 
 
 def _held_bytes(tensors) -> int:
@@ -159,21 +160,23 @@ def zero_redundancy_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int
     by torch's ``DistributedDataParallel`` instead, its normal use, whose buckets (a copy of
     the gradients, G) the tracker counts as gradients (``ddp.allreduce_and_tag``)."""
     model = _seeded_model(model_name, ctx.device)
+    log = BucketLog(ctx.group)
     if under_ddp:
         averaged = DistributedDataParallel(
             model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
             process_group=ctx.group)
-        averaged.register_comm_hook(BucketLog(ctx.group), allreduce_and_tag)
+        averaged.register_comm_hook(log, allreduce_and_tag)
     else:
         averaged = DataParallel(model, ctx.group)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                   process_group=ctx.group, **ADAMW)
+    opt.optim.register_step_pre_hook(lambda *_: log.note("optimizer"))
     if not under_ddp:
         averaged.finish_before(opt)
     batches = rank_tokens(ctx, model.cfg.vocab_size, batch, seq, steps)
     step = measure_rank(ctx, model, averaged, opt, batches, states=opt.optim)
     return ShardStep(**vars(step), param_bytes=_held_bytes(model.parameters()),
-                     state_bytes=_state_bytes(opt.optim))
+                     state_bytes=_state_bytes(opt.optim), grads_at_step=log.held["optimizer"])
 
 
 def fsdp2_step(ctx, model_name: str = "tiny", batch: int = 1, seq: int = 32, steps: int = 3,
