@@ -1,8 +1,16 @@
 """Shared pytest hooks: slow work that test modules start in the background when collection
-ends, a closing summary of how long each notebook took to execute, and a one-thread fixture for
-tests of many small ops."""
+ends, a closing summary of how long each notebook took to execute, a one-thread fixture for
+tests of many small ops, and the course website built once for the tests that read it."""
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NOTEBOOK_SECONDS = "notebook_seconds"
 
@@ -61,3 +69,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory) -> Path:
+    """The course website, built by the README's one command (``scripts/build_site.py --out``).
+    Runs side by side share one build through ``LABKIT_SHARED_SITE`` (a folder; CI sets it):
+    the first to take its lock builds it, the others wait and read it."""
+    shared = os.environ.get("LABKIT_SHARED_SITE")
+    out = Path(shared) if shared else tmp_path_factory.mktemp("site") / "site"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_name(out.name + ".log")
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                 # released when the file closes
+        if not log.exists():
+            run = subprocess.run([sys.executable, "scripts/build_site.py", "--out", str(out)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=600)
+            assert run.returncode == 0, f"the build failed:\n{run.stdout}\n{run.stderr}"
+            log.write_text(run.stdout, encoding="utf-8")
+    stdout = log.read_text(encoding="utf-8")
+    assert "lab pages" in stdout and " s: " in stdout, stdout
+    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -28,13 +27,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site") / "site"
-    run = subprocess.run([sys.executable, "scripts/build_site.py", "--out", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"the build failed:\n{run.stdout}\n{run.stderr}"
-    assert "lab pages" in run.stdout and " s: " in run.stdout, run.stdout
-    return out
+def site(built_site) -> Path:
+    return built_site                  # tests/conftest.py: the one command, run once
 
 
 def links(page: Path) -> list[tuple[str, str]]:

@@ -39,10 +39,13 @@ class QuietHandler(SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> dict:
-    report = build_site.build(tmp_path_factory.mktemp("site") / "site")
-    assert not report["broken"], "broken links:\n" + "\n".join(report["broken"])
-    return report
+def site(built_site) -> dict:
+    """The built site (tests/conftest.py) and what it carries: MathJax, labkit's wheel."""
+    broken, _ = build_site.check_links(built_site)
+    assert not broken, "broken links:\n" + "\n".join(broken)
+    wheels = sorted((built_site / "labkit").glob("*.whl"))
+    return {"out": built_site, "mathjax": (built_site / "assets" / "mathjax").is_dir(),
+            "wheel": f"labkit/{wheels[0].name}" if wheels else None}
 
 
 @pytest.fixture(scope="module")
