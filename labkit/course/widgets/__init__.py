@@ -22,19 +22,20 @@ from labkit.course.widgets.attention import (AttentionPanel, AttentionResult, CO
 from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, model_config
 from labkit.course.widgets.controls import PANEL_CONTROLS
 from labkit.course.widgets.memory import MemoryPanel, memory_panel, predict, predict_and_measure
-from labkit.course.widgets.pipeline import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,
-                                            MAX_MICRO_BATCHES, MAX_PP, MICRO_BATCH, PIPELINE_SEQS,
-                                            PipelinePanel, PipelineResult, SHOWN_STAGES,
-                                            pipeline_panel, pipeline_report, tp_choices)
-from labkit.course.widgets.planner import (PLAN_GPU_COUNTS, PlanPanel, PlanResult, plan_panel,
-                                           plan_report)
+from labkit.course.panel_reports import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,
+                                         MAX_MICRO_BATCHES, MAX_PP, MICRO_BATCH, PIPELINE_SEQS,
+                                         PLAN_GPU_COUNTS, SHOWN_STAGES, PipelineResult, PlanResult,
+                                         RecomputeResult, StatesResult, pipeline_report,
+                                         plan_report, recompute_report, states_report, tp_choices)
+from labkit.course.widgets.pipeline import PipelinePanel, pipeline_panel
+from labkit.course.widgets.planner import PlanPanel, plan_panel
 from labkit.course.widgets.quant import (FIXED_BITS, INT8_GRANULARITIES, QUANT_BLOCKS,
                                          QUANT_SCHEMES, QUANT_SWEEP, QuantPanel, QuantResult,
                                          SEVEN_B, WEIGHT_SHAPE, default_weight, quant_inputs,
                                          quant_label, quant_panel, quant_reference, quant_report)
-from labkit.course.widgets.recompute import RecomputePanel, recompute_panel, recompute_report
-from labkit.course.widgets.states import (STATES, StatesPanel, StatesResult, states_panel,
-                                          states_report)
+from labkit.course.widgets.recompute import RecomputePanel, recompute_panel
+from labkit.course.panel_reports import STATES
+from labkit.course.widgets.states import StatesPanel, states_panel
 from labkit.course.widgets.zero import (COURSE_MODELS, GPU_COUNTS, MEASURABLE_GPUS, MEASURE_STEPS,
                                         ZERO_PRECISIONS, ZeroPanel, ZeroResult, why_not_measurable,
                                         zero_panel, zero_report)

@@ -7,20 +7,9 @@ import ipywidgets as w
 from labkit.core.config import preset, presets
 from labkit.core.recipe import OPTIMIZERS, PRECISIONS
 from labkit.course.plot import breakdown_figure, timeline_figure
-from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, _render, model_config
-from labkit.predict import estimate
+from labkit.course.panel_reports import PanelResult, SHAPE_FIELDS, predict
+from labkit.course.widgets.base import _render
 from labkit.training.measure import measure_step
-
-
-def predict(name: str, *, batch: int, seq: int, precision: str, optimizer: str,
-            **shape) -> PanelResult:
-    """Configuration and estimate from the panel's values, or the error explained."""
-    try:
-        cfg = model_config(name, **shape)
-        return PanelResult(cfg, estimate(cfg, batch=batch, seq=seq, precision=precision,
-                                         optimizer=optimizer), recipe=f"{precision} {optimizer}")
-    except ValueError as error:
-        return PanelResult(error=str(error))
 
 
 def predict_and_measure(name: str, *, batch: int, seq: int, precision: str, optimizer: str,

@@ -1,99 +1,16 @@
 """Lab 05's panel: tp, pp, micro-batches and schedule -> each stage's memory and a Gantt chart."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ipywidgets as w
 
 from labkit.core.config import preset, presets
-from labkit.core.recipe import Layout
-from labkit.core.units import fmt_bytes
+from labkit.core.recipe import SCHEDULES
+from labkit.course.panel_reports import (GANTT_MAX, INTERLEAVED_CHUNKS, MAX_MICRO_BATCHES, MAX_PP,
+                                         PIPELINE_SEQS, SHOWN_STAGES, PipelineResult,
+                                         pipeline_report, tp_choices)
 from labkit.course.plot import gantt_figure, stage_peaks_figure
-from labkit.course.widgets.base import PanelResult, _render
+from labkit.course.widgets.base import _render
 from labkit.course.widgets.zero import COURSE_MODELS
-from labkit.parallel.pipeline import pipeline_parallel as pipeline, schedules
-from labkit.predict import estimate
-from labkit.predict.papers import pipeline_bubble
-
-
-PIPELINE_SEQS = (512, 1024, 2048, 4096, 8192)
-MAX_PP = 16                       # the pp slider's end (fewer when the model has fewer layers)
-MAX_MICRO_BATCHES = 32
-GANTT_MAX = 256                   # p x m above which the Gantt chart is too dense to read
-SHOWN_STAGES = 8                  # more stages: the bars show the first, the middle and the last
-INTERLEAVED_CHUNKS = 2            # virtual stages per GPU under the interleaved schedule
-MICRO_BATCH = 1                   # sequences per micro-batch: estimate's batch under pp (x m)
-BUBBLE_FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-                   "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}
-
-
-def tp_choices(model: str) -> list[int]:
-    """The tensor-parallel degrees the panel offers: the divisors of the model's heads up to 8."""
-    return [t for t in range(1, 9) if preset(model).heads % t == 0]
-
-
-@dataclass
-class PipelineResult(PanelResult):
-    """The pipeline panel's result: the busiest stage's estimate (every stage's peak in
-    ``.stages``), the simulated schedule, its formula's idle fraction, micro-batches in flight."""
-
-    layout: Layout | None = None
-    seq: int = 2048
-    timeline: schedules.PipelineTimeline | None = None
-    bubble: float = 0.0                   # the paper's formula (papers.pipeline_bubble)
-    in_flight: list | None = None         # per stage, micro-batches whose activations it keeps
-
-    @property
-    def stages(self) -> list[dict]:
-        """Each stage's total, saved activations and peak moment (one stage when pp = 1)."""
-        e = self.estimate
-        one = dict(total=e.total, saved_activations=e.saved_activations,
-                   peak_moment=e.details["peak moment"])
-        return e.details.get("stages", [one])
-
-    def summary(self) -> str:
-        if self.error:
-            return f"⚠ {self.error}"
-        L, e, t = self.layout, self.estimate, self.timeline
-        m, v = L.micro_batch_count, L.virtual_stages
-        busiest = max(range(L.pp), key=lambda s: self.stages[s]["total"])
-        flight = ", ".join(f"{float(f):g}" for f in self.in_flight)
-        caveat = " (it assumes m >= p)" if L.schedule == "zb-h1" and m < L.pp else ""
-        chunks = f" (v={v} chunks per GPU)" if v > 1 else ""
-        rows = MICRO_BATCH * m
-        return "\n".join([
-            f"{self.config.name}, tp={L.tp}{' with sp' if L.sp else ''} x pp={L.pp} = "
-            f"{L.tp * L.pp} GPUs, {L.schedule}{chunks}; batch = micro-batch size {MICRO_BATCH} "
-            f"x m = {rows} sequence{'s' if rows > 1 else ''} of {self.seq} tokens",
-            f"CUDA defaults, bf16 with fp32 master weights (AdamW): peak per GPU "
-            f"{fmt_bytes(e.total)} on stage {busiest} (at '{e.details['peak moment']}')",
-            f"micro-batches in flight per stage: {flight}",
-            f"idle (bubble) fraction: simulated {float(t.idle_fraction):.1%}, formula "
-            f"{BUBBLE_FORMULAS[L.schedule]} = {self.bubble:.1%}{caveat}"])
-
-
-def pipeline_report(model: str, *, tp: int, pp: int, micro_batches: int, schedule: str,
-                    sp: bool = False, seq: int = 2048) -> PipelineResult:
-    """Each stage's peak per GPU (CUDA defaults, bf16-master AdamW, micro-batches of one
-    sequence), the schedule simulated and its idle fraction beside the paper's formula; an
-    impossible setting is explained in ``.error``."""
-    v = INTERLEAVED_CHUNKS if schedule == "interleaved" else 1
-    try:
-        cfg = preset(model)
-        if v > 1 and pp * v > cfg.layers:
-            raise ValueError(f"interleaved 1F1B gives each GPU {v} chunks of at least one layer: "
-                             f"choose pp <= {cfg.layers // v} for {model}'s {cfg.layers} layers")
-        layout = Layout(tp=tp, sp=sp, pp=pp, micro_batches=micro_batches, schedule=schedule,
-                        virtual_stages=v)
-        est = estimate(cfg, MICRO_BATCH, seq, precision="bf16-master", device="cuda",
-                       layout=layout)           # each of the m micro-batches: MICRO_BATCH rows
-        timeline = schedules.simulate(schedules.make_schedule(schedule, pp, micro_batches, v))
-    except ValueError as error:
-        return PipelineResult(error=str(error))
-    return PipelineResult(
-        cfg, est, recipe="bf16-master AdamW", layout=layout, seq=seq, timeline=timeline,
-        bubble=pipeline_bubble(pp, micro_batches, schedule, v),
-        in_flight=[pipeline.in_flight(s, pp, micro_batches, schedule, v) for s in range(pp)])
 
 
 class PipelinePanel:
@@ -117,7 +34,7 @@ class PipelinePanel:
                               description="pp")
         self.micro_batches = w.IntSlider(value=micro_batches, min=1, max=MAX_MICRO_BATCHES,
                                          description="micro-batches", **wide)
-        self.schedule = w.Dropdown(options=pipeline.SCHEDULES, value=schedule,
+        self.schedule = w.Dropdown(options=SCHEDULES, value=schedule,
                                    description="schedule")
         self.seq = w.Dropdown(options=PIPELINE_SEQS, value=seq, description="seq")
         self.output = w.Output()

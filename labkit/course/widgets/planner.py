@@ -1,49 +1,13 @@
 """Lab 09's panel: the layouts that fit a cluster, fastest first."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ipywidgets as w
 
 from labkit.core.config import presets
 from labkit.core.units import fmt_bytes
+from labkit.course.panel_reports import PLAN_GPU_COUNTS, PlanResult, plan_report
 from labkit.course.plot import breakdown_figure
 from labkit.course.widgets.base import _render, _wire
-
-
-PLAN_GPU_COUNTS = [2 ** k for k in range(12)]      # 1 ... 2048
-
-
-@dataclass
-class PlanResult:
-    """A plan from the panel's values, or why there is none (never a traceback)."""
-
-    plan: object = None                  # labkit.course.plan.Plan
-    error: str | None = None
-
-    def summary(self) -> str:
-        if self.error:
-            return f"⚠ {self.error}"
-        p = self.plan
-        head = (f"{p.model} on {p.gpus} x {p.gpu.name}, seq {p.seq}: {len(p.fits)} layouts "
-                f"shown fit {fmt_bytes(p.usable)} usable per GPU (searched in {p.search_s:.1f} s); "
-                f"{len(p.rejected)} families rejected")
-        if not p.fits:
-            return "\n".join([head, "nothing fits; what would:"] + [f"  - {a}" for a in p.advice])
-        lines = [head] + [f"#{i} {c.time.dp_overlapped:6.2f} s/step, {fmt_bytes(c.estimate.total):>10} per GPU: "
-                          f"{c.label()}" for i, c in enumerate(p.fits[:5], 1)]
-        lines += [f"rejected: {name}: {why}" for name, why in list(p.rejected.items())[:2]]
-        return "\n".join(lines)
-
-
-def plan_report(model: str, *, gpu: str, gpus: int, seq: int, trainable: str = "all",
-                top: int = 5) -> PlanResult:
-    """``labkit.course.plan.plan`` for one model, GPU type, count and sequence length."""
-    from labkit.course.plan import plan
-    try:
-        return PlanResult(plan(model, gpu, gpus, seq=seq, trainable=trainable, top=top))
-    except ValueError as error:
-        return PlanResult(error=str(error))
 
 
 class PlanPanel:
