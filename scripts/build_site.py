@@ -7,9 +7,11 @@ Writes, into ``site/`` by default (emptied first; only a folder this script made
 - ``index.html``: the README's introduction and its "## The labs" table, each row a link;
 - one page per ``notebooks/*.ipynb`` (nbconvert's "lab" template, not executed again): a
   header bar with the course name, the previous and next lab and a search box; figures
-  inline; each widget output replaced by a note that the panel needs a kernel (the notebooks
-  are committed without widget state, and rendering saved state would need the widget manager
-  from a CDN);
+  inline; a panel that only estimates (``labkit.course.web.PANELS``: labs 00-03, 05, 09) made
+  live: its controls, as the notebook's call builds them, run labkit's torch-free report under
+  Pyodide; every other widget output replaced by a note that the panel needs a kernel (the
+  notebooks are committed without widget state, and rendering saved state would need the
+  widget manager from a CDN);
 - ``calculator.html``: labkit's estimate and planner behind a form, run in the browser by
   Pyodide (``python scripts/fetch_pyodide.py`` fetches it once) from labkit's wheel, built here;
 - ``assets/``: the stylesheets, the search index (``search-index.js``: every section's
@@ -37,6 +39,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import ast
 import ipywidgets
 import jinja2
 import nbformat
@@ -137,16 +140,89 @@ def is_widget(output) -> bool:
     return WIDGET_MIME in data or bool(WIDGET_REPR.match(data.get("text/plain", "")))
 
 
-def replace_widgets(nb) -> int:
-    """Replace each widget output with the note that it needs a kernel; how many there were."""
-    count = 0
+def replace_widgets(nb, live: bool = False) -> int:
+    """Replace each widget output with the note that it needs a kernel, or (``live``: the site
+    has labkit's wheel) a panel that only estimates with its live version; how many there were."""
+    count, names = 0, notebook_names(nb) if live else {}
     for cell in nb.cells:
         for i, output in enumerate(cell.get("outputs", [])):
             if is_widget(output):
+                call = panel_call(cell.source, names) if live else None
+                html = live_panel(*call) if call else KERNEL_NOTE
                 cell.outputs[i] = nbformat.v4.new_output(
-                    "display_data", data={"text/html": KERNEL_NOTE, "text/plain": "(panel)"})
+                    "display_data", data={"text/html": html, "text/plain": "(panel)"})
                 count += 1
     return count
+
+
+LIVE_MARK = 'class="live-panel"'
+# expressions a notebook's plain names are built from: literals, and dicts of them indexed
+# (SEQ = {"ci": 512, ...}[SCALE]); nothing else is evaluated
+PLAIN_NODES = (ast.Expression, ast.Constant, ast.Dict, ast.List, ast.Tuple, ast.Name, ast.Load,
+               ast.Subscript, ast.UnaryOp, ast.USub)
+
+
+def plain_value(node: ast.AST, names: dict):
+    """The value of a plain expression over ``names``; KeyError if it is not one."""
+    tree = ast.Expression(node)
+    if not all(isinstance(n, PLAIN_NODES) for n in ast.walk(tree)):
+        raise KeyError(ast.unparse(node))
+    try:
+        return eval(compile(tree, "<notebook>", "eval"), {"__builtins__": {}}, dict(names))
+    except (NameError, LookupError, TypeError) as e:
+        raise KeyError(ast.unparse(node)) from e
+
+
+def notebook_names(nb) -> dict:
+    """The top-level names of the notebook's code cells given plain values (its parameters,
+    SEQ = {...}[SCALE]), in order: what a panel's call may pass."""
+    names = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:                  # a cell magic
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Name]:
+                try:
+                    names[node.targets[0].id] = plain_value(node.value, names)
+                except KeyError:
+                    names.pop(node.targets[0].id, None)
+    return names
+
+
+def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
+    """(panel function, its keyword arguments) when the cell calls a panel that only estimates;
+    a call whose arguments are not plain values fails the build, naming it."""
+    from labkit.course.web import PANELS
+    for node in ast.walk(ast.parse(source)):
+        func = getattr(node, "func", None)
+        name = getattr(func, "id", None) or getattr(func, "attr", None)
+        if isinstance(node, ast.Call) and name in PANELS:
+            try:
+                return name, {k.arg: plain_value(k.value, names) for k in node.keywords}
+            except KeyError as e:
+                raise SystemExit(f"{name}(...): its argument {e.args[0]} is not a plain value the site "
+                                 f"can resolve (a literal, or a name given one)") from None
+    return None
+
+
+def live_panel(function: str, kwargs: dict) -> str:
+    """The panel's live version: its controls (``controls_spec`` of the notebook's panel) for
+    assets/panel.js, which asks ``labkit.course.web.panel_answer`` what to show."""
+    from labkit.course import widgets
+    from labkit.course.web import PANELS
+    panel = getattr(widgets, function.replace("_", " ").title().replace(" ", ""))(**kwargs)
+    spec = {"panel": function, **widgets.controls_spec(panel)}
+    note = PANELS[function][1]
+    return (f'<div {LIVE_MARK} data-spec="{escape(json.dumps(spec), quote=True)}">'
+            '<p class="live-status calc-status" role="status">Live panel: labkit runs it in this '
+            'page (Pyodide) once it scrolls into view.</p>'
+            '<form class="calc-form live-form"><fieldset disabled></fieldset></form>'
+            '<div class="live-result calc-result" aria-live="polite"></div>'
+            + (f'<p class="kernel-note">{escape(note)}</p>' if note else "") + '</div>')
 
 
 # --- rendering -----------------------------------------------------------------------------
@@ -163,7 +239,9 @@ def render_lab(html: HTMLExporter, lab: Lab, site: dict) -> tuple[str, list[dict
     nb = read(lab.notebook)
     title = notebook_title(nb)
     nb.metadata["title"] = f"{title} — {site['course']}"
-    replace_widgets(nb)
+    replace_widgets(nb, live=bool(site["wheel"]))
+    site["live"] = any(LIVE_MARK in output.get("data", {}).get("text/html", "")
+                       for cell in nb.cells for output in cell.get("outputs", []))
     body, _ = html.from_notebook_node(nb, resources={"site": site})
     return body, search_sections(nb, title, lab.url)
 
@@ -211,7 +289,8 @@ def build_calculator(out: Path, course: str, root: Path = ROOT) -> str | None:
         (out / "pyodide" / "NOTICE.txt").write_text(PYODIDE_NOTICE.format(
             version=fetch_pyodide.PYODIDE_VERSION), encoding="utf-8")
         wheel = "labkit/" + build_wheel(root, out / "labkit").name
-        shutil.copy(TEMPLATES / "calculator.js", out / "assets" / "calculator.js")
+        for script in ("labkit-web.js", "calculator.js", "panel.js"):
+            shutil.copy(TEMPLATES / script, out / "assets" / script)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False)
     site = {"course": course, "prev": None, "next": None}
     page = env.get_template("calculator.html.j2").render(site=site, wheel=wheel)
@@ -346,8 +425,10 @@ def build(out: Path, root: Path = ROOT) -> dict:
     source = mathjax_source()
     mathjax = copy_mathjax(source, out) if source else None
     html, index = exporter(), []
+    (out / "assets").mkdir(exist_ok=True)            # (MathJax may have made it)
+    wheel = build_calculator(out, course, root)           # the wheel the live panels run too
     for i, lab in enumerate(pages):
-        site = {"course": course, "mathjax": mathjax,
+        site = {"course": course, "mathjax": mathjax, "wheel": wheel,
                 "prev": pages[i - 1] if i > 0 else None,
                 "next": pages[i + 1] if i + 1 < len(pages) else None}
         page, sections = render_lab(html, lab, site)
@@ -356,7 +437,6 @@ def build(out: Path, root: Path = ROOT) -> dict:
     (out / "index.html").write_text(render_index(course, intro, labs, pages[0] if pages else None),
                                     encoding="utf-8")
     write_assets(out, html, index)
-    wheel = build_calculator(out, course, root)
     if (root / "notebooks" / "img").is_dir():             # images the labs' markdown shows
         shutil.copytree(root / "notebooks" / "img", out / "img")
     broken, external = check_links(out)

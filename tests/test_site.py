@@ -13,6 +13,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from bs4 import BeautifulSoup
+
+import labkit as lk
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("build_site", ROOT / "scripts" / "build_site.py")
@@ -99,14 +102,63 @@ def test_the_search_index_names_every_lab_and_its_anchors_exist(site):
     assert any("checkpoint" in s["text"].lower() for s in index)
 
 
-def test_each_widget_output_became_the_kernel_note(site):
+LIVE_LABS = {"00_welcome", "01_parameter_memory", "02_mixed_precision", "03_activations",
+             "05_tensor_pipeline_expert", "09_capstone"}       # their panels only estimate
+
+
+def live_specs(page: Path) -> list[dict]:
+    soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+    return [json.loads(div["data-spec"]) for div in soup.select("div.live-panel")]
+
+
+def test_each_widget_output_became_a_live_panel_or_the_kernel_note(site):
+    """With Pyodide, the panels that only estimate are live (labs 00-03, 05, 09) and load
+    Pyodide, labkit's wheel and assets/panel.js; every other panel is the note to open
+    JupyterLab, and its page loads no Pyodide."""
+    live = fetch_pyodide.present(ROOT)
     for nb in NOTEBOOKS:
         widgets = sum(build_site.is_widget(o) for c in build_site.read(nb).cells
                       for o in c.get("outputs", []))
-        page = (site / f"{nb.stem}.html").read_text(encoding="utf-8")
+        page = site / f"{nb.stem}.html"
+        soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+        panels = soup.select("div.live-panel")
+        notes = [p for p in soup.select("p.kernel-note") if not p.find_parent(class_="live-panel")]
         assert widgets >= 1, f"{nb.stem}: no widget output (has its panel moved?)"
-        assert page.count('class="kernel-note"') == widgets, nb.stem
-        assert "VBox(children" not in page and "HBox(children" not in page, nb.stem
+        assert len(panels) + len(notes) == widgets, nb.stem
+        assert len(panels) == (live and nb.stem in LIVE_LABS), nb.stem
+        scripts = {url for tag, url in links(page) if tag == "script"}
+        assert ({"pyodide/pyodide.js", "assets/panel.js"} <= scripts) == bool(panels), nb.stem
+        assert "VBox(children" not in str(soup) and "HBox(children" not in str(soup), nb.stem
+    if not live:
+        pytest.skip("no Pyodide here: python scripts/fetch_pyodide.py fetches it once")
+
+
+def test_a_live_panel_starts_where_the_notebooks_call_does(site):
+    """Lab 01 calls states_panel(model=MODEL, precision="bf16-mixed", zero_stage=0, gpus=8),
+    MODEL its parameter; lab 02 memory_panel(model=MODEL, seq=SEQ, ...), SEQ 512 at SCALE "ci"."""
+    if not fetch_pyodide.present(ROOT):
+        pytest.skip("no Pyodide here: python scripts/fetch_pyodide.py fetches it once")
+    (states,) = live_specs(site / "01_parameter_memory.html")
+    assert states["panel"] == "states_panel" and states["fixed"] == {"seq": 2048}
+    assert {c["name"]: c["value"] for c in states["controls"]} == dict(
+        model="llama-2-7b", precision="bf16-mixed", optimizer="adamw", zero_stage=0, gpus=8)
+    (memory,) = live_specs(site / "02_mixed_precision.html")
+    values = {c["name"]: c["value"] for c in memory["controls"]}
+    assert (values["model"], values["seq"], values["precision"]) == ("llama-2-7b", 512, "bf16-mixed")
+    assert values["layers"] == lk.preset("llama-2-7b").layers
+
+
+def test_a_panels_arguments_resolve_from_plain_names_only():
+    cells = [nbformat.v4.new_code_cell('SCALE = "ci"\nMODEL = "small"'),
+             nbformat.v4.new_code_cell('SEQ = {"ci": 512, "gpu": 4096}[SCALE]\nN = len("ab")'),
+             nbformat.v4.new_code_cell("%%time\nx = 1")]
+    names = build_site.notebook_names(nbformat.v4.new_notebook(cells=cells))
+    assert names == {"SCALE": "ci", "MODEL": "small", "SEQ": 512}       # len() is not evaluated
+    call = "from labkit.course import widgets\nwidgets.recompute_panel(model=MODEL, seq=SEQ)"
+    assert build_site.panel_call(call, names) == ("recompute_panel", {"model": "small", "seq": 512})
+    assert build_site.panel_call("quant_panel()", names) is None      # it measures: a note
+    with pytest.raises(SystemExit, match="its argument N is not a plain value"):
+        build_site.panel_call("recompute_panel(seq=N)", names)
 
 
 def test_which_outputs_count_as_widgets():

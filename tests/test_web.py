@@ -1,6 +1,8 @@
-"""The website calculator's Python side (labkit.course.web): the answers are labkit's own
-estimate and planner, bad input comes back as the error that names the fix, and no torch is
-needed (the page runs it under Pyodide; tests/browser/test_site_in_browser.py compares)."""
+"""The website's Python side (labkit.course.web): the calculator's answers are labkit's own
+estimate and planner, a lab page's live panel shows what the notebook's panel shows, bad input
+comes back as the error that names the fix, and no torch is needed (the pages run it under
+Pyodide; tests/browser/test_site_in_browser.py compares)."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,7 +10,7 @@ import sys
 import pytest
 
 import labkit as lk
-from labkit.course import web
+from labkit.course import web, widgets
 
 
 def test_an_estimate_is_lk_estimates_by_category():
@@ -16,7 +18,8 @@ def test_an_estimate_is_lk_estimates_by_category():
     want = lk.estimate("deepseek-v2-lite", 1, 4096, precision="bf16-master",
                        layout=lk.Layout(dp=8, ep=8))
     assert got["total"] == want.total and got["explain"] == want.explain()
-    assert got["categories"][2] == ["optimizer state", want.optimizer, lk.fmt_bytes(want.optimizer)]
+    assert got["categories"][2] == ["optimizer state", want.optimizer, lk.fmt_bytes(want.optimizer),
+                                    lk.course.plot.CATEGORY_COLORS["optimizer"]]   # the figures' colour
     assert [label for label, *_ in got["categories"]] == list(lk.CATEGORIES.values())
     # the model states over the step, per parameter this GPU holds: bf16-master's 2 + 2 + 12
     here = want.details["parameters on this device"]
@@ -49,8 +52,10 @@ def test_bad_input_comes_back_as_the_error_naming_the_fix():
     assert "whole number" in web.estimate_answer(dict(dp=1.5))["error"]
     assert "not a list or a number" in web.estimate_answer(dict(config="[1, 2]"))["error"]
     assert "error" in web.plan_answer(dict(gpu="no-such-gpu"))
-    with pytest.raises(ValueError, match="'estimate' or 'plan'"):
+    with pytest.raises(ValueError, match="'estimate', 'plan' or 'panel'"):
         web.answer("estimates", "{}")
+    with pytest.raises(ValueError, match="panel is one of memory_panel"):
+        web.panel_answer("zero_panel", {})                # it measures: JupyterLab only
 
 
 def test_a_plan_is_the_planners_without_its_clock():
@@ -61,7 +66,92 @@ def test_a_plan_is_the_planners_without_its_clock():
 
 
 def test_the_calculator_imports_no_torch():
+    form = {"model": "small", "layers": 4, "seq": 512, "batch": 1, "policy": "full",
+            "precision": "bf16-mixed"}
     code = ("import sys; from labkit.course import web; web.estimate_answer({}); "
-            "web.plan_answer({'gpus': 8}); print('torch' in sys.modules)")
+            f"web.plan_answer({{'gpus': 8}}); web.panel_answer('recompute_panel', {form!r}); "
+            "print('torch' in sys.modules, 'ipywidgets' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
+
+
+# ---- the lab pages' live panels ----------------------------------------------------------
+# small models (the next in each list is small too): the notebook's panel runs the planner and
+# counts FLOPs on fake tensors at each change
+PANEL_ARGS = {"memory_panel": dict(model="small", seq=512), "recompute_panel": dict(model="tiny", seq=256),
+              "pipeline_panel": dict(model="small"), "plan_panel": dict(model="small")}
+
+
+def notebook_panel(name: str):
+    """The notebook's panel object (``states_panel`` -> ``StatesPanel``)."""
+    return getattr(widgets, name.replace("_", " ").title().replace(" ", ""))(**PANEL_ARGS.get(name, {}))
+
+
+def control_of(panel, name: str):
+    return panel.shape[name] if name in getattr(panel, "shape", {}) else getattr(panel, name)
+
+
+def its_form(panel) -> dict:
+    spec = widgets.controls_spec(panel)
+    return {c["name"]: c["value"] for c in spec["controls"]} | spec["fixed"]
+
+
+def shown_text(name: str, result) -> str:
+    """The notebook panel's text less what only it measures or times."""
+    if name == "recompute_panel":                       # FLOPs counted on fake tensors
+        return dataclasses.replace(result, extra_flops=None).summary()
+    return result.summary(clock=False) if name == "plan_panel" else result.summary()
+
+
+def another_value(control: dict):
+    """A different value a user could pick for ``control`` (a controls_spec entry)."""
+    if control["kind"] == "select":
+        options = control["options"]
+        return options[(options.index(control["value"]) + 1) % len(options)]
+    if control["kind"] == "checkbox":
+        return not control["value"]
+    up = control["value"] + control["step"]
+    return up if up <= control["max"] else control["value"] - control["step"]
+
+
+@pytest.mark.parametrize("name", list(web.PANELS))
+def test_a_live_panel_shows_what_the_notebooks_panel_shows(name):
+    """Each control moved in turn, in the notebook's panel and in the web answer: the same
+    text, the same bars (bytes), and the controls a model choice sets (shape, tp, pp) alike."""
+    panel = notebook_panel(name)
+    form = its_form(panel)
+    assert web.panel_answer(name, form)["summary"] == shown_text(name, panel.result)
+    for control in widgets.controls_spec(panel)["controls"]:
+        value = another_value(control)
+        control_of(panel, control["name"]).value = value        # the notebook's panel reacts
+        answer = web.panel_answer(name, {**form, control["name"]: value}, control["name"])
+        sets = {k: v["value"] if isinstance(v, dict) else v for k, v in answer["controls"].items()}
+        form = {**form, control["name"]: value, **sets}
+        assert form == its_form(panel), control["name"]
+        assert answer["summary"] == shown_text(name, panel.result), control["name"]
+        result = panel.result
+        if answer["bars"]:
+            assert [b["total"] for b in answer["bars"]] == [e.total for e in result.bars().values()]
+            assert [b["label"] for b in answer["bars"]] == list(result.bars())
+        if answer["stages"]:
+            assert [s["total"] for s in answer["stages"]] == [
+                s["total"] for s in result.shown_stages().values()]
+
+
+def test_the_pipeline_panel_sends_its_schedule_and_a_model_sets_tp_and_pp():
+    form = its_form(notebook_panel("pipeline_panel")) | {"pp": 4, "micro_batches": 4}
+    gantt = web.panel_answer("pipeline_panel", form)["gantt"]
+    assert len(gantt["stages"]) == 4 and all(len(stage) == 2 * 4 for stage in gantt["stages"])
+    assert gantt["names"] == [["F", "F forward"], ["B", "B backward"]]
+    # past p x m = GANTT_MAX the notebook draws no chart, nor does the page
+    assert web.panel_answer("pipeline_panel", form | {"pp": 16, "micro_batches": 32})["gantt"] is None
+    sets = web.panel_answer("pipeline_panel", form | {"model": "tiny", "tp": 8}, "model")["controls"]
+    assert sets == {"tp": {"options": widgets.tp_choices("tiny"), "value": 4},
+                    "pp": {"max": lk.preset("tiny").layers, "value": min(4, lk.preset("tiny").layers)}}
+
+
+def test_a_panels_impossible_setting_is_its_explanation():
+    form = its_form(notebook_panel("states_panel")) | {"zero_stage": 4}
+    answer = web.panel_answer("states_panel", form)
+    assert answer["summary"].startswith("⚠ ") and "zero_stage must be 0, 1, 2 or 3" in answer["summary"]
+    assert answer["bars"] == [] and answer["gantt"] is None

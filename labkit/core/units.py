@@ -61,6 +61,16 @@ CATEGORIES = {
     "weight_cache": "autocast weight cache",
     "other": "temporaries/other",
 }
+# One colour per category in every labkit plot and on the website (Okabe & Ito's
+# colour-blind-safe palette).
+CATEGORY_COLORS = {
+    "params": "#0072B2",        # blue
+    "grads": "#E69F00",         # orange
+    "optimizer": "#009E73",     # bluish green
+    "activations": "#D55E00",   # vermillion
+    "weight_cache": "#CC79A7",  # reddish purple
+    "other": "#999999",         # grey
+}
 HOST = "host"         # offloaded bytes (ZeRO-Offload): host memory, counted apart from the device's
 """What a byte is: one key per category, used by the tracker, ``Breakdown``, the estimate, the
 plots and the command line alike, and the label every table and plot prints for it.

@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from labkit.core.config import ModelConfig, preset
 from labkit.core.recipe import Layout, state_bytes
-from labkit.core.units import CATEGORIES, fmt_bytes, fmt_count
+from labkit.core.units import CATEGORIES, CATEGORY_COLORS, fmt_bytes, fmt_count
 from labkit.parallel.data import zero
 from labkit.parallel.pipeline import schedules
 from labkit.predict import Estimate, estimate
@@ -46,6 +46,17 @@ class PanelResult:
             text += (f"\nmeasured peak {fmt_bytes(m.total)} (during {m.peak_phase}); "
                      f"prediction off by {100 * (e.total - m.total) / m.total:+.2f}%")
         return text
+
+    def bars(self) -> dict:
+        """What the panel's bar chart shows: {label: Estimate or Measurement}."""
+        measured = {"measured (fake tensors)": self.measurement} if self.measurement else {}
+        return {"predicted": self.estimate, **measured}
+
+
+def preset_shape(name: str) -> dict:
+    """The preset's shape fields, what the memory panel's boxes show when it is chosen."""
+    cfg = preset(name)
+    return {field: getattr(cfg, field) for field in SHAPE_FIELDS}
 
 
 def model_config(name: str, **shape) -> ModelConfig:
@@ -110,6 +121,12 @@ class StatesResult(PanelResult):
             f"{fmt_bytes(e.total)} during {e.peak_phase} (one GPU: {fmt_bytes(one.total)})"])
 
 
+    def bars(self) -> dict:
+        L = self.layout
+        return {"one GPU, no ZeRO": self.unsharded,
+                f"ZeRO-{L.zero_stage}, {L.dp} GPUs: each": self.estimate}
+
+
 def _states(e: Estimate) -> int:
     return sum(e.details["model states"].values())
 
@@ -159,6 +176,9 @@ class RecomputeResult(PanelResult):
             text += f"; recompute adds {100 * self.extra_flops:.1f}% FLOPs"
         return text
 
+    def bars(self) -> dict:
+        return {"keep everything": self.keep, self.policy: self.estimate}
+
 
 def recompute_report(model: str, *, layers: int, seq: int, batch: int, policy: str,
                      precision: str = "bf16-mixed") -> RecomputeResult:
@@ -185,9 +205,29 @@ BUBBLE_FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
                    "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}
 
 
+# the Gantt charts' ops (notebook and website): F forward, B backward, W weight gradient
+OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
+             "W": CATEGORY_COLORS["optimizer"]}
+
+
+def op_names(split: bool) -> dict:
+    """The legend of a schedule's ops; ``split``: B is the input gradient, W the weights'."""
+    if not split:
+        return {"F": "F forward", "B": "B backward"}
+    return {"F": "F forward", "B": "B input gradient", "W": "W weight gradient"}
+
+
 def tp_choices(model: str) -> list[int]:
     """The tensor-parallel degrees the panel offers: the divisors of the model's heads up to 8."""
     return [t for t in range(1, 9) if preset(model).heads % t == 0]
+
+
+def pipeline_controls(model: str, tp: int) -> dict:
+    """The pipeline panel's controls once ``model`` is chosen: tp's choices and the largest of
+    them up to ``tp``, and the pp slider's end (its layers, at most MAX_PP)."""
+    choices = tp_choices(model)
+    return {"tp_options": choices, "tp": max(t for t in choices if t <= tp),
+            "pp_max": min(preset(model).layers, MAX_PP)}
 
 
 @dataclass
@@ -208,6 +248,12 @@ class PipelineResult(PanelResult):
         one = dict(total=e.total, saved_activations=e.saved_activations,
                    peak_moment=e.details["peak moment"])
         return e.details.get("stages", [one])
+
+    def shown_stages(self) -> dict:
+        """{label: stage} the bars show: every stage, or the first, the middle and the last."""
+        p = self.layout.pp
+        shown = range(p) if p <= SHOWN_STAGES else (0, p // 2, p - 1)
+        return {f"stage {s}": self.stages[s] for s in shown}
 
     def summary(self) -> str:
         if self.error:
@@ -281,6 +327,10 @@ class PlanResult:
                           f"{c.label()}" for i, c in enumerate(p.fits[:5], 1)]
         lines += [f"rejected: {name}: {why}" for name, why in list(p.rejected.items())[:2]]
         return "\n".join(lines)
+
+    def bars(self, top: int = 5) -> dict:
+        """{"#i layout": Estimate} of the ``top`` fastest layouts that fit."""
+        return {f"#{i} {c.label()}": c.estimate for i, c in enumerate(self.plan.fits[:top], 1)}
 
 
 def plan_report(model: str, *, gpu: str, gpus: int, seq: int, trainable: str = "all",

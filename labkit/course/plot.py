@@ -12,6 +12,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from labkit.core.units import CATEGORIES, Breakdown, fmt_bytes, fmt_count
+from labkit.course.panel_reports import OP_COLORS, op_names
 from labkit.course.plot_base import (CATEGORY_COLORS, MAX_POINTS, PHASE_COLORS,  # noqa: F401
                                      _downsample, _legend, new_figure, unit_for)
 from labkit.course.plot_host import allocator_figure, snapshot_figure  # noqa: F401
@@ -252,8 +253,6 @@ def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = 
 
 # F, B and W of a pipeline schedule (labkit.parallel.pipeline.schedules), in the same palette
 
-OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
-             "W": CATEGORY_COLORS["optimizer"]}
 
 
 def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
@@ -281,8 +280,7 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
             if width / makespan * 0.85 * width_in > 0.055 * (len(label) + 1):  # room to read
                 ax.text(left + width / 2, s, label, ha="center", va="center", fontsize=7,
                         color="white")
-    names = {"F": "F forward", "B": "B input gradient" if split else "B backward",
-             "W": "W weight gradient"}
+    names = op_names(split)
     ax.set_yticks(range(timeline.p), [f"stage {s}" for s in range(timeline.p)])
     ax.set_ylim(timeline.p - 0.5, -0.5)                  # stage 0 on top
     ax.set_xlim(0, makespan)
@@ -290,7 +288,7 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     chunks = f", v={timeline.v}" if timeline.v > 1 else ""
     ax.set_title(title or f"{timeline.name}: p={timeline.p}, m={timeline.m}{chunks}, "
                           f"idle {float(timeline.idle_fraction):.1%}")
-    handles = [Patch(color=OP_COLORS[k], label=names[k]) for k in ("FBW" if split else "FB")]
+    handles = [Patch(color=OP_COLORS[k], label=name) for k, name in names.items()]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
     return fig
 

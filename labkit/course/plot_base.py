@@ -5,17 +5,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from labkit.core.units import CATEGORIES
+from labkit.core.units import CATEGORIES, CATEGORY_COLORS  # noqa: F401 (the figures' colours)
 
-# One colour per category in every labkit plot (Okabe & Ito's colour-blind-safe palette).
-CATEGORY_COLORS = {
-    "params": "#0072B2",        # blue
-    "grads": "#E69F00",         # orange
-    "optimizer": "#009E73",     # bluish green
-    "activations": "#D55E00",   # vermillion
-    "weight_cache": "#CC79A7",  # reddish purple
-    "other": "#999999",         # grey
-}
 PHASE_COLORS = {"forward": "#E8F1FA", "backward": "#FBEFE3", "optimizer": "#E6F5EF"}
 MAX_POINTS = 2000
 

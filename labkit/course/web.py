@@ -1,6 +1,7 @@
-"""The course website's calculator: labkit's own estimate and planner behind a form, as JSON in
-and out. The page runs this module under Pyodide (labkit's wheel in the browser); the tests run
-it in CPython on the same forms and compare the answers byte for byte. Torch-free."""
+"""The course website's calculator and the lab pages' live panels: labkit's own estimate,
+planner and panel reports behind a form, as JSON in and out. The pages run this module under
+Pyodide (labkit's wheel in the browser); the tests run it in CPython on the same forms and
+compare the answers byte for byte. Torch-free."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ from labkit.core.gpus import GPUS
 from labkit.core.recipe import (FINE_TUNING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES,
                                 Layout, Recipe, fine_tuning_fields)
 from labkit.core.recompute import RECOMPUTE_POLICIES
-from labkit.core.units import CATEGORIES, fmt_bytes
+from labkit.core.units import CATEGORIES, CATEGORY_COLORS, fmt_bytes
+from labkit.course import panel_reports as reports
 from labkit.predict import estimate
 
 # the forms' fields and their defaults: one GPU's step, and the planner's question
@@ -99,14 +101,19 @@ def estimate_answer(form: dict) -> dict:
             "assumes": [assumed(recipe.precision)] + list(est.details.get("assumes", [])),
             "sharded_over": layout.shard_ranks if layout.zero_stage else 1,
             "offload": layout.offload,
-            "categories": [[label, getattr(est, key), fmt_bytes(getattr(est, key))]
-                           for key, label in CATEGORIES.items()],
+            "categories": _categories(est),
             "peak_phase": est.peak_phase, "peak_moment": est.details.get("peak moment", ""),
             "saved_activations": fmt_bytes(est.saved_activations),
             "parameters_here": local, "model_states": fmt_bytes(states),
             "state_bytes_per_parameter": states / local if local else 0.0,
             "optimizer_impl": est.details.get("optimizer implementation", ""),
             "explain": est.explain()}
+
+
+def _categories(breakdown) -> list:
+    """[label, bytes, text, colour] of each category, in labkit's order."""
+    return [[label, getattr(breakdown, key), fmt_bytes(getattr(breakdown, key)),
+             CATEGORY_COLORS[key]] for key, label in CATEGORIES.items()]
 
 
 def plan_answer(form: dict) -> dict:
@@ -128,9 +135,103 @@ def plan_answer(form: dict) -> dict:
     return out
 
 
+# ---- the lab pages' live panels: the predict side of a notebook's panel ----------------------
+def _bars(items: dict) -> list:
+    """A panel's bar chart: {label: Estimate} as [{label, total, total_text, categories}]."""
+    return [{"label": label, "total": b.total, "total_text": fmt_bytes(b.total),
+             "categories": _categories(b)} for label, b in items.items()]
+
+
+def _memory(form: dict, changed: str) -> tuple:
+    controls = reports.preset_shape(form["model"]) if changed == "model" else {}
+    form = {**form, **controls}
+    result = reports.predict(form["model"], batch=form["batch"], seq=form["seq"],
+                             precision=form["precision"], optimizer=form["optimizer"],
+                             **{f: form[f] for f in reports.SHAPE_FIELDS})
+    return result, controls
+
+
+def _states(form: dict, changed: str) -> tuple:
+    return reports.states_report(form["model"], precision=form["precision"],
+                                 optimizer=form["optimizer"], zero_stage=form["zero_stage"],
+                                 gpus=form["gpus"], seq=form["seq"]), {}
+
+
+def _recompute(form: dict, changed: str) -> tuple:
+    return reports.recompute_report(form["model"], layers=form["layers"], seq=form["seq"],
+                                    batch=form["batch"], policy=form["policy"],
+                                    precision=form["precision"]), {}
+
+
+def _pipeline(form: dict, changed: str) -> tuple:
+    controls = reports.pipeline_controls(form["model"], form["tp"]) if changed == "model" else {}
+    if controls:
+        controls = {"tp": {"options": controls["tp_options"], "value": controls["tp"]},
+                    "pp": {"max": controls["pp_max"], "value": min(form["pp"], controls["pp_max"])}}
+        form = {**form, **{name: c["value"] for name, c in controls.items()}}
+    return reports.pipeline_report(form["model"], tp=form["tp"], pp=form["pp"],
+                                   micro_batches=form["micro_batches"],
+                                   schedule=form["schedule"], sp=form["sp"],
+                                   seq=form["seq"]), controls
+
+
+def _plan(form: dict, changed: str) -> tuple:
+    return reports.plan_report(form["model"], gpu=form["gpu"], gpus=form["gpus"],
+                               seq=form["seq"], trainable=form["trainable"]), {}
+
+
+def _gantt(result) -> dict | None:
+    """The simulated schedule, [kind, micro-batch, chunk, start, end] per op and stage, when
+    the notebook's panel draws it (p x m up to GANTT_MAX)."""
+    t = result.timeline
+    if t.p * t.m > reports.GANTT_MAX:
+        return None
+    split = any(span.op.kind == "W" for stage in t.stages for span in stage)
+    return {"v": t.v, "colors": reports.OP_COLORS, "names": [[kind, name] for kind, name in reports.op_names(split).items()],
+            "stages": [[[op.kind, op.micro_batch, op.chunk, float(start), float(end)]
+                        for op, start, end in stage] for stage in t.stages]}
+
+
+# notebook panel function -> (its answer, what stays in JupyterLab: the panel's measuring side)
+PANELS = {
+    "memory_panel": (_memory, "Measuring the same step on fake tensors (the panel's button) "
+                              "runs PyTorch: open this lab in JupyterLab."),
+    "states_panel": (_states, ""),
+    "recompute_panel": (_recompute, "What recomputation adds in FLOPs is counted on fake "
+                                    "tensors (PyTorch): the notebook's panel prints it."),
+    "pipeline_panel": (_pipeline, ""),
+    "plan_panel": (_plan, ""),
+}
+
+
+def panel_answer(panel: str, form: dict, changed: str = "") -> dict:
+    """What the notebook's ``panel`` shows for ``form`` (its controls' values by the panel's
+    attribute names, and its fixed arguments): the summary text, the bars, and for the pipeline
+    the stages and the schedule; ``changed`` (a control's name) may set other controls, as the
+    notebook's panel does when a model is chosen ("controls": {name: value or {...}})."""
+    if panel not in PANELS:
+        raise ValueError(f"panel is one of {', '.join(PANELS)}, got {panel!r}")
+    result, controls = PANELS[panel][0](form, changed)
+    out = {"summary": result.summary(**({"clock": False} if panel == "plan_panel" else {})),
+           "controls": controls, "bars": [], "stages": [], "gantt": None}
+    if result.error or (panel == "plan_panel" and not result.plan.fits):
+        return out
+    if panel == "pipeline_panel":
+        out["stages"] = [{"label": label, "total": s["total"], "total_text": fmt_bytes(s["total"]),
+                          "saved": s["saved_activations"],
+                          "saved_text": fmt_bytes(s["saved_activations"])}
+                         for label, s in result.shown_stages().items()]
+        out["gantt"] = _gantt(result)
+    else:
+        out["bars"] = _bars(result.bars())
+    return out
+
+
 def answer(kind: str, form_json: str) -> str:
-    """The page's one entry point: JSON in, JSON out ("estimate" or "plan")."""
-    answers = {"estimate": estimate_answer, "plan": plan_answer}
+    """The pages' one entry point: JSON in, JSON out. "estimate" and "plan" take a form;
+    "panel" takes {"panel": ..., "form": {...}, "changed": ...} (``panel_answer``)."""
+    answers = {"estimate": estimate_answer, "plan": plan_answer,
+               "panel": lambda q: panel_answer(q["panel"], q["form"], q.get("changed", ""))}
     if kind not in answers:
-        raise ValueError(f"kind is 'estimate' or 'plan', got {kind!r}")
+        raise ValueError(f"kind is 'estimate', 'plan' or 'panel', got {kind!r}")
     return json.dumps(answers[kind](json.loads(form_json)), sort_keys=True)

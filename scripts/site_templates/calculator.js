@@ -3,15 +3,6 @@
 // the tests run in CPython.
 "use strict";
 
-const COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"];
-
-function element(tag, attributes, text) {
-  const node = document.createElement(tag);
-  Object.entries(attributes || {}).forEach(([key, value]) => node.setAttribute(key, value));
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
 function formValues(form) {
   const values = {};
   for (const field of form.elements) {
@@ -41,18 +32,14 @@ function showError(box, message) {
 function showEstimate(box, answer) {
   if (answer.error) return showError(box, answer.error);
   const wasOpen = box.querySelector("details")?.open || false;
-  const bar = element("div", {class: "calc-bar", role: "img",
-                              "aria-label": "bytes at the peak by category"});
+  const bar = stackedBar(answer.categories, answer.total);
   const table = element("table", {class: "calc-table"});
-  answer.categories.forEach(([label, bytes, text], i) => {
+  answer.categories.forEach(([label, bytes, text, colour]) => {
     if (!bytes) return;
-    const share = 100 * bytes / answer.total;
-    bar.append(element("span", {title: `${label}: ${text}`,
-                                style: `width:${share}%;background:${COLOURS[i]}`}));
-    const name = element("td", {}, label);
-    name.prepend(element("span", {class: "calc-swatch", style: `background:${COLOURS[i]}`}));
     const row = element("tr");
-    row.append(name, element("td", {}, text), element("td", {}, share.toFixed(1) + "%"));
+    row.append(element("td", {}), element("td", {}, text),
+               element("td", {}, (100 * bytes / answer.total).toFixed(1) + "%"));
+    row.firstChild.append(swatch(colour, label));
     table.append(row);
   });
   const notes = element("ul", {class: "calc-note"});
@@ -84,15 +71,8 @@ function showPlan(box, answer) {
 
 async function start() {
   const status = document.getElementById("calc-status");
-  if (location.protocol === "file:") {
-    throw new Error("browsers do not run WebAssembly from files: serve the folder with " +
-                    "`python -m http.server -d site`, then open http://127.0.0.1:8000/calculator.html");
-  }
   const began = performance.now();
-  const pyodide = await loadPyodide({indexURL: new URL("pyodide/", document.baseURI).href});
-  const wheel = await (await fetch(new URL(window.LABKIT_WHEEL, document.baseURI))).arrayBuffer();
-  pyodide.unpackArchive(wheel, "wheel");
-  const web = pyodide.pyimport("labkit.course.web");
+  const web = await startLabkit();
   const choices = web.choices().toJs({dict_converter: Object.fromEntries});
   const answer = (kind, form) => web.answer(kind, JSON.stringify(form));   // labkit's JSON text
   window.labkit = {estimate: form => JSON.parse(answer("estimate", form)),

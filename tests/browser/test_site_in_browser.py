@@ -236,3 +236,65 @@ def test_each_control_sends_its_own_field(calculator):
     page.locator("#plan-result pre").wait_for(timeout=120_000)
     assert page.inner_text("#plan-result pre") == web.plan_answer(plan)["text"]
     assert not problems, "\n".join(problems)
+
+
+# ---- the lab pages' live panels ----------------------------------------------------------
+LIVE_LABS = ["00_welcome", "01_parameter_memory", "02_mixed_precision", "03_activations",
+             "05_tensor_pipeline_expert", "09_capstone"]
+
+
+def _move_control(panel, control: dict):
+    """Move one of the panel's controls (a controls_spec entry) as a user would."""
+    field = panel.locator(f"[name={control['name']}]")
+    if control["name"] == "model":               # a small one: the planner is quick on it
+        field.select_option(label="small" if control["value"] == "tiny" else "tiny")
+    elif control["kind"] == "select":            # the next option (a model may have reset them)
+        count = field.evaluate("f => f.options.length")
+        field.select_option(index=(int(field.input_value()) + 1) % count)
+    elif control["kind"] == "checkbox":
+        field.click()
+    else:                                        # (a model may have moved the slider's end)
+        up, top = control["value"] + control["step"], int(field.get_attribute("max"))
+        value = up if up <= top else control["value"] - control["step"]
+        field.evaluate("(f, v) => { f.value = v; f.dispatchEvent(new Event('input'));"
+                       " f.dispatchEvent(new Event('change')); }", str(value))
+
+
+@pytest.mark.parametrize("stem", LIVE_LABS)
+def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, base_url, site,
+                                                                    artifacts, stem):
+    """The lab page's panel starts once scrolled to; each control moved in turn sends that
+    field (and only what the answer sets besides), and the page's answer is CPython's for the
+    same query, byte for byte; the text shown is its summary. No request leaves the site."""
+    from labkit.course import web
+
+    if not site["wheel"]:
+        pytest.skip("no Pyodide in this build: python scripts/fetch_pyodide.py fetches it once")
+    page, problems = open_page(browser, f"{base_url}{stem}.html", only=base_url)
+    panel = page.locator("div.live-panel")
+    panel.scroll_into_view_if_needed()
+    page.wait_for_selector("div.live-panel[data-ready]", timeout=120_000)
+    assert panel.get_attribute("data-ready") == "1", panel.inner_text()
+
+    def shown_answer(changed: str) -> dict:
+        query = json.loads(panel.get_attribute("data-query"))
+        assert query["changed"] == changed
+        text = panel.get_attribute("data-answer")
+        assert text == web.answer("panel", json.dumps(query)), (stem, query)
+        answer = json.loads(text)
+        assert panel.locator(".live-summary").inner_text() == answer["summary"]
+        return query["form"] | {k: v["value"] if isinstance(v, dict) else v
+                                for k, v in answer["controls"].items()}
+
+    form = shown_answer("")
+    for control in json.loads(panel.get_attribute("data-spec"))["controls"]:
+        control = control | {"value": form[control["name"]]}
+        before = panel.get_attribute("data-query")
+        _move_control(panel, control)
+        page.wait_for_function("([el, q]) => el.dataset.query !== q",
+                               arg=[panel.element_handle(), before], timeout=60_000)
+        sent = json.loads(panel.get_attribute("data-query"))["form"]
+        assert {k for k in sent if sent[k] != form[k]} == {control["name"]}, (stem, control)
+        form = shown_answer(control["name"])
+    panel.screenshot(path=str(artifacts / f"site-live-{stem}.png"))
+    assert not problems, "\n".join(problems)

@@ -19,7 +19,7 @@ from labkit.course.widgets.allocator import (ALLOCATORS, ALLOCATOR_MODELS, Alloc
 from labkit.course.widgets.attention import (AttentionPanel, AttentionResult, CONTEXT_CURVE,
                                              HBM_GPUS, SEQ_CURVE, attention_panel, attention_report,
                                              mha_cache_bytes)
-from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, model_config
+from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, controls_spec, model_config
 from labkit.course.widgets.controls import PANEL_CONTROLS
 from labkit.course.widgets.memory import MemoryPanel, memory_panel, predict, predict_and_measure
 from labkit.course.panel_reports import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,

@@ -37,3 +37,34 @@ def _wire(panel, rows: list[list]) -> None:
         control.observe(lambda _: panel.update(), names="value")
     panel.widget = w.VBox([w.HBox(row) for row in rows] + [panel.output])
     panel.update()
+
+
+def controls_spec(panel) -> dict:
+    """A panel's controls as the website's live panel draws them, in the order the panel shows
+    them: [{name, kind, label, value, options | min, max, step}], and its fixed arguments
+    (plain attributes, such as the sequence the states panel steps); buttons and outputs left
+    out. ``name`` is the panel's attribute (a memory panel's shape box: its field)."""
+    names = {id(control): name for name, value in vars(panel).items() if not name.startswith("_")
+             for name, control in (value.items() if isinstance(value, dict) else [(name, value)])
+             if isinstance(control, (w.Dropdown, w.Checkbox, w.IntSlider, w.BoundedIntText))}
+    controls = []
+
+    def visit(widget):
+        for child in getattr(widget, "children", ()):
+            visit(child)
+        if id(widget) not in names:
+            return
+        spec = {"name": names[id(widget)], "label": widget.description, "value": widget.value}
+        if isinstance(widget, w.Dropdown):
+            spec |= {"kind": "select", "options": list(widget.options)}
+        elif isinstance(widget, w.Checkbox):
+            spec |= {"kind": "checkbox"}
+        else:                                 # IntSlider: a range; BoundedIntText: a number box
+            spec |= {"kind": "range" if isinstance(widget, w.IntSlider) else "number",
+                     "min": widget.min, "max": widget.max, "step": getattr(widget, "step", 1)}
+        controls.append(spec)
+
+    visit(panel.widget)
+    fixed = {name: value for name, value in vars(panel).items()
+             if not name.startswith("_") and isinstance(value, (str, int, float, bool))}
+    return {"controls": controls, "fixed": fixed}

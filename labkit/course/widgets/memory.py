@@ -7,7 +7,7 @@ import ipywidgets as w
 from labkit.core.config import preset, presets
 from labkit.core.recipe import OPTIMIZERS, PRECISIONS
 from labkit.course.plot import breakdown_figure, timeline_figure
-from labkit.course.panel_reports import PanelResult, SHAPE_FIELDS, predict
+from labkit.course.panel_reports import PanelResult, SHAPE_FIELDS, predict, preset_shape
 from labkit.course.widgets.base import _render
 from labkit.training.measure import measure_step
 
@@ -67,10 +67,10 @@ class MemoryPanel:
                     **{f: c.value for f, c in self.shape.items()})
 
     def _on_model(self, change):
-        cfg = preset(change["new"])
+        shape = preset_shape(change["new"])
         self._syncing = True                       # one update for the whole new shape
         for field, control in self.shape.items():
-            control.value = getattr(cfg, field)
+            control.value = shape[field]
         self._syncing = False
         self.update()
 
@@ -80,10 +80,7 @@ class MemoryPanel:
         if result.error:
             _render(self.output)
             return
-        items = {"predicted": result.estimate}
-        if result.measurement is not None:
-            items["measured (fake tensors)"] = result.measurement
-        _render(self.output, breakdown_figure(items),
+        _render(self.output, breakdown_figure(result.bars()),
                 *([timeline_figure(result.measurement)] if result.measurement is not None else []))
 
     def update(self) -> PanelResult:

@@ -7,7 +7,7 @@ from labkit.core.config import preset, presets
 from labkit.core.recipe import SCHEDULES
 from labkit.course.panel_reports import (GANTT_MAX, INTERLEAVED_CHUNKS, MAX_MICRO_BATCHES, MAX_PP,
                                          PIPELINE_SEQS, SHOWN_STAGES, PipelineResult,
-                                         pipeline_report, tp_choices)
+                                         pipeline_controls, pipeline_report, tp_choices)
 from labkit.course.plot import gantt_figure, stage_peaks_figure
 from labkit.course.widgets.base import _render
 from labkit.course.widgets.zero import COURSE_MODELS
@@ -49,11 +49,11 @@ class PipelinePanel:
         self.update()
 
     def _on_model(self, change):
-        tp, choices = self.tp.value, tp_choices(change["new"])
+        controls = pipeline_controls(change["new"], self.tp.value)
         self._syncing = True                     # one update for the new model's controls
-        self.tp.options = choices
-        self.tp.value = max(t for t in choices if t <= tp)
-        self.pp.max = min(preset(change["new"]).layers, MAX_PP)    # the slider clamps pp
+        self.tp.options = controls["tp_options"]
+        self.tp.value = controls["tp"]
+        self.pp.max = controls["pp_max"]                          # the slider clamps pp
         self._syncing = False
         self.update()
 
@@ -67,9 +67,8 @@ class PipelinePanel:
             _render(self.output, result.summary())
             return result
         p, m = self.pp.value, self.micro_batches.value
-        shown = range(p) if p <= SHOWN_STAGES else (0, p // 2, p - 1)
         bars = stage_peaks_figure(
-            {f"stage {s}": result.stages[s] for s in shown},
+            result.shown_stages(),
             title=f"{result.config.name}: each stage's peak per GPU, tp={self.tp.value}, "
                   f"pp={p}, m={m} ({'first, middle and last of ' if p > SHOWN_STAGES else ''}"
                   f"{p} stage{'s' if p > 1 else ''})")

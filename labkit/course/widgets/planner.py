@@ -34,10 +34,9 @@ class PlanPanel:
         if result.error or not result.plan.fits:
             _render(self.output, result.summary())
         else:
-            p = result.plan
-            items = {f"#{i} {c.label()}": c.estimate for i, c in enumerate(p.fits[:5], 1)}
             _render(self.output, result.summary(), breakdown_figure(
-                items, title=f"per-GPU peak of the fastest layouts ({fmt_bytes(p.usable)} usable)"))
+                result.bars(), title=f"per-GPU peak of the fastest layouts "
+                                     f"({fmt_bytes(result.plan.usable)} usable)"))
         return result
 
 

@@ -40,8 +40,7 @@ class RecomputePanel:
         # the FLOPs counted on fake tensors (torch): the measuring side, here only
         result.extra_flops = recompute_cost(result.config, self.policy.value,
                                             seq=min(values["seq"], 1024), batch=1).extra
-        _render(self.output, result.summary(), breakdown_figure(
-            {"keep everything": result.keep, self.policy.value: result.estimate}))
+        _render(self.output, result.summary(), breakdown_figure(result.bars()))
         return result
 
 

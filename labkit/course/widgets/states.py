@@ -40,11 +40,8 @@ class StatesPanel:
         if result.error:
             _render(self.output, result.summary())
             return result
-        L = result.layout
         _render(self.output, result.summary(), breakdown_figure(
-            {"one GPU, no ZeRO": result.unsharded,
-             f"ZeRO-{L.zero_stage}, {L.dp} GPUs: each": result.estimate},
-            title=f"{result.config.name}: one step's peak per GPU, batch {result.batch} x "
+            result.bars(), title=f"{result.config.name}: one step's peak per GPU, batch {result.batch} x "
                   f"{result.seq} tokens"))
         return result
 
