@@ -1,11 +1,13 @@
-"""The website calculator's speed in headless Chromium (prints medians; not a timed test).
+"""The website calculator's and live panels' speed in headless Chromium (prints medians; not a
+timed test).
 
     python benchmarks/site_calculator.py [--site DIR] [--loads 3]
 
 Builds the site (or serves ``--site``), opens calculator.html ``--loads`` times and prints the
 median time until Python is ready in the page, of one estimate (21 calls) and of the planner
 for DeepSeek-V3 on 2,048 H100s and LLaMA-3-8B on 16 (3 calls each), beside the same calls in
-this CPython process.
+this CPython process; then each lab page's live panel: the time from scrolling to it until it
+answers, and one answer of its default form (11 calls) in the page and in CPython.
 """
 import argparse
 import functools
@@ -54,6 +56,31 @@ def median_s(call, times: int) -> float:
     return statistics.median(seconds)
 
 
+LIVE_LABS = ("00_welcome", "01_parameter_memory", "02_mixed_precision", "03_activations",
+             "05_tensor_pipeline_expert", "09_capstone")
+
+
+def live_panels(browser, base: str) -> None:
+    """Each lab page's live panel: ready after scrolling to it, and one answer, medians."""
+    for stem in LIVE_LABS:
+        page = browser.new_page()
+        page.goto(f"{base}/{stem}.html")
+        panel = page.locator("div.live-panel")
+        start = time.perf_counter()
+        panel.scroll_into_view_if_needed()
+        page.wait_for_selector("div.live-panel[data-ready='1']", timeout=120_000)
+        ready = time.perf_counter() - start
+        query = json.loads(panel.get_attribute("data-query")) | {"changed": ""}
+        text = json.dumps(query)
+        in_page = median_s(lambda: page.evaluate(
+            "q => document.querySelector('div.live-panel') && window.labkitPanelAnswer(q)", text), 11)
+        here = median_s(lambda: web.answer("panel", text), 11)
+        print(f"{stem} {query['panel']}: ready {ready:.2f} s after scrolling to it; one answer "
+              f"{1000 * in_page:.1f} ms in the page, {1000 * here:.1f} ms in CPython "
+              f"({in_page / here:.1f}x)")
+        page.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--site", type=Path)
@@ -92,6 +119,7 @@ def main() -> None:
                 here = median_s(lambda: web.answer("plan", json.dumps(plan)), 3)
                 print(f"planner, {name}: {in_page:.2f} s in the page, {here:.2f} s in CPython "
                       f"({in_page / here:.1f}x)")
+            live_panels(browser, url.rsplit("/", 1)[0])
             browser.close()
         server.shutdown()
 

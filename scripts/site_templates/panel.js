@@ -134,6 +134,7 @@ async function startPanel(panel) {
   status.textContent = "Loading Python in the browser…";
   const began = performance.now();
   const web = await startLabkit();
+  window.labkitPanelAnswer = query => web.answer("panel", query);   // (benchmarks/site_calculator.py)
   const answerNow = changed => {
     const form = {...spec.fixed};
     inputs.forEach((input, name) => { form[name] = controlValue(input); });

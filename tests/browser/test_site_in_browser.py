@@ -106,7 +106,8 @@ def test_page_renders_without_errors(browser, base_url, site, artifacts, name):
         assert not broken_images, f"{name}: images that did not load: {broken_images}"
         assert page.locator("header.site-header #site-search").count() == 1
         if name != "index":
-            assert page.locator("p.kernel-note").count() >= 1, f"{name}: no note for its panel"
+            panels = page.locator("p.kernel-note, div.live-panel").count()
+            assert panels >= 1, f"{name}: no panel, live or its note"
             assert page.locator("main img").count() >= 1, f"{name}: no figure"
             if site["mathjax"] and has_maths(name):
                 assert page.locator(".MathJax, .MathJax_Display").count() > 0, \
