@@ -56,13 +56,10 @@ def median_s(call, times: int) -> float:
     return statistics.median(seconds)
 
 
-LIVE_LABS = ("00_welcome", "01_parameter_memory", "02_mixed_precision", "03_activations",
-             "05_tensor_pipeline_expert", "09_capstone")
-
-
-def live_panels(browser, base: str) -> None:
+def live_panels(browser, site: Path, base: str) -> None:
     """Each lab page's live panel: ready after scrolling to it, and one answer, medians."""
-    for stem in LIVE_LABS:
+    for stem in sorted(p.stem for p in site.glob("*.html")
+                       if 'class="live-panel"' in p.read_text(encoding="utf-8")):
         page = browser.new_page()
         page.goto(f"{base}/{stem}.html")
         panel = page.locator("div.live-panel")
@@ -71,10 +68,8 @@ def live_panels(browser, base: str) -> None:
         page.wait_for_selector("div.live-panel[data-ready='1']", timeout=120_000)
         ready = time.perf_counter() - start
         query = json.loads(panel.get_attribute("data-query")) | {"changed": ""}
-        text = json.dumps(query)
-        in_page = median_s(lambda: page.evaluate(
-            "q => document.querySelector('div.live-panel') && window.labkitPanelAnswer(q)", text), 11)
-        here = median_s(lambda: web.answer("panel", text), 11)
+        in_page = median_s(lambda: page.evaluate("q => window.labkit.answer('panel', q)", query), 11)
+        here = median_s(lambda: web.answer("panel", json.dumps(query)), 11)
         print(f"{stem} {query['panel']}: ready {ready:.2f} s after scrolling to it; one answer "
               f"{1000 * in_page:.1f} ms in the page, {1000 * here:.1f} ms in CPython "
               f"({in_page / here:.1f}x)")
@@ -119,7 +114,7 @@ def main() -> None:
                 here = median_s(lambda: web.answer("plan", json.dumps(plan)), 3)
                 print(f"planner, {name}: {in_page:.2f} s in the page, {here:.2f} s in CPython "
                       f"({in_page / here:.1f}x)")
-            live_panels(browser, url.rsplit("/", 1)[0])
+            live_panels(browser, Path(site), url.rsplit("/", 1)[0])
             browser.close()
         server.shutdown()
 

@@ -143,11 +143,11 @@ def is_widget(output) -> bool:
 def replace_widgets(nb, live: bool = False) -> int:
     """Replace each widget output with the note that it needs a kernel, or (``live``: the site
     has labkit's wheel) a panel that only estimates with its live version; how many there were."""
-    count, names = 0, notebook_names(nb) if live else {}
-    for cell in nb.cells:
+    count = 0
+    for at, cell in enumerate(nb.cells):
         for i, output in enumerate(cell.get("outputs", [])):
             if is_widget(output):
-                call = panel_call(cell.source, names) if live else None
+                call = panel_call(cell.source, notebook_names(nb.cells[:at])) if live else None
                 html = live_panel(*call) if call else KERNEL_NOTE
                 cell.outputs[i] = nbformat.v4.new_output(
                     "display_data", data={"text/html": html, "text/plain": "(panel)"})
@@ -173,11 +173,12 @@ def plain_value(node: ast.AST, names: dict):
         raise KeyError(ast.unparse(node)) from e
 
 
-def notebook_names(nb) -> dict:
-    """The top-level names of the notebook's code cells given plain values (its parameters,
-    SEQ = {...}[SCALE]), in order: what a panel's call may pass."""
+def notebook_names(cells) -> dict:
+    """The names the code ``cells`` leave with plain values (their parameters, SEQ = {...}[SCALE]),
+    in running order: a top-level ``NAME = plain expression`` sets one; any other binding of it
+    (in an if or a loop, +=, a tuple, a def) makes it unknown, until such an assignment again."""
     names = {}
-    for cell in nb.cells:
+    for cell in cells:
         if cell.cell_type != "code":
             continue
         try:
@@ -188,8 +189,15 @@ def notebook_names(nb) -> dict:
             if isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Name]:
                 try:
                     names[node.targets[0].id] = plain_value(node.value, names)
+                    continue
                 except KeyError:
-                    names.pop(node.targets[0].id, None)
+                    pass
+            for bound in ast.walk(node):
+                if isinstance(bound, ast.Name) and isinstance(bound.ctx, (ast.Store, ast.Del)):
+                    names.pop(bound.id, None)
+                elif isinstance(bound, (ast.FunctionDef, ast.ClassDef, ast.alias)):
+                    names.pop(getattr(bound, "name", None) if not isinstance(bound, ast.alias)
+                              else (bound.asname or bound.name).split(".")[0], None)
     return names
 
 
@@ -201,11 +209,15 @@ def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
         func = getattr(node, "func", None)
         name = getattr(func, "id", None) or getattr(func, "attr", None)
         if isinstance(node, ast.Call) and name in PANELS:
+            if node.args or any(k.arg is None for k in node.keywords):
+                raise SystemExit(f"{ast.unparse(node)}: the site reads a panel's keyword "
+                                 f"arguments only; name each one (model=..., seq=...)")
             try:
                 return name, {k.arg: plain_value(k.value, names) for k in node.keywords}
             except KeyError as e:
-                raise SystemExit(f"{name}(...): its argument {e.args[0]} is not a plain value the site "
-                                 f"can resolve (a literal, or a name given one)") from None
+                raise SystemExit(f"{name}(...): its argument {e.args[0]} is not a plain value "
+                                 f"the site can resolve (a literal, or a name the cells before "
+                                 f"give one)") from None
     return None
 
 
@@ -214,8 +226,13 @@ def live_panel(function: str, kwargs: dict) -> str:
     assets/panel.js, which asks ``labkit.course.web.panel_answer`` what to show."""
     from labkit.course import widgets
     from labkit.course.web import PANELS
-    panel = getattr(widgets, function.replace("_", " ").title().replace(" ", ""))(**kwargs)
+    panel = widgets.PANEL_CLASSES[function](**kwargs)
     spec = {"panel": function, **widgets.controls_spec(panel)}
+    for c in spec["controls"]:               # a browser snaps a slider to its steps
+        if c["kind"] == "range" and (c["value"] - c["min"]) % c["step"]:
+            raise SystemExit(f"{function}({kwargs}): {c['name']}={c['value']} is not on its "
+                             f"slider's steps ({c['min']}, {c['min'] + c['step']}, ...): the "
+                             f"page would start elsewhere")
     note = PANELS[function][1]
     return (f'<div {LIVE_MARK} data-spec="{escape(json.dumps(spec), quote=True)}">'
             '<p class="live-status calc-status" role="status">Live panel: labkit runs it in this '

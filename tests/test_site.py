@@ -149,16 +149,28 @@ def test_a_live_panel_starts_where_the_notebooks_call_does(site):
 
 
 def test_a_panels_arguments_resolve_from_plain_names_only():
-    cells = [nbformat.v4.new_code_cell('SCALE = "ci"\nMODEL = "small"'),
+    cells = [nbformat.v4.new_code_cell('SCALE = "ci"\nMODEL = "small"\nLAYERS = 4'),
              nbformat.v4.new_code_cell('SEQ = {"ci": 512, "gpu": 4096}[SCALE]\nN = len("ab")'),
-             nbformat.v4.new_code_cell("%%time\nx = 1")]
-    names = build_site.notebook_names(nbformat.v4.new_notebook(cells=cells))
-    assert names == {"SCALE": "ci", "MODEL": "small", "SEQ": 512}       # len() is not evaluated
+             nbformat.v4.new_code_cell("%%time\nx = 1"),
+             nbformat.v4.new_code_cell('if SCALE == "ci":\n    MODEL = "tiny"\nLAYERS += 1')]
+    names = build_site.notebook_names(cells[:3])
+    assert names == {"SCALE": "ci", "MODEL": "small", "LAYERS": 4, "SEQ": 512}  # no len()
+    # a name bound any other way (in an if, +=) is unknown from there on
+    assert build_site.notebook_names(cells) == {"SCALE": "ci", "SEQ": 512}
     call = "from labkit.course import widgets\nwidgets.recompute_panel(model=MODEL, seq=SEQ)"
     assert build_site.panel_call(call, names) == ("recompute_panel", {"model": "small", "seq": 512})
     assert build_site.panel_call("quant_panel()", names) is None      # it measures: a note
     with pytest.raises(SystemExit, match="its argument N is not a plain value"):
         build_site.panel_call("recompute_panel(seq=N)", names)
+    for call in ('memory_panel("tiny", seq=SEQ)', "memory_panel(**ARGS)"):
+        with pytest.raises(SystemExit, match="keyword arguments only"):
+            build_site.panel_call(call, names)
+
+
+def test_a_panel_starting_off_its_sliders_steps_fails_the_build():
+    """Chromium snaps seq=1000 to 1024 (step 128): the page would show other numbers."""
+    with pytest.raises(SystemExit, match="seq=1000 is not on its slider's steps"):
+        build_site.live_panel("recompute_panel", {"model": "tiny", "seq": 1000})
 
 
 def test_which_outputs_count_as_widgets():

@@ -84,7 +84,7 @@ PANEL_ARGS = {"memory_panel": dict(model="small", seq=512), "recompute_panel": d
 
 def notebook_panel(name: str):
     """The notebook's panel object (``states_panel`` -> ``StatesPanel``)."""
-    return getattr(widgets, name.replace("_", " ").title().replace(" ", ""))(**PANEL_ARGS.get(name, {}))
+    return widgets.PANEL_CLASSES[name](**PANEL_ARGS.get(name, {}))
 
 
 def control_of(panel, name: str):
@@ -100,7 +100,7 @@ def shown_text(name: str, result) -> str:
     """The notebook panel's text less what only it measures or times."""
     if name == "recompute_panel":                       # FLOPs counted on fake tensors
         return dataclasses.replace(result, extra_flops=None).summary()
-    return result.summary(clock=False) if name == "plan_panel" else result.summary()
+    return result.summary()                             # (the planner's: without its clock)
 
 
 def another_value(control: dict):
@@ -130,6 +130,8 @@ def test_a_live_panel_shows_what_the_notebooks_panel_shows(name):
         assert form == its_form(panel), control["name"]
         assert answer["summary"] == shown_text(name, panel.result), control["name"]
         result = panel.result
+        if not result.error:                          # the figure's title and bars
+            assert answer["title"] == result.bars_title()
         if answer["bars"]:
             assert [b["total"] for b in answer["bars"]] == [e.total for e in result.bars().values()]
             assert [b["label"] for b in answer["bars"]] == list(result.bars())
@@ -143,8 +145,12 @@ def test_the_pipeline_panel_sends_its_schedule_and_a_model_sets_tp_and_pp():
     gantt = web.panel_answer("pipeline_panel", form)["gantt"]
     assert len(gantt["stages"]) == 4 and all(len(stage) == 2 * 4 for stage in gantt["stages"])
     assert gantt["names"] == [["F", "F forward"], ["B", "B backward"]]
-    # past p x m = GANTT_MAX the notebook draws no chart, nor does the page
-    assert web.panel_answer("pipeline_panel", form | {"pp": 16, "micro_batches": 32})["gantt"] is None
+    # past p x m = GANTT_MAX the notebook draws no chart, nor does the page: both say so
+    dense = web.panel_answer("pipeline_panel", form | {"model": "llama-2-70b", "pp": 16,
+                                                       "micro_batches": 32})
+    assert dense["gantt"] is None and len(dense["stages"]) == 3          # first, middle, last
+    assert dense["summary"].endswith("(the Gantt chart is drawn for p x m <= 256; here 16 x 32 = 512)")
+    assert "(first, middle and last of 16 stages)" in dense["title"]
     sets = web.panel_answer("pipeline_panel", form | {"model": "tiny", "tp": 8}, "model")["controls"]
     assert sets == {"tp": {"options": widgets.tp_choices("tiny"), "value": 4},
                     "pp": {"max": lk.preset("tiny").layers, "value": min(4, lk.preset("tiny").layers)}}
@@ -155,3 +161,13 @@ def test_a_panels_impossible_setting_is_its_explanation():
     answer = web.panel_answer("states_panel", form)
     assert answer["summary"].startswith("⚠ ") and "zero_stage must be 0, 1, 2 or 3" in answer["summary"]
     assert answer["bars"] == [] and answer["gantt"] is None
+
+
+def test_the_pipeline_panel_offers_only_the_schedules_it_simulates():
+    """zb-v and DualPipeV are estimated (lk.estimate) but not simulated here: not offered."""
+    options = {c["name"]: c.get("options") for c in
+               widgets.controls_spec(notebook_panel("pipeline_panel"))["controls"]}
+    assert options["schedule"] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
+    form = its_form(notebook_panel("pipeline_panel"))
+    for schedule in options["schedule"]:
+        assert not web.panel_answer("pipeline_panel", form | {"schedule": schedule})["summary"].startswith("⚠")

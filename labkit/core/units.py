@@ -71,6 +71,9 @@ CATEGORY_COLORS = {
     "weight_cache": "#CC79A7",  # reddish purple
     "other": "#999999",         # grey
 }
+# a pipeline schedule's ops in its Gantt chart: F forward, B backward, W weight gradient
+OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
+             "W": CATEGORY_COLORS["optimizer"]}
 HOST = "host"         # offloaded bytes (ZeRO-Offload): host memory, counted apart from the device's
 """What a byte is: one key per category, used by the tracker, ``Breakdown``, the estimate, the
 plots and the command line alike, and the label every table and plot prints for it.

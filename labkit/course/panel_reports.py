@@ -19,6 +19,7 @@ from labkit.predict.papers import pipeline_bubble
 
 # ---- every panel: a model and its estimate (labs 00 and 02's memory panel) -----------------
 SHAPE_FIELDS = ("hidden", "layers", "heads", "vocab_size")
+BARS_TITLE = "where the memory goes at the peak"        # a breakdown's title, unless it has one
 
 
 @dataclass
@@ -46,6 +47,10 @@ class PanelResult:
             text += (f"\nmeasured peak {fmt_bytes(m.total)} (during {m.peak_phase}); "
                      f"prediction off by {100 * (e.total - m.total) / m.total:+.2f}%")
         return text
+
+    def bars_title(self) -> str:
+        """The bar chart's title."""
+        return BARS_TITLE
 
     def bars(self) -> dict:
         """What the panel's bar chart shows: {label: Estimate or Measurement}."""
@@ -75,7 +80,6 @@ def predict(name: str, *, batch: int, seq: int, precision: str, optimizer: str,
                                          optimizer=optimizer), recipe=f"{precision} {optimizer}")
     except ValueError as error:
         return PanelResult(error=str(error))
-
 
 
 # ---- lab 01: bytes per parameter of each model state, sharded by ZeRO -----------------------
@@ -115,8 +119,8 @@ class StatesResult(PanelResult):
             f"{sum(b for b, _ in (self.per_parameter[s] for s in STATES))})"
             + (f"; autocast's bf16 weight copies {cache} per matmul weight, not sharded"
                if cache else ""),
-            f"model states per GPU: {fmt_bytes(_states(e))} "
-            f"(one GPU without ZeRO: {fmt_bytes(_states(one))})",
+            f"model states per GPU: {fmt_bytes(_model_states(e))} "
+            f"(one GPU without ZeRO: {fmt_bytes(_model_states(one))})",
             f"peak of one step per GPU, batch {self.batch} x {self.seq} tokens, CUDA defaults: "
             f"{fmt_bytes(e.total)} during {e.peak_phase} (one GPU: {fmt_bytes(one.total)})"])
 
@@ -126,8 +130,12 @@ class StatesResult(PanelResult):
         return {"one GPU, no ZeRO": self.unsharded,
                 f"ZeRO-{L.zero_stage}, {L.dp} GPUs: each": self.estimate}
 
+    def bars_title(self) -> str:
+        return (f"{self.config.name}: one step's peak per GPU, batch {self.batch} x {self.seq} "
+                f"tokens")
 
-def _states(e: Estimate) -> int:
+
+def _model_states(e: Estimate) -> int:
     return sum(e.details["model states"].values())
 
 
@@ -151,7 +159,6 @@ def states_report(model: str, *, precision: str, optimizer: str, zero_stage: int
                             seq=seq, recipe=f"{precision} {optimizer}")
     except ValueError as error:
         return StatesResult(error=str(error))
-
 
 
 # ---- lab 03: a checkpointing policy's memory ------------------------------------------------
@@ -205,9 +212,11 @@ BUBBLE_FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
                    "interleaved": "(p-1)/(v m+p-1)", "zb-h1": "(p-1)/(3m+p-1)"}
 
 
-# the Gantt charts' ops (notebook and website): F forward, B backward, W weight gradient
-OP_COLORS = {"F": CATEGORY_COLORS["params"], "B": CATEGORY_COLORS["grads"],
-             "W": CATEGORY_COLORS["optimizer"]}
+PANEL_SCHEDULES = tuple(BUBBLE_FORMULAS)   # the schedules the panel simulates (not zb-v, DualPipeV)
+# the stage bars' key (notebook and website): each stage's peak, and the activations inside it
+STAGE_KEY = {"peak": ("peak per GPU", "#DDDDDD"),
+             "kept": ("activations kept for the backward pass (end of the forward passes)",
+                      CATEGORY_COLORS["activations"])}
 
 
 def op_names(split: bool) -> dict:
@@ -255,6 +264,17 @@ class PipelineResult(PanelResult):
         shown = range(p) if p <= SHOWN_STAGES else (0, p // 2, p - 1)
         return {f"stage {s}": self.stages[s] for s in shown}
 
+    def bars_title(self) -> str:
+        L = self.layout
+        some = "first, middle and last of " if L.pp > SHOWN_STAGES else ""
+        return (f"{self.config.name}: each stage's peak per GPU, tp={L.tp}, pp={L.pp}, "
+                f"m={L.micro_batch_count} ({some}{L.pp} stage{'s' if L.pp > 1 else ''})")
+
+    @property
+    def gantt_drawn(self) -> bool:
+        """The Gantt chart is drawn up to p x m = GANTT_MAX (denser, it cannot be read)."""
+        return self.layout.pp * self.layout.micro_batch_count <= GANTT_MAX
+
     def summary(self) -> str:
         if self.error:
             return f"⚠ {self.error}"
@@ -273,7 +293,9 @@ class PipelineResult(PanelResult):
             f"{fmt_bytes(e.total)} on stage {busiest} (at '{e.details['peak moment']}')",
             f"micro-batches in flight per stage: {flight}",
             f"idle (bubble) fraction: simulated {float(t.idle_fraction):.1%}, formula "
-            f"{BUBBLE_FORMULAS[L.schedule]} = {self.bubble:.1%}{caveat}"])
+            f"{BUBBLE_FORMULAS[L.schedule]} = {self.bubble:.1%}{caveat}"]
+            + ([] if self.gantt_drawn else [f"(the Gantt chart is drawn for p x m <= {GANTT_MAX}; "
+                                            f"here {L.pp} x {m} = {L.pp * m})"]))
 
 
 def pipeline_report(model: str, *, tp: int, pp: int, micro_batches: int, schedule: str,
@@ -300,7 +322,6 @@ def pipeline_report(model: str, *, tp: int, pp: int, micro_batches: int, schedul
         in_flight=[schedules.in_flight(s, pp, micro_batches, schedule, v) for s in range(pp)])
 
 
-
 # ---- lab 09: the layouts that fit a cluster, fastest first ----------------------------------
 PLAN_GPU_COUNTS = [2 ** k for k in range(12)]      # 1 ... 2048
 
@@ -312,8 +333,8 @@ class PlanResult:
     plan: object = None                  # labkit.course.plan.Plan
     error: str | None = None
 
-    def summary(self, clock: bool = True) -> str:
-        """The plan in a few lines; ``clock=False`` leaves out how long the search took."""
+    def summary(self, clock: bool = False) -> str:
+        """The plan in a few lines; ``clock``: with how long the search took."""
         if self.error:
             return f"⚠ {self.error}"
         p = self.plan
@@ -329,8 +350,11 @@ class PlanResult:
         return "\n".join(lines)
 
     def bars(self, top: int = 5) -> dict:
-        """{"#i layout": Estimate} of the ``top`` fastest layouts that fit."""
+        """{"#i layout": Estimate} of the ``top`` fastest layouts that fit (none: {})."""
         return {f"#{i} {c.label()}": c.estimate for i, c in enumerate(self.plan.fits[:top], 1)}
+
+    def bars_title(self) -> str:
+        return f"per-GPU peak of the fastest layouts ({fmt_bytes(self.plan.usable)} usable)"
 
 
 def plan_report(model: str, *, gpu: str, gpus: int, seq: int, trainable: str = "all",

@@ -11,8 +11,8 @@ import numpy as np
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
-from labkit.core.units import CATEGORIES, Breakdown, fmt_bytes, fmt_count
-from labkit.course.panel_reports import OP_COLORS, op_names
+from labkit.core.units import CATEGORIES, OP_COLORS, Breakdown, fmt_bytes, fmt_count
+from labkit.course.panel_reports import BARS_TITLE, STAGE_KEY, op_names
 from labkit.course.plot_base import (CATEGORY_COLORS, MAX_POINTS, PHASE_COLORS,  # noqa: F401
                                      _downsample, _legend, new_figure, unit_for)
 from labkit.course.plot_host import allocator_figure, snapshot_figure  # noqa: F401
@@ -38,7 +38,7 @@ def breakdown_figure(items: dict[str, Breakdown], title: str | None = None):
     ax.set_xlim(0, left.max() * 1.22)            # room for the totals
     ax.invert_yaxis()                            # first item on top
     ax.set_xlabel(f"memory at the peak ({name})")
-    ax.set_title(title or "where the memory goes at the peak")
+    ax.set_title(title or BARS_TITLE)
     _legend(fig, ax)
     return fig
 
@@ -251,10 +251,6 @@ def utilisation_figure(sweep: dict[str, dict[float, list]], title: str | None = 
     return fig
 
 
-# F, B and W of a pipeline schedule (labkit.parallel.pipeline.schedules), in the same palette
-
-
-
 def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     """One row per pipeline stage, each op a bar coloured by kind (F forward, B backward, W
     weight gradient) and labelled with its micro-batch (.chunk when interleaved); idle time
@@ -303,9 +299,9 @@ def stage_peaks_figure(stages: dict[str, dict], title: str | None = None):
     fig, ax = new_figure(8, 1.6 + 0.55 * len(labels))
     peaks = np.array([stages[k]["total"] for k in labels]) / scale
     kept = np.array([stages[k]["saved_activations"] for k in labels]) / scale
-    ax.barh(labels, peaks, height=0.6, color="#DDDDDD", label="peak per GPU")
-    ax.barh(labels, kept, height=0.3, color=CATEGORY_COLORS["activations"],
-            label="activations kept for the backward pass (end of the forward passes)")
+    (peak_label, peak_colour), (kept_label, kept_colour) = STAGE_KEY["peak"], STAGE_KEY["kept"]
+    ax.barh(labels, peaks, height=0.6, color=peak_colour, label=peak_label)
+    ax.barh(labels, kept, height=0.3, color=kept_colour, label=kept_label)
     for y, label in enumerate(labels):
         ax.text(peaks[y], y, "  " + fmt_bytes(stages[label]["total"]), va="center")
     ax.set_xlim(0, peaks.max() * 1.22)           # room for the totals

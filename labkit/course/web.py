@@ -11,7 +11,7 @@ from labkit.core.gpus import GPUS
 from labkit.core.recipe import (FINE_TUNING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, SCHEDULES,
                                 Layout, Recipe, fine_tuning_fields)
 from labkit.core.recompute import RECOMPUTE_POLICIES
-from labkit.core.units import CATEGORIES, CATEGORY_COLORS, fmt_bytes
+from labkit.core.units import CATEGORIES, CATEGORY_COLORS, OP_COLORS, fmt_bytes
 from labkit.course import panel_reports as reports
 from labkit.predict import estimate
 
@@ -142,7 +142,7 @@ def _bars(items: dict) -> list:
              "categories": _categories(b)} for label, b in items.items()]
 
 
-def _memory(form: dict, changed: str) -> tuple:
+def _memory_panel(form: dict, changed: str) -> tuple:
     controls = reports.preset_shape(form["model"]) if changed == "model" else {}
     form = {**form, **controls}
     result = reports.predict(form["model"], batch=form["batch"], seq=form["seq"],
@@ -151,23 +151,24 @@ def _memory(form: dict, changed: str) -> tuple:
     return result, controls
 
 
-def _states(form: dict, changed: str) -> tuple:
+def _states_panel(form: dict, changed: str) -> tuple:
     return reports.states_report(form["model"], precision=form["precision"],
                                  optimizer=form["optimizer"], zero_stage=form["zero_stage"],
                                  gpus=form["gpus"], seq=form["seq"]), {}
 
 
-def _recompute(form: dict, changed: str) -> tuple:
+def _recompute_panel(form: dict, changed: str) -> tuple:
     return reports.recompute_report(form["model"], layers=form["layers"], seq=form["seq"],
                                     batch=form["batch"], policy=form["policy"],
                                     precision=form["precision"]), {}
 
 
-def _pipeline(form: dict, changed: str) -> tuple:
-    controls = reports.pipeline_controls(form["model"], form["tp"]) if changed == "model" else {}
-    if controls:
-        controls = {"tp": {"options": controls["tp_options"], "value": controls["tp"]},
-                    "pp": {"max": controls["pp_max"], "value": min(form["pp"], controls["pp_max"])}}
+def _pipeline_panel(form: dict, changed: str) -> tuple:
+    controls = {}
+    if changed == "model":
+        new = reports.pipeline_controls(form["model"], form["tp"])
+        controls = {"tp": {"options": new["tp_options"], "value": new["tp"]},
+                    "pp": {"max": new["pp_max"], "value": min(form["pp"], new["pp_max"])}}
         form = {**form, **{name: c["value"] for name, c in controls.items()}}
     return reports.pipeline_report(form["model"], tp=form["tp"], pp=form["pp"],
                                    micro_batches=form["micro_batches"],
@@ -175,56 +176,57 @@ def _pipeline(form: dict, changed: str) -> tuple:
                                    seq=form["seq"]), controls
 
 
-def _plan(form: dict, changed: str) -> tuple:
+def _plan_panel(form: dict, changed: str) -> tuple:
     return reports.plan_report(form["model"], gpu=form["gpu"], gpus=form["gpus"],
                                seq=form["seq"], trainable=form["trainable"]), {}
 
 
-def _gantt(result) -> dict | None:
-    """The simulated schedule, [kind, micro-batch, chunk, start, end] per op and stage, when
-    the notebook's panel draws it (p x m up to GANTT_MAX)."""
-    t = result.timeline
-    if t.p * t.m > reports.GANTT_MAX:
-        return None
-    split = any(span.op.kind == "W" for stage in t.stages for span in stage)
-    return {"v": t.v, "colors": reports.OP_COLORS, "names": [[kind, name] for kind, name in reports.op_names(split).items()],
-            "stages": [[[op.kind, op.micro_batch, op.chunk, float(start), float(end)]
-                        for op, start, end in stage] for stage in t.stages]}
+def _pipeline_figures(result) -> dict:
+    """The stage bars and, where the notebook draws it (p x m up to GANTT_MAX), the simulated
+    schedule: [kind, micro-batch, chunk, start, end] per op and stage."""
+    stages = [{"label": label, "total": s["total"], "total_text": fmt_bytes(s["total"]),
+               "saved": s["saved_activations"], "saved_text": fmt_bytes(s["saved_activations"])}
+              for label, s in result.shown_stages().items()]
+    t, gantt = result.timeline, None
+    if result.gantt_drawn:
+        split = any(span.op.kind == "W" for stage in t.stages for span in stage)
+        gantt = {"v": t.v, "colors": OP_COLORS,
+                 "names": [[kind, name] for kind, name in reports.op_names(split).items()],
+                 "stages": [[[op.kind, op.micro_batch, op.chunk, float(start), float(end)]
+                             for op, start, end in stage] for stage in t.stages]}
+    return {"stages": stages, "stage_key": [list(reports.STAGE_KEY[k]) for k in ("peak", "kept")],
+            "gantt": gantt}
 
 
 # notebook panel function -> (its answer, what stays in JupyterLab: the panel's measuring side)
 PANELS = {
-    "memory_panel": (_memory, "Measuring the same step on fake tensors (the panel's button) "
-                              "runs PyTorch: open this lab in JupyterLab."),
-    "states_panel": (_states, ""),
-    "recompute_panel": (_recompute, "What recomputation adds in FLOPs is counted on fake "
-                                    "tensors (PyTorch): the notebook's panel prints it."),
-    "pipeline_panel": (_pipeline, ""),
-    "plan_panel": (_plan, ""),
+    "memory_panel": (_memory_panel, "Measuring the same step on fake tensors (the panel's "
+                                    "button) runs PyTorch: open this lab in JupyterLab."),
+    "states_panel": (_states_panel, ""),
+    "recompute_panel": (_recompute_panel, "What recomputation adds in FLOPs is counted on fake "
+                                          "tensors (PyTorch): the notebook's panel prints it."),
+    "pipeline_panel": (_pipeline_panel, ""),
+    "plan_panel": (_plan_panel, ""),
 }
 
 
 def panel_answer(panel: str, form: dict, changed: str = "") -> dict:
     """What the notebook's ``panel`` shows for ``form`` (its controls' values by the panel's
-    attribute names, and its fixed arguments): the summary text, the bars, and for the pipeline
-    the stages and the schedule; ``changed`` (a control's name) may set other controls, as the
-    notebook's panel does when a model is chosen ("controls": {name: value or {...}})."""
+    attribute names, and its fixed arguments): the summary text, the bars and their title, and
+    for the pipeline the stages and the schedule; ``changed`` (a control's name) may set other
+    controls, as the notebook's panel does when a model is chosen ("controls": {name: value
+    or {...}})."""
     if panel not in PANELS:
         raise ValueError(f"panel is one of {', '.join(PANELS)}, got {panel!r}")
     result, controls = PANELS[panel][0](form, changed)
-    out = {"summary": result.summary(**({"clock": False} if panel == "plan_panel" else {})),
-           "controls": controls, "bars": [], "stages": [], "gantt": None}
-    if result.error or (panel == "plan_panel" and not result.plan.fits):
+    out = {"summary": result.summary(), "controls": controls, "title": None, "bars": [],
+           "stages": [], "stage_key": [], "gantt": None}
+    if result.error:
         return out
+    out["title"] = result.bars_title()
     if panel == "pipeline_panel":
-        out["stages"] = [{"label": label, "total": s["total"], "total_text": fmt_bytes(s["total"]),
-                          "saved": s["saved_activations"],
-                          "saved_text": fmt_bytes(s["saved_activations"])}
-                         for label, s in result.shown_stages().items()]
-        out["gantt"] = _gantt(result)
-    else:
-        out["bars"] = _bars(result.bars())
-    return out
+        return out | _pipeline_figures(result)
+    return out | {"bars": _bars(result.bars())}
 
 
 def answer(kind: str, form_json: str) -> str:

@@ -12,16 +12,16 @@ function panelControl(spec) {
   } else if (spec.kind === "checkbox") {
     input = element("input", {name: spec.name, type: "checkbox"});
     input.checked = spec.value;
-  } else {
+  } else {            // a slider (range) or a bounded whole number (number), as in the notebook
     input = element("input", {name: spec.name, type: spec.kind, min: spec.min, max: spec.max,
                               step: spec.step});
     input.value = spec.value;
   }
   label.append(input);
   if (spec.kind === "range") {
-    const shown = element("output", {}, String(spec.value));
-    input.addEventListener("input", () => { shown.textContent = input.value; });
-    label.append(shown);
+    input.shown = element("output", {}, String(spec.value));
+    input.addEventListener("input", () => { input.shown.textContent = input.value; });
+    label.append(input.shown);
   }
   return label;
 }
@@ -33,28 +33,39 @@ function setOptions(select, values, value) {
   select.value = String(values.indexOf(value));
 }
 
+// The control's value as the notebook's widget holds it: a number box clamps to its bounds
+// and rounds to a whole number (ipywidgets' BoundedIntText), and shows what it sends.
 function controlValue(input) {
   if (input.tagName === "SELECT") return input.values[Number(input.value)];
   if (input.type === "checkbox") return input.checked;
+  if (input.type === "number") {
+    const whole = Math.round(Number(input.value) || Number(input.min));
+    input.value = String(Math.min(Number(input.max), Math.max(Number(input.min), whole)));
+  }
   return Number(input.value);
 }
 
-// What the answer sets after a change (a model chosen): a value, or {options, value, max}.
+// What an answer sets after a change (a model chosen): a value, or {options, value, max}.
+// No event is sent: the notebook's panel, too, answers once for the whole change.
 function setControl(input, update) {
   const change = typeof update === "object" ? update : {value: update};
   if (change.options) setOptions(input, change.options, change.value);
   if (change.max !== undefined) input.max = change.max;
   if (change.value !== undefined && !change.options) input.value = change.value;
-  input.dispatchEvent(new Event("input"));        // a range's shown number follows
+  if (input.shown) input.shown.textContent = input.value;
 }
 
-function barsFigure(bars) {
+function caption(text) {
+  return element("p", {class: "live-caption"}, text);
+}
+
+function barsFigure(title, bars) {
   const scale = Math.max(...bars.map(bar => bar.total));
   const table = element("table", {class: "live-bars"});
   bars.forEach(bar => {
-    const row = element("tr");
     const cell = element("td", {class: "live-bar-cell"});
     cell.append(stackedBar(bar.categories, scale));
+    const row = element("tr");
     row.append(element("th", {}, bar.label), cell, element("td", {}, bar.total_text));
     table.append(row);
   });
@@ -62,31 +73,32 @@ function barsFigure(bars) {
   bars[0].categories.forEach(([label, , , colour], i) => {
     if (bars.some(bar => bar.categories[i][1])) key.append(swatch(colour, label));
   });
-  return [table, key];
+  return [caption(title), table, key];
 }
 
-function stagesFigure(stages) {
+function stagesFigure(title, stages, [[peakLabel, peakColour], [keptLabel, keptColour]]) {
   const scale = Math.max(...stages.map(stage => stage.total));
   const table = element("table", {class: "live-bars"});
   stages.forEach(stage => {
-    const bar = element("div", {class: "calc-bar live-stage", role: "img",
-                                "aria-label": `${stage.label}: peak ${stage.total_text}`});
-    bar.style.width = `${100 * stage.total / scale}%`;
-    bar.append(element("span", {title: `activations kept for the backward pass: ${stage.saved_text}`,
-                                style: `width:${100 * stage.saved / stage.total}%`}));
+    const bar = element("div", {class: "calc-bar", role: "img",
+                                "aria-label": `${stage.label}: peak ${stage.total_text}`,
+                                style: `width:${100 * stage.total / scale}%;background:${peakColour}`});
+    bar.append(element("span", {title: `${keptLabel}: ${stage.saved_text}`,
+                                style: `width:${100 * stage.saved / stage.total}%;background:${keptColour}`}));
     const cell = element("td", {class: "live-bar-cell"});
     cell.append(bar);
     const row = element("tr");
     row.append(element("th", {}, stage.label), cell, element("td", {}, stage.total_text));
     table.append(row);
   });
-  const key = element("p", {class: "calc-note"},
-                      "grey: each stage's peak per GPU; inside it, the activations it keeps for the " +
-                      "backward pass at the end of its forward passes");
-  return [table, key];
+  const key = element("p", {class: "calc-note"});
+  key.append(swatch(peakColour, peakLabel), swatch(keptColour, keptLabel));
+  return [caption(title), table, key];
 }
 
-function ganttFigure(gantt) {
+// One row per stage, each op a bar coloured by kind and labelled with its micro-batch (.chunk
+// when interleaved) where it has room, idle time left white; time runs left to right.
+function ganttFigure(gantt, width) {
   const spans = gantt.stages.flat();
   const t0 = Math.min(...spans.map(op => op[3]));
   const makespan = Math.max(...spans.map(op => op[4])) - t0;
@@ -98,25 +110,26 @@ function ganttFigure(gantt) {
     const lane = element("div", {class: "live-gantt-lane"});
     stage.forEach(([kind, micro, chunk, start, end]) => {
       const label = gantt.v > 1 ? `${micro}.${chunk}` : String(micro);
+      const share = (end - start) / makespan;
       lane.append(element("span", {title: `${kind}${label}`, style:
-        `left:${100 * (start - t0) / makespan}%;width:${100 * (end - start) / makespan}%;` +
-        `background:${gantt.colors[kind]}`}, label));
+        `left:${100 * (start - t0) / makespan}%;width:${100 * share}%;background:${gantt.colors[kind]}`},
+        share * width > 8 * (label.length + 1) ? label : ""));    // about 8 px a character
     });
     row.append(lane);
     chart.append(row);
   });
-  const key = element("p", {class: "calc-note"});
+  const key = element("p", {class: "calc-note"}, "time → ");
   gantt.names.forEach(([kind, name]) => key.append(swatch(gantt.colors[kind], name)));
-  return [chart, key];
+  return [caption("the schedule, simulated (one row per stage)"), chart, key];
 }
 
 function showPanel(box, answer) {
-  const lines = answer.summary.split("\n");
-  const shown = [element("pre", {class: lines[0].startsWith("⚠") ? "live-summary calc-error" :
-                                        "live-summary"}, answer.summary)];
-  if (answer.bars.length) shown.push(...barsFigure(answer.bars));
-  if (answer.stages.length) shown.push(...stagesFigure(answer.stages));
-  if (answer.gantt) shown.push(...ganttFigure(answer.gantt));
+  const warning = answer.summary.startsWith("⚠");
+  const shown = [element("pre", {class: warning ? "live-summary calc-error" : "live-summary"},
+                         answer.summary)];
+  if (answer.bars.length) shown.push(...barsFigure(answer.title, answer.bars));
+  if (answer.stages.length) shown.push(...stagesFigure(answer.title, answer.stages, answer.stage_key));
+  if (answer.gantt) shown.push(...ganttFigure(answer.gantt, 0.85 * box.clientWidth));
   box.replaceChildren(...shown);
 }
 
@@ -134,7 +147,7 @@ async function startPanel(panel) {
   status.textContent = "Loading Python in the browser…";
   const began = performance.now();
   const web = await startLabkit();
-  window.labkitPanelAnswer = query => web.answer("panel", query);   // (benchmarks/site_calculator.py)
+  window.labkit = {answer: (kind, form) => web.answer(kind, JSON.stringify(form))};  // as the calculator's
   const answerNow = changed => {
     const form = {...spec.fixed};
     inputs.forEach((input, name) => { form[name] = controlValue(input); });
@@ -146,21 +159,29 @@ async function startPanel(panel) {
     panel.dataset.query = query;
     panel.dataset.answer = text;
   };
-  // the planner takes from a fraction of a second to tens (a model too large for the GPUs: it
-  // looks for what would fit): it says so first, and follows a slider when it is let go
+  // the planner takes from a fraction of a second to a minute (a model far too large for the
+  // GPUs: it looks for what would fit): it says so first, and follows a slider let go
   const planning = spec.panel === "plan_panel";
   const update = changed => {
-    if (!planning) return answerNow(changed);
     fields.disabled = true;
-    box.prepend(element("p", {class: "calc-status"}, "Planning: every layout family estimated; " +
-                                                     "the page will not respond for a few seconds…"));
-    requestAnimationFrame(() => setTimeout(() => {
-      try { answerNow(changed); } finally { fields.disabled = false; }
-    }, 0));
+    if (planning) {
+      box.prepend(element("p", {class: "calc-status"}, "Planning: every layout family " +
+                  "estimated; for a model far too large for these GPUs up to a minute, the page " +
+                  "not responding meanwhile…"));
+    }
+    const run = () => {
+      try { answerNow(changed); }
+      catch (error) { box.replaceChildren(element("p", {class: "calc-error", role: "alert"},
+                                                  "The panel failed: " + error.message)); }
+      finally { fields.disabled = false; }
+    };
+    if (planning) requestAnimationFrame(() => setTimeout(run, 0));   // the note painted first
+    else run();
   };
-  const event = planning ? "change" : "input";
-  inputs.forEach((input, name) => input.addEventListener(
-    input.tagName === "SELECT" || input.type === "checkbox" ? "change" : event, () => update(name)));
+  inputs.forEach((input, name) => {
+    const live = input.type === "range" && !planning;   // a slider answers as it moves
+    input.addEventListener(live ? "input" : "change", () => update(name));
+  });
   answerNow("");
   fields.disabled = false;
   status.textContent = `Live: labkit runs this panel in the page (Python ready in ` +
@@ -169,7 +190,6 @@ async function startPanel(panel) {
 }
 
 function watchPanels() {
-  const panels = document.querySelectorAll(".live-panel");
   const seen = new IntersectionObserver(entries => entries.forEach(entry => {
     if (!entry.isIntersecting) return;
     seen.unobserve(entry.target);
@@ -179,7 +199,7 @@ function watchPanels() {
       entry.target.dataset.ready = "error";
     });
   }), {rootMargin: "200px"});
-  panels.forEach(panel => seen.observe(panel));
+  document.querySelectorAll(".live-panel").forEach(panel => seen.observe(panel));
 }
 
 watchPanels();

@@ -240,8 +240,14 @@ def test_each_control_sends_its_own_field(calculator):
 
 
 # ---- the lab pages' live panels ----------------------------------------------------------
-LIVE_LABS = ["00_welcome", "01_parameter_memory", "02_mixed_precision", "03_activations",
-             "05_tensor_pipeline_expert", "09_capstone"]
+def calls_a_live_panel(stem: str) -> bool:
+    """Does the lab call a panel that only estimates (labkit.course.web.PANELS)?"""
+    from labkit.course.web import PANELS
+    nb = build_site.read(ROOT / "notebooks" / f"{stem}.ipynb")
+    return any(f"{name}(" in cell.source for cell in nb.cells for name in PANELS)
+
+
+LIVE_LABS = [stem for stem in PAGES[1:] if calls_a_live_panel(stem)]
 
 
 def _move_control(panel, control: dict):
@@ -283,12 +289,21 @@ def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, bas
         text = panel.get_attribute("data-answer")
         assert text == web.answer("panel", json.dumps(query)), (stem, query)
         answer = json.loads(text)
+        # what it draws: the summary, a bar per layout or stage, a row per stage's schedule
         assert panel.locator(".live-summary").inner_text() == answer["summary"]
+        assert panel.locator(".live-bars tr").count() == len(answer["bars"]) + len(answer["stages"])
+        rows = len(answer["gantt"]["stages"]) if answer["gantt"] else 0
+        assert panel.locator(".live-gantt-row").count() == rows
+        if answer["title"]:
+            assert answer["title"] in panel.locator(".live-caption").all_inner_texts()
         return query["form"] | {k: v["value"] if isinstance(v, dict) else v
                                 for k, v in answer["controls"].items()}
 
+    spec = json.loads(panel.get_attribute("data-spec"))
     form = shown_answer("")
-    for control in json.loads(panel.get_attribute("data-spec"))["controls"]:
+    # it starts where the notebook's panel does (a slider off its steps would have moved)
+    assert form == {c["name"]: c["value"] for c in spec["controls"]} | spec["fixed"]
+    for control in spec["controls"]:
         control = control | {"value": form[control["name"]]}
         before = panel.get_attribute("data-query")
         _move_control(panel, control)

@@ -40,3 +40,10 @@ from labkit.course.widgets.zero import (COURSE_MODELS, GPU_COUNTS, MEASURABLE_GP
                                         ZERO_PRECISIONS, ZeroPanel, ZeroResult, why_not_measurable,
                                         zero_panel, zero_report)
 from labkit.transformer.attention import attention_core_bytes  # noqa: F401 - lab 07's panel
+
+# each panel function -> the class that holds its state (what the website's live panels build)
+PANEL_CLASSES = {"memory_panel": MemoryPanel, "states_panel": StatesPanel,
+                 "recompute_panel": RecomputePanel, "zero_panel": ZeroPanel,
+                 "pipeline_panel": PipelinePanel, "quant_panel": QuantPanel,
+                 "attention_panel": AttentionPanel, "allocator_panel": AllocatorPanel,
+                 "plan_panel": PlanPanel}

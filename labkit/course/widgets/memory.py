@@ -80,7 +80,7 @@ class MemoryPanel:
         if result.error:
             _render(self.output)
             return
-        _render(self.output, breakdown_figure(result.bars()),
+        _render(self.output, breakdown_figure(result.bars(), title=result.bars_title()),
                 *([timeline_figure(result.measurement)] if result.measurement is not None else []))
 
     def update(self) -> PanelResult:
@@ -98,5 +98,5 @@ class MemoryPanel:
 
 
 def memory_panel(**defaults) -> w.VBox:
-    """The memory panel of labs 00 and 01 (``MemoryPanel`` holds its state and callbacks)."""
+    """The memory panel of labs 00 and 02 (``MemoryPanel`` holds its state and callbacks)."""
     return MemoryPanel(**defaults).widget

@@ -4,9 +4,8 @@ from __future__ import annotations
 import ipywidgets as w
 
 from labkit.core.config import preset, presets
-from labkit.core.recipe import SCHEDULES
-from labkit.course.panel_reports import (GANTT_MAX, INTERLEAVED_CHUNKS, MAX_MICRO_BATCHES, MAX_PP,
-                                         PIPELINE_SEQS, SHOWN_STAGES, PipelineResult,
+from labkit.course.panel_reports import (INTERLEAVED_CHUNKS, MAX_MICRO_BATCHES, MAX_PP,
+                                         PANEL_SCHEDULES, PIPELINE_SEQS, PipelineResult,
                                          pipeline_controls, pipeline_report, tp_choices)
 from labkit.course.plot import gantt_figure, stage_peaks_figure
 from labkit.course.widgets.base import _render
@@ -34,7 +33,7 @@ class PipelinePanel:
                               description="pp")
         self.micro_batches = w.IntSlider(value=micro_batches, min=1, max=MAX_MICRO_BATCHES,
                                          description="micro-batches", **wide)
-        self.schedule = w.Dropdown(options=SCHEDULES, value=schedule,
+        self.schedule = w.Dropdown(options=PANEL_SCHEDULES, value=schedule,
                                    description="schedule")
         self.seq = w.Dropdown(options=PIPELINE_SEQS, value=seq, description="seq")
         self.output = w.Output()
@@ -66,17 +65,9 @@ class PipelinePanel:
         if result.error:
             _render(self.output, result.summary())
             return result
-        p, m = self.pp.value, self.micro_batches.value
-        bars = stage_peaks_figure(
-            result.shown_stages(),
-            title=f"{result.config.name}: each stage's peak per GPU, tp={self.tp.value}, "
-                  f"pp={p}, m={m} ({'first, middle and last of ' if p > SHOWN_STAGES else ''}"
-                  f"{p} stage{'s' if p > 1 else ''})")
-        if p * m <= GANTT_MAX:
-            _render(self.output, result.summary(), bars, gantt_figure(result.timeline))
-        else:
-            _render(self.output, result.summary() + f"\n(the Gantt chart is drawn for p x m <= "
-                    f"{GANTT_MAX}; here {p} x {m} = {p * m})", bars)
+        bars = stage_peaks_figure(result.shown_stages(), title=result.bars_title())
+        gantt = [gantt_figure(result.timeline)] if result.gantt_drawn else []
+        _render(self.output, result.summary(), bars, *gantt)       # the summary says if none
         return result
 
 

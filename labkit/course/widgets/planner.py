@@ -4,7 +4,6 @@ from __future__ import annotations
 import ipywidgets as w
 
 from labkit.core.config import presets
-from labkit.core.units import fmt_bytes
 from labkit.course.panel_reports import PLAN_GPU_COUNTS, PlanResult, plan_report
 from labkit.course.plot import breakdown_figure
 from labkit.course.widgets.base import _render, _wire
@@ -32,11 +31,10 @@ class PlanPanel:
                              seq=self.seq.value, trainable=self.trainable.value)
         self.result = result
         if result.error or not result.plan.fits:
-            _render(self.output, result.summary())
+            _render(self.output, result.summary(clock=True))
         else:
-            _render(self.output, result.summary(), breakdown_figure(
-                result.bars(), title=f"per-GPU peak of the fastest layouts "
-                                     f"({fmt_bytes(result.plan.usable)} usable)"))
+            _render(self.output, result.summary(clock=True), breakdown_figure(
+                result.bars(), title=result.bars_title()))
         return result
 
 

@@ -40,7 +40,7 @@ class RecomputePanel:
         # the FLOPs counted on fake tensors (torch): the measuring side, here only
         result.extra_flops = recompute_cost(result.config, self.policy.value,
                                             seq=min(values["seq"], 1024), batch=1).extra
-        _render(self.output, result.summary(), breakdown_figure(result.bars()))
+        _render(self.output, result.summary(), breakdown_figure(result.bars(), title=result.bars_title()))
         return result
 
 

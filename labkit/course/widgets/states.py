@@ -41,8 +41,7 @@ class StatesPanel:
             _render(self.output, result.summary())
             return result
         _render(self.output, result.summary(), breakdown_figure(
-            result.bars(), title=f"{result.config.name}: one step's peak per GPU, batch {result.batch} x "
-                  f"{result.seq} tokens"))
+            result.bars(), title=result.bars_title()))
         return result
 
 
