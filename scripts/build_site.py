@@ -173,31 +173,56 @@ def plain_value(node: ast.AST, names: dict):
         raise KeyError(ast.unparse(node)) from e
 
 
+def as_python(source: str) -> str:
+    """A cell as the kernel runs it: IPython's magics (%time, %%capture, !pip) as Python calls."""
+    from IPython.core.inputtransformer2 import TransformerManager
+    return TransformerManager().transform_cell(source)
+
+
+def bound_names(node: ast.AST) -> set | None:
+    """The names a statement binds in the notebook's namespace (not a def's locals), those in a
+    cell magic's body too; None when a cell magic's body is not Python (it may bind any)."""
+    names, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names.add(n.id)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+            continue                                   # its body binds its own locals
+        elif isinstance(n, ast.Lambda):
+            continue
+        elif (isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "run_cell_magic"
+              and isinstance(n.args[-1], ast.Constant)):
+            try:
+                body = ast.parse(n.args[-1].value)
+            except SyntaxError:
+                return None
+            todo.append(body)
+        todo.extend(ast.iter_child_nodes(n))
+    return names
+
+
 def notebook_names(cells) -> dict:
     """The names the code ``cells`` leave with plain values (their parameters, SEQ = {...}[SCALE]),
     in running order: a top-level ``NAME = plain expression`` sets one; any other binding of it
-    (in an if or a loop, +=, a tuple, a def) makes it unknown, until such an assignment again."""
+    (in an if or a loop, +=, a tuple, a def, a cell magic) makes it unknown, until such an
+    assignment again."""
     names = {}
     for cell in cells:
         if cell.cell_type != "code":
             continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:                  # a cell magic
-            continue
-        for node in tree.body:
+        for node in ast.parse(as_python(cell.source)).body:
             if isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Name]:
                 try:
                     names[node.targets[0].id] = plain_value(node.value, names)
                     continue
                 except KeyError:
                     pass
-            for bound in ast.walk(node):
-                if isinstance(bound, ast.Name) and isinstance(bound.ctx, (ast.Store, ast.Del)):
-                    names.pop(bound.id, None)
-                elif isinstance(bound, (ast.FunctionDef, ast.ClassDef, ast.alias)):
-                    names.pop(getattr(bound, "name", None) if not isinstance(bound, ast.alias)
-                              else (bound.asname or bound.name).split(".")[0], None)
+            bound = bound_names(node)
+            names = {} if bound is None else {k: v for k, v in names.items() if k not in bound}
     return names
 
 
@@ -205,7 +230,7 @@ def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
     """(panel function, its keyword arguments) when the cell calls a panel that only estimates;
     a call whose arguments are not plain values fails the build, naming it."""
     from labkit.course.web import PANELS
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(ast.parse(as_python(source))):
         func = getattr(node, "func", None)
         name = getattr(func, "id", None) or getattr(func, "attr", None)
         if isinstance(node, ast.Call) and name in PANELS:
@@ -218,6 +243,10 @@ def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
                 raise SystemExit(f"{name}(...): its argument {e.args[0]} is not a plain value "
                                  f"the site can resolve (a literal, or a name the cells before "
                                  f"give one)") from None
+    called = [name for name in PANELS if f"{name}(" in source]
+    if called:                                        # inside a magic's string, say
+        raise SystemExit(f"{called[0]}(...) in a cell the site cannot read as Python: call it "
+                         f"as a statement of its own")
     return None
 
 
@@ -227,13 +256,13 @@ def live_panel(function: str, kwargs: dict) -> str:
     from labkit.course import widgets
     from labkit.course.web import PANELS
     panel = widgets.PANEL_CLASSES[function](**kwargs)
-    spec = {"panel": function, **widgets.controls_spec(panel)}
+    spec = {"panel": function, "slow": PANELS[function].slow, **widgets.controls_spec(panel)}
     for c in spec["controls"]:               # a browser snaps a slider to its steps
         if c["kind"] == "range" and (c["value"] - c["min"]) % c["step"]:
             raise SystemExit(f"{function}({kwargs}): {c['name']}={c['value']} is not on its "
                              f"slider's steps ({c['min']}, {c['min'] + c['step']}, ...): the "
                              f"page would start elsewhere")
-    note = PANELS[function][1]
+    note = PANELS[function].note
     return (f'<div {LIVE_MARK} data-spec="{escape(json.dumps(spec), quote=True)}">'
             '<p class="live-status calc-status" role="status">Live panel: labkit runs it in this '
             'page (Pyodide) once it scrolls into view.</p>'

@@ -155,8 +155,14 @@ def test_a_panels_arguments_resolve_from_plain_names_only():
              nbformat.v4.new_code_cell('if SCALE == "ci":\n    MODEL = "tiny"\nLAYERS += 1')]
     names = build_site.notebook_names(cells[:3])
     assert names == {"SCALE": "ci", "MODEL": "small", "LAYERS": 4, "SEQ": 512}  # no len()
-    # a name bound any other way (in an if, +=) is unknown from there on
+    # a name bound any other way (in an if, +=, a cell magic) is unknown from there on; a
+    # def's own locals are not the notebook's
     assert build_site.notebook_names(cells) == {"SCALE": "ci", "SEQ": 512}
+    later = [nbformat.v4.new_code_cell("%%time\nSEQ = 4096"),
+             nbformat.v4.new_code_cell("def f():\n    SCALE = 1\n!pip list")]
+    assert build_site.notebook_names(cells + later) == {"SCALE": "ci"}
+    opaque = nbformat.v4.new_code_cell("%%bash\necho $((1 + 1))")
+    assert build_site.notebook_names(cells + [opaque]) == {}            # may have bound any
     call = "from labkit.course import widgets\nwidgets.recompute_panel(model=MODEL, seq=SEQ)"
     assert build_site.panel_call(call, names) == ("recompute_panel", {"model": "small", "seq": 512})
     assert build_site.panel_call("quant_panel()", names) is None      # it measures: a note
@@ -165,6 +171,8 @@ def test_a_panels_arguments_resolve_from_plain_names_only():
     for call in ('memory_panel("tiny", seq=SEQ)', "memory_panel(**ARGS)"):
         with pytest.raises(SystemExit, match="keyword arguments only"):
             build_site.panel_call(call, names)
+    with pytest.raises(SystemExit, match="cannot read as Python"):
+        build_site.panel_call('%time memory_panel(model="tiny")', names)
 
 
 def test_a_panel_starting_off_its_sliders_steps_fails_the_build():

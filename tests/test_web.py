@@ -135,6 +135,8 @@ def test_a_live_panel_shows_what_the_notebooks_panel_shows(name):
         if answer["bars"]:
             assert [b["total"] for b in answer["bars"]] == [e.total for e in result.bars().values()]
             assert [b["label"] for b in answer["bars"]] == list(result.bars())
+        if answer["gantt"]:                            # the notebook's chart title
+            assert answer["gantt"]["title"] == widgets.gantt_title(result.timeline)
         if answer["stages"]:
             assert [s["total"] for s in answer["stages"]] == [
                 s["total"] for s in result.shown_stages().values()]

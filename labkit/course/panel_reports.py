@@ -219,6 +219,13 @@ STAGE_KEY = {"peak": ("peak per GPU", "#DDDDDD"),
                       CATEGORY_COLORS["activations"])}
 
 
+def gantt_title(timeline) -> str:
+    """A Gantt chart's title: the schedule, p, m (v), and its idle fraction."""
+    chunks = f", v={timeline.v}" if timeline.v > 1 else ""
+    return (f"{timeline.name}: p={timeline.p}, m={timeline.m}{chunks}, "
+            f"idle {float(timeline.idle_fraction):.1%}")
+
+
 def op_names(split: bool) -> dict:
     """The legend of a schedule's ops; ``split``: B is the input gradient, W the weights'."""
     if not split:

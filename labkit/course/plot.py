@@ -12,7 +12,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from labkit.core.units import CATEGORIES, OP_COLORS, Breakdown, fmt_bytes, fmt_count
-from labkit.course.panel_reports import BARS_TITLE, STAGE_KEY, op_names
+from labkit.course.panel_reports import BARS_TITLE, STAGE_KEY, gantt_title, op_names
 from labkit.course.plot_base import (CATEGORY_COLORS, MAX_POINTS, PHASE_COLORS,  # noqa: F401
                                      _downsample, _legend, new_figure, unit_for)
 from labkit.course.plot_host import allocator_figure, snapshot_figure  # noqa: F401
@@ -281,9 +281,7 @@ def gantt_figure(timeline, title: str | None = None, unit: str = "time"):
     ax.set_ylim(timeline.p - 0.5, -0.5)                  # stage 0 on top
     ax.set_xlim(0, makespan)
     ax.set_xlabel(unit)
-    chunks = f", v={timeline.v}" if timeline.v > 1 else ""
-    ax.set_title(title or f"{timeline.name}: p={timeline.p}, m={timeline.m}{chunks}, "
-                          f"idle {float(timeline.idle_fraction):.1%}")
+    ax.set_title(title or gantt_title(timeline))
     handles = [Patch(color=OP_COLORS[k], label=name) for k, name in names.items()]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, frameon=False)
     return fig

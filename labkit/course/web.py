@@ -5,6 +5,7 @@ compare the answers byte for byte. Torch-free."""
 from __future__ import annotations
 
 import json
+from typing import Callable, NamedTuple
 
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.gpus import GPUS
@@ -190,7 +191,7 @@ def _pipeline_figures(result) -> dict:
     t, gantt = result.timeline, None
     if result.gantt_drawn:
         split = any(span.op.kind == "W" for stage in t.stages for span in stage)
-        gantt = {"v": t.v, "colors": OP_COLORS,
+        gantt = {"title": reports.gantt_title(t), "v": t.v, "colors": OP_COLORS,
                  "names": [[kind, name] for kind, name in reports.op_names(split).items()],
                  "stages": [[[op.kind, op.micro_batch, op.chunk, float(start), float(end)]
                              for op, start, end in stage] for stage in t.stages]}
@@ -198,15 +199,25 @@ def _pipeline_figures(result) -> dict:
             "gantt": gantt}
 
 
-# notebook panel function -> (its answer, what stays in JupyterLab: the panel's measuring side)
+class LivePanel(NamedTuple):
+    """How the site runs a notebook panel: its answer, what stays in JupyterLab (the panel's
+    measuring side), and whether an answer can take seconds (the page says so first)."""
+
+    answer: Callable
+    note: str = ""
+    slow: bool = False
+
+
 PANELS = {
-    "memory_panel": (_memory_panel, "Measuring the same step on fake tensors (the panel's "
-                                    "button) runs PyTorch: open this lab in JupyterLab."),
-    "states_panel": (_states_panel, ""),
-    "recompute_panel": (_recompute_panel, "What recomputation adds in FLOPs is counted on fake "
-                                          "tensors (PyTorch): the notebook's panel prints it."),
-    "pipeline_panel": (_pipeline_panel, ""),
-    "plan_panel": (_plan_panel, ""),
+    "memory_panel": LivePanel(_memory_panel, "Measuring the same step on fake tensors (the "
+                                             "panel's button) runs PyTorch: open this lab in "
+                                             "JupyterLab."),
+    "states_panel": LivePanel(_states_panel),
+    "recompute_panel": LivePanel(_recompute_panel, "What recomputation adds in FLOPs is counted "
+                                                   "on fake tensors (PyTorch): the notebook's "
+                                                   "panel prints it."),
+    "pipeline_panel": LivePanel(_pipeline_panel),
+    "plan_panel": LivePanel(_plan_panel, slow=True),
 }
 
 
@@ -218,7 +229,7 @@ def panel_answer(panel: str, form: dict, changed: str = "") -> dict:
     or {...}})."""
     if panel not in PANELS:
         raise ValueError(f"panel is one of {', '.join(PANELS)}, got {panel!r}")
-    result, controls = PANELS[panel][0](form, changed)
+    result, controls = PANELS[panel].answer(form, changed)
     out = {"summary": result.summary(), "controls": controls, "title": None, "bars": [],
            "stages": [], "stage_key": [], "gantt": None}
     if result.error:

@@ -33,13 +33,13 @@ function setOptions(select, values, value) {
   select.value = String(values.indexOf(value));
 }
 
-// The control's value as the notebook's widget holds it: a number box clamps to its bounds
-// and rounds to a whole number (ipywidgets' BoundedIntText), and shows what it sends.
+// The control's value as the page sends it: a number box keeps a whole number within its
+// bounds (the fraction dropped, an empty box its minimum) and shows what it sends.
 function controlValue(input) {
   if (input.tagName === "SELECT") return input.values[Number(input.value)];
   if (input.type === "checkbox") return input.checked;
   if (input.type === "number") {
-    const whole = Math.round(Number(input.value) || Number(input.min));
+    const whole = Math.trunc(Number(input.value) || Number(input.min));
     input.value = String(Math.min(Number(input.max), Math.max(Number(input.min), whole)));
   }
   return Number(input.value);
@@ -96,9 +96,9 @@ function stagesFigure(title, stages, [[peakLabel, peakColour], [keptLabel, keptC
   return [caption(title), table, key];
 }
 
-// One row per stage, each op a bar coloured by kind and labelled with its micro-batch (.chunk
-// when interleaved) where it has room, idle time left white; time runs left to right.
-function ganttFigure(gantt, width) {
+// One row per stage, each op a bar coloured by kind, idle time left white; time runs left to
+// right. labelGantt labels the ops once the chart has its width.
+function ganttFigure(gantt) {
   const spans = gantt.stages.flat();
   const t0 = Math.min(...spans.map(op => op[3]));
   const makespan = Math.max(...spans.map(op => op[4])) - t0;
@@ -110,17 +110,24 @@ function ganttFigure(gantt, width) {
     const lane = element("div", {class: "live-gantt-lane"});
     stage.forEach(([kind, micro, chunk, start, end]) => {
       const label = gantt.v > 1 ? `${micro}.${chunk}` : String(micro);
-      const share = (end - start) / makespan;
-      lane.append(element("span", {title: `${kind}${label}`, style:
-        `left:${100 * (start - t0) / makespan}%;width:${100 * share}%;background:${gantt.colors[kind]}`},
-        share * width > 8 * (label.length + 1) ? label : ""));    // about 8 px a character
+      lane.append(element("span", {title: `${kind}${label}`, "data-label": label, style:
+        `left:${100 * (start - t0) / makespan}%;width:${100 * (end - start) / makespan}%;` +
+        `background:${gantt.colors[kind]}`}));
     });
     row.append(lane);
     chart.append(row);
   });
   const key = element("p", {class: "calc-note"}, "time → ");
   gantt.names.forEach(([kind, name]) => key.append(swatch(gantt.colors[kind], name)));
-  return [caption("the schedule, simulated (one row per stage)"), chart, key];
+  return [caption(gantt.title), chart, key];
+}
+
+// Each op's micro-batch (.chunk when interleaved) where its bar has room (about 7 px a character).
+function labelGantt(box) {
+  box.querySelectorAll(".live-gantt-lane span").forEach(op => {
+    const label = op.dataset.label;
+    op.textContent = op.getBoundingClientRect().width > 7 * (label.length + 1) ? label : "";
+  });
 }
 
 function showPanel(box, answer) {
@@ -129,8 +136,9 @@ function showPanel(box, answer) {
                          answer.summary)];
   if (answer.bars.length) shown.push(...barsFigure(answer.title, answer.bars));
   if (answer.stages.length) shown.push(...stagesFigure(answer.title, answer.stages, answer.stage_key));
-  if (answer.gantt) shown.push(...ganttFigure(answer.gantt, 0.85 * box.clientWidth));
+  if (answer.gantt) shown.push(...ganttFigure(answer.gantt));
   box.replaceChildren(...shown);
+  labelGantt(box);
 }
 
 async function startPanel(panel) {
@@ -147,40 +155,44 @@ async function startPanel(panel) {
   status.textContent = "Loading Python in the browser…";
   const began = performance.now();
   const web = await startLabkit();
-  window.labkit = {answer: (kind, form) => web.answer(kind, JSON.stringify(form))};  // as the calculator's
+  window.labkit = {answer: (kind, form) => web.answer(kind, JSON.stringify(form))};  // (tests)
+  let answers = 0;
   const answerNow = changed => {
     const form = {...spec.fixed};
     inputs.forEach((input, name) => { form[name] = controlValue(input); });
     const query = JSON.stringify({panel: spec.panel, form, changed});
+    const start = performance.now();
     const text = web.answer("panel", query);          // labkit's JSON text, as CPython gives it
+    const seconds = (performance.now() - start) / 1000;
     const answer = JSON.parse(text);
     Object.entries(answer.controls).forEach(([name, update]) => setControl(inputs.get(name), update));
     showPanel(box, answer);
+    if (spec.slow) box.prepend(element("p", {class: "calc-status"}, `answered in ${seconds.toFixed(1)} s`));
     panel.dataset.query = query;
     panel.dataset.answer = text;
+    panel.dataset.answers = String(++answers);
   };
-  // the planner takes from a fraction of a second to a minute (a model far too large for the
-  // GPUs: it looks for what would fit): it says so first, and follows a slider let go
-  const planning = spec.panel === "plan_panel";
+  const run = changed => {
+    try { answerNow(changed); }
+    catch (error) { box.replaceChildren(element("p", {class: "calc-error", role: "alert"},
+                                                "The panel failed: " + error.message)); }
+  };
+  // a slow panel (the planner: from a fraction of a second to a minute for a model far too
+  // large for the GPUs, while it looks for what would fit) says so first, and takes no new
+  // change until it answers; the controls stay enabled, so a slider keeps its drag and focus
+  let busy = false;
   const update = changed => {
-    fields.disabled = true;
-    if (planning) {
-      box.prepend(element("p", {class: "calc-status"}, "Planning: every layout family " +
-                  "estimated; for a model far too large for these GPUs up to a minute, the page " +
-                  "not responding meanwhile…"));
-    }
-    const run = () => {
-      try { answerNow(changed); }
-      catch (error) { box.replaceChildren(element("p", {class: "calc-error", role: "alert"},
-                                                  "The panel failed: " + error.message)); }
-      finally { fields.disabled = false; }
-    };
-    if (planning) requestAnimationFrame(() => setTimeout(run, 0));   // the note painted first
-    else run();
+    if (!spec.slow) return run(changed);
+    if (busy) return;
+    busy = true;
+    box.prepend(element("p", {class: "calc-status"}, "Planning: every layout family estimated; " +
+                "for a model far too large for these GPUs up to a minute, the page not " +
+                "responding meanwhile…"));
+    requestAnimationFrame(() => setTimeout(() => { run(changed); busy = false; }, 0));
   };
-  inputs.forEach((input, name) => {
-    const live = input.type === "range" && !planning;   // a slider answers as it moves
-    input.addEventListener(live ? "input" : "change", () => update(name));
+  spec.controls.forEach(control => {    // a slider answers as it moves unless the notebook's waits
+    const input = inputs.get(control.name);
+    input.addEventListener(control.continuous ? "input" : "change", () => update(control.name));
   });
   answerNow("");
   fields.disabled = false;

@@ -267,6 +267,19 @@ def _move_control(panel, control: dict):
                        " f.dispatchEvent(new Event('change')); }", str(value))
 
 
+def open_live_panel(browser, base_url, site, stem: str):
+    """(page, problems, panel): the lab page scrolled to its live panel, Python ready in it,
+    every request to another site aborted."""
+    if not site["wheel"]:
+        pytest.skip("no Pyodide in this build: python scripts/fetch_pyodide.py fetches it once")
+    page, problems = open_page(browser, f"{base_url}{stem}.html", only=base_url)
+    panel = page.locator("div.live-panel")
+    panel.scroll_into_view_if_needed()
+    page.wait_for_selector("div.live-panel[data-ready]", timeout=120_000)
+    assert panel.get_attribute("data-ready") == "1", panel.inner_text()
+    return page, problems, panel
+
+
 @pytest.mark.parametrize("stem", LIVE_LABS)
 def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, base_url, site,
                                                                     artifacts, stem):
@@ -275,13 +288,7 @@ def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, bas
     same query, byte for byte; the text shown is its summary. No request leaves the site."""
     from labkit.course import web
 
-    if not site["wheel"]:
-        pytest.skip("no Pyodide in this build: python scripts/fetch_pyodide.py fetches it once")
-    page, problems = open_page(browser, f"{base_url}{stem}.html", only=base_url)
-    panel = page.locator("div.live-panel")
-    panel.scroll_into_view_if_needed()
-    page.wait_for_selector("div.live-panel[data-ready]", timeout=120_000)
-    assert panel.get_attribute("data-ready") == "1", panel.inner_text()
+    page, problems, panel = open_live_panel(browser, base_url, site, stem)
 
     def shown_answer(changed: str) -> dict:
         query = json.loads(panel.get_attribute("data-query"))
@@ -294,8 +301,8 @@ def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, bas
         assert panel.locator(".live-bars tr").count() == len(answer["bars"]) + len(answer["stages"])
         rows = len(answer["gantt"]["stages"]) if answer["gantt"] else 0
         assert panel.locator(".live-gantt-row").count() == rows
-        if answer["title"]:
-            assert answer["title"] in panel.locator(".live-caption").all_inner_texts()
+        captions = panel.locator(".live-caption").all_inner_texts()
+        assert [t for t in (answer["title"], (answer["gantt"] or {}).get("title")) if t] == captions
         return query["form"] | {k: v["value"] if isinstance(v, dict) else v
                                 for k, v in answer["controls"].items()}
 
@@ -305,12 +312,36 @@ def test_a_live_panel_answers_as_cpython_does_as_each_control_moves(browser, bas
     assert form == {c["name"]: c["value"] for c in spec["controls"]} | spec["fixed"]
     for control in spec["controls"]:
         control = control | {"value": form[control["name"]]}
-        before = panel.get_attribute("data-query")
+        before, answers = panel.get_attribute("data-query"), int(panel.get_attribute("data-answers"))
         _move_control(panel, control)
         page.wait_for_function("([el, q]) => el.dataset.query !== q",
                                arg=[panel.element_handle(), before], timeout=60_000)
+        assert int(panel.get_attribute("data-answers")) == answers + 1, control  # once a change
         sent = json.loads(panel.get_attribute("data-query"))["form"]
         assert {k for k in sent if sent[k] != form[k]} == {control["name"]}, (stem, control)
         form = shown_answer(control["name"])
     panel.screenshot(path=str(artifacts / f"site-live-{stem}.png"))
+    assert not problems, "\n".join(problems)
+
+
+def test_a_live_panel_is_used_as_a_form_is(browser, base_url, site):
+    """Lab 00's memory panel with the keyboard: a slider moves a step a key press, answering
+    each and keeping the focus; a number box answers once it is left, with a whole number
+    within its bounds, whatever was typed."""
+    page, problems, panel = open_live_panel(browser, base_url, site, "00_welcome")
+    sent = lambda: json.loads(panel.get_attribute("data-query"))["form"]   # noqa: E731
+    seq, answers = sent()["seq"], int(panel.get_attribute("data-answers"))
+    panel.locator("[name=seq]").focus()
+    for _ in range(3):
+        page.keyboard.press("ArrowRight")
+    assert sent()["seq"] == seq + 3 * 128 and int(panel.get_attribute("data-answers")) == answers + 3
+    assert page.evaluate("document.activeElement.name") == "seq"
+    batch = panel.locator("[name=batch]")
+    for typed, held in (("-5", 1), ("2.6", 2), ("99999", 4096), ("", 1)):
+        answers = int(panel.get_attribute("data-answers"))
+        batch.fill(typed)
+        assert int(panel.get_attribute("data-answers")) == answers, typed   # not while typing
+        batch.press("Tab")
+        assert int(panel.get_attribute("data-answers")) == answers + 1, typed
+        assert sent()["batch"] == held and batch.input_value() == str(held), typed
     assert not problems, "\n".join(problems)

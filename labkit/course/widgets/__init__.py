@@ -14,6 +14,12 @@
 """
 import ipywidgets as w  # noqa: F401 - ipywidgets, as labkit.course.widgets.w
 
+from labkit.course.panel_reports import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,
+                                         MAX_MICRO_BATCHES, MAX_PP, MICRO_BATCH, PIPELINE_SEQS,
+                                         PLAN_GPU_COUNTS, SHOWN_STAGES, PipelineResult, PlanResult,
+                                         RecomputeResult, STATES, StatesResult, gantt_title,
+                                         pipeline_report, plan_report, recompute_report,
+                                         states_report, tp_choices)
 from labkit.course.widgets.allocator import (ALLOCATORS, ALLOCATOR_MODELS, AllocatorPanel,
                                              AllocatorResult, allocator_panel, allocator_report)
 from labkit.course.widgets.attention import (AttentionPanel, AttentionResult, CONTEXT_CURVE,
@@ -22,11 +28,6 @@ from labkit.course.widgets.attention import (AttentionPanel, AttentionResult, CO
 from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, controls_spec, model_config
 from labkit.course.widgets.controls import PANEL_CONTROLS
 from labkit.course.widgets.memory import MemoryPanel, memory_panel, predict, predict_and_measure
-from labkit.course.panel_reports import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,
-                                         MAX_MICRO_BATCHES, MAX_PP, MICRO_BATCH, PIPELINE_SEQS,
-                                         PLAN_GPU_COUNTS, SHOWN_STAGES, PipelineResult, PlanResult,
-                                         RecomputeResult, StatesResult, pipeline_report,
-                                         plan_report, recompute_report, states_report, tp_choices)
 from labkit.course.widgets.pipeline import PipelinePanel, pipeline_panel
 from labkit.course.widgets.planner import PlanPanel, plan_panel
 from labkit.course.widgets.quant import (FIXED_BITS, INT8_GRANULARITIES, QUANT_BLOCKS,
@@ -34,7 +35,6 @@ from labkit.course.widgets.quant import (FIXED_BITS, INT8_GRANULARITIES, QUANT_B
                                          SEVEN_B, WEIGHT_SHAPE, default_weight, quant_inputs,
                                          quant_label, quant_panel, quant_reference, quant_report)
 from labkit.course.widgets.recompute import RecomputePanel, recompute_panel
-from labkit.course.panel_reports import STATES
 from labkit.course.widgets.states import StatesPanel, states_panel
 from labkit.course.widgets.zero import (COURSE_MODELS, GPU_COUNTS, MEASURABLE_GPUS, MEASURE_STEPS,
                                         ZERO_PRECISIONS, ZeroPanel, ZeroResult, why_not_measurable,

@@ -41,11 +41,12 @@ def _wire(panel, rows: list[list]) -> None:
 
 def controls_spec(panel) -> dict:
     """A panel's controls as the website's live panel draws them, in the order the panel shows
-    them: [{name, kind, label, value, options | min, max, step}], and its fixed arguments
+    them: [{name, kind, label, value, options | min, max, step (continuous)}], its fixed arguments
     (plain attributes, such as the sequence the states panel steps); buttons and outputs left
     out. ``name`` is the panel's attribute (a memory panel's shape box: its field)."""
-    names = {id(control): name for name, value in vars(panel).items() if not name.startswith("_")
-             for name, control in (value.items() if isinstance(value, dict) else [(name, value)])
+    names = {id(control): name for attribute, value in vars(panel).items()
+             if not attribute.startswith("_")
+             for name, control in (value.items() if isinstance(value, dict) else [(attribute, value)])
              if isinstance(control, (w.Dropdown, w.Checkbox, w.IntSlider, w.BoundedIntText))}
     controls = []
 
@@ -59,9 +60,11 @@ def controls_spec(panel) -> dict:
             spec |= {"kind": "select", "options": list(widget.options)}
         elif isinstance(widget, w.Checkbox):
             spec |= {"kind": "checkbox"}
-        else:                                 # IntSlider: a range; BoundedIntText: a number box
-            spec |= {"kind": "range" if isinstance(widget, w.IntSlider) else "number",
-                     "min": widget.min, "max": widget.max, "step": getattr(widget, "step", 1)}
+        elif isinstance(widget, w.IntSlider):  # it answers as it moves, or once let go
+            spec |= {"kind": "range", "min": widget.min, "max": widget.max, "step": widget.step,
+                     "continuous": widget.continuous_update}
+        else:                                  # BoundedIntText: a whole number within bounds
+            spec |= {"kind": "number", "min": widget.min, "max": widget.max, "step": 1}
         controls.append(spec)
 
     visit(panel.widget)
