@@ -190,8 +190,10 @@ def bound_names(node: ast.AST) -> set | None:
         elif isinstance(n, ast.alias):
             names.add((n.asname or n.name).split(".")[0])
         elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(n.name)
-            continue                                   # its body binds its own locals
+            names.add(n.name)                          # its body binds its own locals, and
+            names.update(name for g in ast.walk(n) if isinstance(g, ast.Global)
+                         for name in g.names)          # the notebook's it declares global
+            continue
         elif isinstance(n, ast.Lambda):
             continue
         elif (isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "run_cell_magic"
@@ -226,6 +228,9 @@ def notebook_names(cells) -> dict:
     return names
 
 
+MAGIC_CALLS = ("run_line_magic", "run_cell_magic", "system", "getoutput")   # IPython's, as_python's
+
+
 def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
     """(panel function, its keyword arguments) when the cell calls a panel that only estimates;
     a call whose arguments are not plain values fails the build, naming it."""
@@ -243,10 +248,13 @@ def panel_call(source: str, names: dict) -> tuple[str, dict] | None:
                 raise SystemExit(f"{name}(...): its argument {e.args[0]} is not a plain value "
                                  f"the site can resolve (a literal, or a name the cells before "
                                  f"give one)") from None
-    called = [name for name in PANELS if f"{name}(" in source]
-    if called:                                        # inside a magic's string, say
-        raise SystemExit(f"{called[0]}(...) in a cell the site cannot read as Python: call it "
-                         f"as a statement of its own")
+    magics = [a.value for n in ast.walk(ast.parse(as_python(source)))
+              if getattr(getattr(n, "func", None), "attr", None) in MAGIC_CALLS
+              for a in n.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    called = [name for name in PANELS for text in magics if re.search(rf"\b{name}\s*\(", text)]
+    if called:                                        # a panel called inside a magic
+        raise SystemExit(f"{called[0]}(...) inside an IPython magic: the site cannot read its "
+                         f"arguments; call it as a statement of its own")
     return None
 
 

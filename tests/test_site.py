@@ -161,6 +161,8 @@ def test_a_panels_arguments_resolve_from_plain_names_only():
     later = [nbformat.v4.new_code_cell("%%time\nSEQ = 4096"),
              nbformat.v4.new_code_cell("def f():\n    SCALE = 1\n!pip list")]
     assert build_site.notebook_names(cells + later) == {"SCALE": "ci"}
+    rebinds = nbformat.v4.new_code_cell("def bump():\n    global SCALE\n    SCALE = 'gpu'")
+    assert build_site.notebook_names(cells + [rebinds]) == {"SEQ": 512}
     opaque = nbformat.v4.new_code_cell("%%bash\necho $((1 + 1))")
     assert build_site.notebook_names(cells + [opaque]) == {}            # may have bound any
     call = "from labkit.course import widgets\nwidgets.recompute_panel(model=MODEL, seq=SEQ)"
@@ -171,8 +173,10 @@ def test_a_panels_arguments_resolve_from_plain_names_only():
     for call in ('memory_panel("tiny", seq=SEQ)', "memory_panel(**ARGS)"):
         with pytest.raises(SystemExit, match="keyword arguments only"):
             build_site.panel_call(call, names)
-    with pytest.raises(SystemExit, match="cannot read as Python"):
+    with pytest.raises(SystemExit, match="inside an IPython magic"):
         build_site.panel_call('%time memory_panel(model="tiny")', names)
+    mentions = '# memory_panel(model="tiny") is below\nprint("memory_panel(...)")\ndef my_plan_panel(x): pass'
+    assert build_site.panel_call(mentions, names) is None                # a mention is no call
 
 
 def test_a_panel_starting_off_its_sliders_steps_fails_the_build():

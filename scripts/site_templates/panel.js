@@ -15,7 +15,7 @@ function panelControl(spec) {
   } else {            // a slider (range) or a bounded whole number (number), as in the notebook
     input = element("input", {name: spec.name, type: spec.kind, min: spec.min, max: spec.max,
                               step: spec.step});
-    input.value = spec.value;
+    input.value = input.held = String(spec.value);
   }
   label.append(input);
   if (spec.kind === "range") {
@@ -34,13 +34,14 @@ function setOptions(select, values, value) {
 }
 
 // The control's value as the page sends it: a number box keeps a whole number within its
-// bounds (the fraction dropped, an empty box its minimum) and shows what it sends.
+// bounds (the fraction dropped; no number at all: the value it held) and shows what it sends.
 function controlValue(input) {
   if (input.tagName === "SELECT") return input.values[Number(input.value)];
   if (input.type === "checkbox") return input.checked;
   if (input.type === "number") {
-    const whole = Math.trunc(Number(input.value) || Number(input.min));
-    input.value = String(Math.min(Number(input.max), Math.max(Number(input.min), whole)));
+    const typed = Number.parseInt(input.value, 10);
+    const whole = Number.isNaN(typed) ? Number(input.held ?? input.min) : typed;
+    input.value = input.held = String(Math.min(Number(input.max), Math.max(Number(input.min), whole)));
   }
   return Number(input.value);
 }
@@ -147,6 +148,7 @@ async function startPanel(panel) {
   const fields = panel.querySelector("fieldset");
   const box = panel.querySelector(".live-result");
   const inputs = new Map();
+  new ResizeObserver(() => labelGantt(box)).observe(box);    // labels follow the chart's width
   spec.controls.forEach(control => {
     const label = panelControl(control);
     inputs.set(control.name, label.querySelector("[name]"));
@@ -179,7 +181,9 @@ async function startPanel(panel) {
   };
   // a slow panel (the planner: from a fraction of a second to a minute for a model far too
   // large for the GPUs, while it looks for what would fit) says so first, and takes no new
-  // change until it answers; the controls stay enabled, so a slider keeps its drag and focus
+  // change until it answers; the controls stay enabled, so a slider keeps its drag and focus.
+  // The answer reads every control, so a change made meanwhile is in it; only the first is
+  // named as `changed`: a slow panel's answer must not depend on it (the planner's does not)
   let busy = false;
   const update = changed => {
     if (!spec.slow) return run(changed);
