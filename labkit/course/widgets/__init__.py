@@ -16,16 +16,16 @@ import ipywidgets as w  # noqa: F401 - ipywidgets, as labkit.course.widgets.w
 
 from labkit.course.panel_reports import (BUBBLE_FORMULAS, GANTT_MAX, INTERLEAVED_CHUNKS,
                                          MAX_MICRO_BATCHES, MAX_PP, MICRO_BATCH, PIPELINE_SEQS,
-                                         PLAN_GPU_COUNTS, SHOWN_STAGES, PipelineResult, PlanResult,
-                                         RecomputeResult, STATES, StatesResult, gantt_title,
-                                         pipeline_report, plan_report, recompute_report,
-                                         states_report, tp_choices)
+                                         PLAN_GPU_COUNTS, SHAPE_FIELDS, SHOWN_STAGES, STATES,
+                                         PanelResult, PipelineResult, PlanResult, RecomputeResult,
+                                         StatesResult, gantt_title, model_config, pipeline_report,
+                                         plan_report, recompute_report, states_report, tp_choices)
 from labkit.course.widgets.allocator import (ALLOCATORS, ALLOCATOR_MODELS, AllocatorPanel,
                                              AllocatorResult, allocator_panel, allocator_report)
 from labkit.course.widgets.attention import (AttentionPanel, AttentionResult, CONTEXT_CURVE,
                                              HBM_GPUS, SEQ_CURVE, attention_panel, attention_report,
                                              mha_cache_bytes)
-from labkit.course.widgets.base import PanelResult, SHAPE_FIELDS, controls_spec, model_config
+from labkit.course.widgets.base import controls_spec
 from labkit.course.widgets.controls import PANEL_CONTROLS
 from labkit.course.widgets.memory import MemoryPanel, memory_panel, predict, predict_and_measure
 from labkit.course.widgets.pipeline import PipelinePanel, pipeline_panel

@@ -7,8 +7,9 @@ import ipywidgets as w
 
 from labkit.core.config import ModelConfig, preset, presets
 from labkit.core.units import check_choice, check_positive, dtype_bytes, fmt_bytes
+from labkit.course.panel_reports import PanelResult, model_config
 from labkit.course.plot import new_figure, unit_for
-from labkit.course.widgets.base import PanelResult, _render, model_config
+from labkit.course.widgets.base import _render
 from labkit.predict import kv_cache_bytes
 from labkit.transformer.attention import (ATTENTION_IMPLS, CORE_DTYPE, SRAM_PER_SM, TILE, CoreBytes,
                                           KiB, attention_core_bytes, hbm_ratio,

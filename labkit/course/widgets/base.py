@@ -1,13 +1,11 @@
-"""What every panel shares: how it renders and how its controls are wired (its result type is
-``labkit.course.panel_reports``)."""
+"""What every panel shares: how it renders, how its controls are wired, and how the website reads
+them (its result types are ``labkit.course.panel_reports``)."""
 from __future__ import annotations
 
 import base64
 import io
 
 import ipywidgets as w
-
-from labkit.course.panel_reports import PanelResult, SHAPE_FIELDS, model_config  # noqa: F401
 
 
 def _render(output: w.Output, *items) -> None:

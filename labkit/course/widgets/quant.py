@@ -9,8 +9,9 @@ import torch
 
 from labkit.core.config import preset
 from labkit.core.units import check_choice
+from labkit.course.panel_reports import PanelResult
 from labkit.course.plot import bits_error_figure
-from labkit.course.widgets.base import PanelResult, _render
+from labkit.course.widgets.base import _render
 from labkit.predict.layers import count_params
 from labkit.quantisation.gptq import gptq_quantize, rtn_quantize
 from labkit.quantisation.quant import dequantize, quantize_int8, quantize_nf4

@@ -9,8 +9,9 @@ import ipywidgets as w
 from labkit.core.config import preset, presets
 from labkit.core.recipe import Layout, state_bytes
 from labkit.core.units import fmt_bytes
+from labkit.course.panel_reports import PanelResult
 from labkit.course.plot import breakdown_figure
-from labkit.course.widgets.base import PanelResult, _render
+from labkit.course.widgets.base import _render
 from labkit.predict import Estimate, estimate
 
 
